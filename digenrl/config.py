@@ -1,0 +1,392 @@
+"""The run's configuration: a tree of frozen, keyword-only dataclasses loaded from TOML.
+
+One function, :func:`load_config`, builds the tree from a TOML file (or the embedded
+default ``configs/tiny-cpu.toml``) plus ``section.key=value`` overrides. It rejects unknown
+keys, wrong types and out-of-range values with a :class:`ConfigError` that names the dotted
+key, the value and what was expected. Runtime objects (models, sockets) never live here.
+
+Modes are configurations of one scheduler, not separate code paths: :func:`resolve_mode`
+returns the config with the runtime knobs that a mode fixes (staleness K, GAP fragments,
+TSP, TAG) set, and that resolved tree is what a run records in its run dir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+Mode = Literal["digenrl", "disagg-sync", "colocated"]
+MODES: tuple[str, ...] = get_args(Mode)
+
+
+class ConfigError(ValueError):
+    """A configuration value a user wrote is wrong; the message names key, value, expectation."""
+
+
+def _f(default: Any, help: str, **bounds: float) -> Any:
+    """A config field with a help string and optional numeric bounds (ge, gt, le, lt)."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **bounds})
+    return field(default=default, metadata={"help": help, **bounds})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    seed: int = _f(0, "seed for prompts, noise and parameter init; runs replay from it", ge=0)
+    steps: int = _f(30, "optimizer steps (= policy versions) to train", ge=1)
+    mode: Mode = _f("digenrl", "digenrl | disagg-sync | colocated (see DESIGN.md, Modes)")
+    threads: int = _f(1, "torch intra-op threads per process", ge=1)
+    checkpoint_every: int = _f(0, "write a checkpoint every N steps (0 = only at the end)", ge=0)
+    sample_grid_every: int = _f(0, "also save a sample grid every N steps (0 = first and last only)", ge=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    family: Literal["sd3", "flux", "wan", "qwenimage", "hunyuanvideo"] = _f(
+        "sd3", "diffusers transformer family: sd3, flux, wan, qwenimage, hunyuanvideo")
+    path: str = _f("builtin", "'builtin' (the shipped tiny base model), 'random' (tiny random "
+                   "init) or a local diffusers folder loaded with from_pretrained, offline")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "parameter / compute dtype")
+    lora_rank: int = _f(0, "LoRA rank via peft; 0 trains all parameters", ge=0)
+    lora_alpha: float = _f(0.0, "LoRA alpha; 0 means 2 * rank (the Flow-GRPO default)", ge=0)
+    gradient_checkpointing: bool = _f(False, "activation checkpointing in the trainer")
+    fsdp: bool = _f(False, "shard parameters/grads/optimizer state over trainer ranks (FSDP2)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplerConfig:
+    num_steps: int = _f(8, "denoising steps per trajectory (T)", ge=1, le=1000)
+    sde_type: Literal["sde", "cps", "dance", "ode"] = _f(
+        "sde", "sde (Flow-GRPO), cps, dance (DanceGRPO, constant eta) or ode (no noise)")
+    noise_level: float = _f(0.7, "Flow-GRPO noise level a (0.7 SD3, 0.9 FLUX, 1.2 Qwen)", ge=0)
+    eta: float = _f(0.3, "DanceGRPO constant eta", ge=0)
+    shift: float = _f(3.0, "sigma shift s: sigma -> s*sigma/(1+(s-1)*sigma)", gt=0)
+    guidance_scale: float = _f(1.0, "classifier-free guidance; 1 disables CFG (recommended)", ge=0)
+    wire_dtype: Literal["float32", "bfloat16"] = _f(
+        "float32", "dtype latents are stored/sent in; log-probs are computed on the rounded value")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    prompts_per_step: int = _f(4, "distinct prompts (GRPO groups) per optimizer step", ge=1)
+    group_size: int = _f(4, "generations per prompt (G)", ge=2)
+    lr: float = _f(3e-4, "AdamW learning rate", gt=0)
+    weight_decay: float = _f(1e-4, "AdamW weight decay", ge=0)
+    adam_betas: tuple[float, float] = _f((0.9, 0.999), "AdamW betas")
+    max_grad_norm: float = _f(1.0, "gradient clipping norm (0 disables)", ge=0)
+    clip_range: float = _f(1e-4, "PPO ratio clip epsilon (Flow-GRPO: 1e-4)", gt=0)
+    kl_beta: float = _f(0.0, "KL-to-reference coefficient beta (0 = no reference pass)", ge=0)
+    adv_clip: float = _f(5.0, "advantages are clipped to +-adv_clip", gt=0)
+    adv_std: Literal["group", "global"] = _f(
+        "group", "normalise advantages by the group's std or the whole step's std")
+    timesteps: Literal["all", "fraction", "window"] = _f(
+        "all", "which denoising steps are trained: all, a leading fraction, or a Flow-GRPO-Fast "
+        "window (SDE inside, ODE outside)")
+    timestep_fraction: float = _f(1.0, "fraction of steps trained when timesteps='fraction'", gt=0, le=1)
+    window_size: int = _f(2, "window length W when timesteps='window'", ge=1)
+    window_lo: int = _f(0, "earliest window start (inclusive)", ge=0)
+    window_hi: int = _f(0, "latest window end (exclusive); 0 means T//2", ge=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardTerm:
+    name: str = _f("jpeg_compressibility", "built-in reward name or 'module:function'")
+    weight: float = _f(1.0, "weight in the summed reward")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    terms: list[RewardTerm] = _f([RewardTerm()], "weighted reward terms, summed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptConfig:
+    file: str = _f("", "text file with one prompt per line; empty uses the built-in shapes set")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    staleness: int = _f(1, "K: rollouts may be at most K policy versions behind (digenrl mode)", ge=0, le=8)
+    fragments_per_step: int = _f(4, "GAP: fragments (of whole groups) a step is cut into", ge=1)
+    tsp: bool = _f(True, "TSP: spread trained timesteps over trainer ranks")
+    tag: Literal["bts", "always", "never"] = _f(
+        "bts", "trainer-assisted generation: bts (only when predicted to shorten the step)")
+    tag_min_free_mb: int = _f(0, "TAG needs this much free GPU memory (NVML); 0 = no check", ge=0)
+    byte_window_mb: float = _f(256.0, "latent bytes in flight to trainers before rollouts block", gt=0)
+    lease_s: float = _f(120.0, "a fragment not committed within this is re-assigned", gt=0)
+    heartbeat_s: float = _f(0.5, "heartbeat interval", gt=0)
+    heartbeat_misses: int = _f(10, "a peer silent for this many intervals is lost", ge=1)
+    slowdown: float = _f(1.0, "TEST-ONLY knob: a rollout sleeps (slowdown-1)x its work", ge=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    rollouts: int = _f(1, "rollout processes `digenrl launch` starts", ge=0)
+    trainers: int = _f(1, "trainer ranks `digenrl launch` starts", ge=1)
+    gpu: str = _f("cpu", "GPU type nodes declare (H100, H800, H20, L40S, cpu)")
+    host: str = _f("127.0.0.1", "address the coordinator binds")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportConfig:
+    max_frame_bytes: int = _f(256 << 20, "largest frame a socket accepts", ge=1024)
+    hwm: int = _f(64, "ZeroMQ high-water mark, messages", ge=1)
+    curve: Literal["auto", "on", "off"] = _f(
+        "auto", "CurveZMQ: auto = on whenever a non-loopback address is bound")
+    keys_dir: str = _f("", "folder written by `digenrl keys generate`")
+    allow_plaintext: bool = _f(False, "permit plain text on a non-loopback address (warns)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    prompts: PromptConfig = field(default_factory=PromptConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+    @property
+    def batch_size(self) -> int:
+        """B = prompts_per_step * group_size trajectories per optimizer step."""
+        return self.train.prompts_per_step * self.train.group_size
+
+    def replace(self, **sections: Any) -> Config:
+        return dataclasses.replace(self, **sections)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _check_bounds(key: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
+    for name, op, word in (("ge", float.__ge__, ">="), ("gt", float.__gt__, ">"),
+                           ("le", float.__le__, "<="), ("lt", float.__lt__, "<")):
+        if name in meta and not op(float(value), float(meta[name])):
+            raise ConfigError(f"{key} = {value!r}: expected a value {word} {meta[name]}")
+
+
+def _convert(key: str, value: Any, tp: Any) -> Any:
+    origin = get_origin(tp)
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key} = {value!r}: expected one of {', '.join(map(repr, allowed))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arm in get_args(tp):
+            try:
+                return _convert(key, value, arm)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r}: expected a table")
+        return _build(tp, value, key)
+    if origin is list:
+        (inner,) = get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} = {value!r}: expected a list")
+        return [_convert(f"{key}[{i}]", v, inner) for i, v in enumerate(value)]
+    if origin is tuple:
+        args = get_args(tp)
+        if not isinstance(value, list | tuple) or len(value) != len(args):
+            raise ConfigError(f"{key} = {value!r}: expected a list of {len(args)} values")
+        return tuple(_convert(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r}: expected true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} = {value!r}: expected an integer")
+        if not -(2**63) <= value < 2**63:
+            raise ConfigError(f"{key} = {value!r}: expected a 64-bit integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key} = {value!r}: expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} = {value!r}: expected a string")
+        return value
+    raise TypeError(f"config field {key} has unsupported type {tp!r}")  # our bug, not the user's
+
+
+def _build(cls: Any, table: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - set(names))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(
+            f"unknown key {where}{unknown[0]}: expected one of {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in table.items():
+        key = f"{prefix}.{name}" if prefix else name
+        converted = _convert(key, value, hints[name])
+        if isinstance(converted, int | float) and not isinstance(converted, bool):
+            _check_bounds(key, converted, names[name].metadata)
+        kwargs[name] = converted
+    return cls(**kwargs)
+
+
+def _check_consistency(cfg: Config) -> None:
+    t, s = cfg.train, cfg.sampler
+    if t.timesteps == "window":
+        hi = t.window_hi or s.num_steps // 2 or 1
+        if t.window_lo + t.window_size > max(hi, t.window_lo + 1) or t.window_lo + t.window_size > s.num_steps:
+            raise ConfigError(
+                f"train.window_size = {t.window_size}: the window [{t.window_lo}, "
+                f"{t.window_lo}+{t.window_size}) must fit in train.window_hi = {hi} and "
+                f"sampler.num_steps = {s.num_steps}")
+    if cfg.runtime.fragments_per_step > t.prompts_per_step:
+        raise ConfigError(
+            f"runtime.fragments_per_step = {cfg.runtime.fragments_per_step}: expected at most "
+            f"train.prompts_per_step = {t.prompts_per_step} (fragments hold whole groups)")
+    if t.prompts_per_step % cfg.runtime.fragments_per_step:
+        raise ConfigError(
+            f"runtime.fragments_per_step = {cfg.runtime.fragments_per_step}: expected a divisor "
+            f"of train.prompts_per_step = {t.prompts_per_step}")
+    if t.adv_std == "global" and cfg.runtime.fragments_per_step > 1 and cfg.run.mode == "digenrl":
+        raise ConfigError(
+            "train.adv_std = 'global': a step-wide std is unknown until the last fragment's "
+            "rewards arrive, which defeats GAP; use 'group' or set runtime.fragments_per_step = 1")
+    if not cfg.reward.terms:
+        raise ConfigError("reward.terms = []: expected at least one reward term")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse ``section.key=value``; the value is TOML (bare words are taken as strings)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {text!r}: expected a dotted key such as train.lr")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.split("."), value
+
+
+def default_config_text() -> str:
+    """The embedded default config (``configs/tiny-cpu.toml`` shipped as package data)."""
+    return importlib.resources.files("digenrl.data").joinpath("tiny-cpu.toml").read_text()
+
+
+def config_from_dict(table: dict[str, Any]) -> Config:
+    cfg: Config = _build(Config, table, "")
+    _check_consistency(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load a config: TOML at ``path`` (default: the embedded tiny-cpu config) + overrides."""
+    if path is None:
+        text, origin = default_config_text(), "<embedded tiny-cpu.toml>"
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        text, origin = p.read_text(), str(p)
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{origin}: not valid TOML: {e}") from None
+    for ov in overrides:
+        parts, value = parse_override(ov)
+        node = table
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {ov!r}: {part} is not a section")
+        node[parts[-1]] = value
+    return config_from_dict(table)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain TOML-able data (tuples become lists)."""
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, list | tuple):
+            return [plain(x) for x in v]
+        return v
+    return typing.cast(dict[str, Any], plain(cfg))
+
+
+def to_toml(cfg: Config) -> str:
+    """Serialise the resolved config as TOML (what a run writes to its run dir)."""
+    out: list[str] = []
+
+    def scalar(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, float):
+            return repr(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(scalar(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {scalar(x)}" for k, x in v.items()) + " }"
+        return str(v)
+
+    for section, table in to_dict(cfg).items():
+        out.append(f"[{section}]")
+        for k, v in table.items():
+            out.append(f"{k} = {scalar(v)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def resolve_mode(cfg: Config, mode: str | None = None) -> Config:
+    """Fix the runtime knobs a mode implies (DESIGN.md, Modes).
+
+    colocated: no rollout nodes, K = 0, one fragment, no TSP, trainers always generate.
+    disagg-sync: rollout nodes, K = 0, one fragment (the whole batch), no TSP, no TAG.
+    digenrl: rollout nodes, K, GAP fragments, TSP and TAG as configured.
+    """
+    mode = mode or cfg.run.mode
+    if mode not in MODES:
+        raise ConfigError(f"run.mode = {mode!r}: expected one of {', '.join(MODES)}")
+    run = dataclasses.replace(cfg.run, mode=mode)  # type: ignore[arg-type]
+    rt, cl = cfg.runtime, cfg.cluster
+    if mode == "colocated":
+        rt = dataclasses.replace(rt, staleness=0, fragments_per_step=1, tsp=False, tag="always")
+        cl = dataclasses.replace(cl, rollouts=0)
+    elif mode == "disagg-sync":
+        rt = dataclasses.replace(rt, staleness=0, fragments_per_step=1, tsp=False, tag="never")
+        cl = dataclasses.replace(cl, rollouts=max(cl.rollouts, 1))
+    else:
+        cl = dataclasses.replace(cl, rollouts=max(cl.rollouts, 1))
+    out = dataclasses.replace(cfg, run=run, runtime=rt, cluster=cl)
+    _check_consistency(out)
+    return out
+
+
+def describe_fields(cls: Any = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, help) for every leaf field, for `digenrl config --help`-style docs."""
+    rows: list[tuple[str, str, str]] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += describe_fields(hints[f.name], key + ".")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            rows.append((key, repr(default), f.metadata.get("help", "")))
+    return rows
