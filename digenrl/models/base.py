@@ -1,0 +1,63 @@
+"""The one interface every generator adapter implements.
+
+An adapter wraps a diffusers transformer (``SD3Transformer2DModel``, ``FluxTransformer2DModel``,
+``WanTransformer3DModel``, ``QwenImageTransformer2DModel``, ``HunyuanVideoTransformer3DModel``)
+and hides its input conventions (latent packing, position ids, timestep scaling, guidance
+embedding) behind four operations the rest of DigenRL uses:
+
+* ``encode_prompts(prompts) -> Cond``: conditioning tensors, batch-first.
+* ``velocity(x, sigma, cond) -> v``: the flow-matching velocity, so that the Euler (ODE) step
+  is ``x_next = x + (sigma_next - sigma) * v`` (diffusers' FlowMatchEulerDiscreteScheduler
+  convention; sigma = 1 is pure noise, 0 is data).
+* ``decode(x) -> uint8 images (B, 3, H, W)`` for rewards and sample grids (videos: frames
+  tiled side by side into one image).
+* ``latent_shape``: the per-sample latent shape (``x`` is ``(B, *latent_shape)``).
+
+Conditioning (:data:`Cond`) is a plain ``dict[str, Tensor]`` whose tensors all have the batch
+as their first dimension, so it can be sliced, concatenated and sent over the wire unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+Cond = dict[str, torch.Tensor]
+
+
+@runtime_checkable
+class FlowModel(Protocol):
+    family: str
+    latent_shape: tuple[int, ...]
+    transformer: torch.nn.Module
+
+    def encode_prompts(self, prompts: Sequence[str]) -> Cond: ...
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor: ...
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def trainable_parameters(self) -> Iterator[torch.nn.Parameter]: ...
+
+
+def cond_select(cond: Cond, index: torch.Tensor | slice | Sequence[int]) -> Cond:
+    """Rows ``index`` of every conditioning tensor."""
+    if isinstance(index, slice):
+        return {k: v[index] for k, v in cond.items()}
+    idx = torch.as_tensor(index, dtype=torch.long)
+    return {k: v.index_select(0, idx) for k, v in cond.items()}
+
+
+def cond_cat(conds: Sequence[Cond]) -> Cond:
+    """Concatenate conditionings along the batch."""
+    if not conds:
+        raise ValueError("cond_cat needs at least one conditioning")
+    keys = conds[0].keys()
+    return {k: torch.cat([c[k] for c in conds], dim=0) for k in keys}
+
+
+def cond_repeat(cond: Cond, times: int) -> Cond:
+    """Each row repeated ``times`` times in place (prompt p -> rows p*times .. p*times+times-1)."""
+    return {k: v.repeat_interleave(times, dim=0) for k, v in cond.items()}
