@@ -1,0 +1,125 @@
+"""Latent <-> pixel conversion: the fixed decoders of tiny models and real VAEs.
+
+Tiny models have no VAE. Their latent *is* the image, pixel-unshuffled: an RGB image
+``(3, H*r, W*r)`` in [-1, 1] becomes a latent ``(3*r*r, H, W)`` (``torch.pixel_unshuffle``), and
+decoding is ``pixel_shuffle(r)`` then ``uint8 = round((x + 1) * 127.5)``. This makes the tiny base
+model trainable on real pictures (:func:`encode_images` is its data pipeline) and keeps the reward
+meaningful. A latent whose channels are not ``3*r*r`` is mapped to RGB by a fixed linear projection
+``W (3, C) = randn(3, C, generator=Generator().manual_seed(0)) / sqrt(C)``, at latent resolution.
+
+Videos ``(C, F, H, W)`` are decoded frame by frame and the frames tiled left to right.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Decoder(Protocol):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def to_uint8(img: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] floats -> uint8 in [0, 255] (values outside are clamped)."""
+    return ((img.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+
+def from_uint8(img: torch.Tensor) -> torch.Tensor:
+    """uint8 -> float32 in [-1, 1]."""
+    if img.dtype != torch.uint8:
+        raise ValueError(f"expected uint8 images, got dtype {img.dtype}")
+    return img.float() / 127.5 - 1
+
+
+def tile_frames(frames_BF3HW: torch.Tensor) -> torch.Tensor:
+    """(B, F, 3, H, W) -> (B, 3, H, F*W): frames side by side."""
+    b, f, c, h, w = frames_BF3HW.shape
+    return frames_BF3HW.permute(0, 2, 3, 1, 4).reshape(b, c, h, f * w)
+
+
+def _frames_first(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, F, H, W) -> (B*F, C, H, W)."""
+    b, c, f, h, w = x.shape
+    return x.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w)
+
+
+def shuffle_factor(channels: int) -> int | None:
+    """r with ``channels == 3*r*r``, or None."""
+    r = round((channels / 3) ** 0.5)
+    return r if r >= 1 and 3 * r * r == channels else None
+
+
+class PixelDecoder:
+    """The tiny models' fixed decoder: pixel shuffle (or a fixed projection) to uint8 RGB."""
+
+    def __init__(self, channels: int) -> None:
+        self.channels = channels
+        self.r = shuffle_factor(channels)
+        self._proj = None
+        if self.r is None:
+            gen = torch.Generator().manual_seed(0)
+            self._proj = torch.randn(3, channels, generator=gen) / channels**0.5
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 5:
+            b, f = x.shape[0], x.shape[2]
+            imgs = self._decode_2d(_frames_first(x))
+            return tile_frames(imgs.reshape(b, f, *imgs.shape[1:]))
+        return self._decode_2d(x)
+
+    def _decode_2d(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.shape[1] != self.channels:
+            raise ValueError(f"expected latents (B, {self.channels}, H, W), got shape {tuple(x.shape)}")
+        x = x.float()
+        if self.r is not None:
+            return to_uint8(torch.pixel_shuffle(x, self.r))
+        return to_uint8(torch.einsum("oc,bchw->bohw", self._proj.to(x.device), x))
+
+
+def encode_images(images: torch.Tensor, channels: int = 12) -> torch.Tensor:
+    """The inverse of :class:`PixelDecoder`: uint8 ``(B, 3, H, W)`` -> latents ``(B, 3*r*r, H/r, W/r)``.
+
+    Only defined when ``channels == 3*r*r`` and ``H``, ``W`` are multiples of ``r``.
+    """
+    r = shuffle_factor(channels)
+    if r is None:
+        raise ValueError(f"encode_images needs channels = 3*r*r, got channels={channels}")
+    if images.dim() != 4 or images.shape[1] != 3 or images.shape[2] % r or images.shape[3] % r:
+        raise ValueError(f"expected uint8 images (B, 3, H, W) with H, W multiples of {r}, got {tuple(images.shape)}")
+    return torch.pixel_unshuffle(from_uint8(images), r)
+
+
+class VaeDecoder:
+    """A pipeline folder's VAE with the pipeline's latent normalisation undone before decoding.
+
+    SD3 / FLUX (``AutoencoderKL``): ``z / scaling_factor + shift_factor``; Wan (``AutoencoderKLWan``)
+    and Qwen-Image (``AutoencoderKLQwenImage``): ``z * latents_std + latents_mean`` per channel;
+    HunyuanVideo (``AutoencoderKLHunyuanVideo``): ``z / scaling_factor``.
+    """
+
+    def __init__(self, vae: torch.nn.Module, family: str) -> None:
+        self.vae, self.family = vae.requires_grad_(False).eval(), family
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.vae.config
+        z = x.to(self.vae.dtype)
+        if self.family in ("sd3", "flux"):
+            z = z / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
+            return to_uint8(self.vae.decode(z).sample)
+        if self.family in ("wan", "qwenimage"):
+            shape = (1, -1) + (1,) * (z.dim() - 2)
+            mean = torch.tensor(cfg.latents_mean, dtype=z.dtype, device=z.device).view(shape)
+            std = torch.tensor(cfg.latents_std, dtype=z.dtype, device=z.device).view(shape)
+            z = z * std + mean
+        else:
+            z = z / cfg.scaling_factor
+        video = z.dim() == 5
+        if not video:  # Qwen-Image's VAE is a video VAE: images are 1-frame videos
+            z = z.unsqueeze(2)
+        out = self.vae.decode(z).sample  # (B, 3, F, H, W)
+        if not video:
+            return to_uint8(out[:, :, 0])
+        return tile_frames(to_uint8(out).permute(0, 2, 1, 3, 4))
