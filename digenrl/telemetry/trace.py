@@ -1,0 +1,290 @@
+"""Spans: what each process was doing when, one timeline per run.
+
+Each node records spans with a :class:`SpanRecorder` and appends them to
+``run_dir/trace/<node_id>.jsonl`` (one JSON object per line, see :meth:`SpanRecorder.dump`).
+At the end of a run :func:`merge_traces` turns every node's file into one
+``run_dir/trace.json`` in the Chrome trace-event format, which https://ui.perfetto.dev and
+``chrome://tracing`` open: one process track per node ("coordinator", "rollout-0",
+"trainer-0", ...), complete ("X") events with ``ts``/``dur`` in microseconds.
+
+Clocks. Every node stamps events with wall-clock nanoseconds (``time.time_ns`` read once
+at construction, advanced by the monotonic ``perf_counter_ns`` so NTP steps cannot make a
+span negative). The merge subtracts the global minimum, so t = 0 is the first event of the
+run. Nodes on one host share a clock and line up exactly. Across hosts the clocks differ by
+the hosts' NTP error; the coordinator can measure each node's offset when it answers
+``Hello`` with ``Welcome`` and pass it to :func:`merge_traces` as ``offset_ns`` (node
+clock + offset = coordinator clock).
+
+Tracks. Spans on one ``tid`` of a recorder must nest (a span closes after every span
+opened inside it). Work that overlaps in time -- an asyncio task sending chunks while the
+main task denoises -- records on its own ``tid``; ``tid`` 0 is the main task.
+
+Span names (documented in docs/metrics.md): see :data:`SPAN_NAMES`; :data:`BUSY_SPANS` are
+those that count as busy in :func:`busy_fraction`, which metrics.jsonl, summary.json and the
+report all use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import structlog
+
+__all__ = ["BUSY_SPANS", "SPAN_NAMES", "Span", "SpanRecorder", "SpanToken", "TraceError",
+           "busy_by_node", "busy_fraction", "merge_traces", "read_trace", "wall_clock_ns"]
+
+SPAN_NAMES: tuple[str, ...] = (
+    "denoise_step", "send_chunk", "reward", "fragment_train", "optimizer_step",
+    "weight_publish", "weight_apply", "tag_generate", "wait")
+BUSY_SPANS: frozenset[str] = frozenset({
+    "denoise_step", "reward", "fragment_train", "optimizer_step", "weight_publish",
+    "weight_apply", "tag_generate"})
+# Order of process tracks in the merged trace: the data flows top to bottom.
+_ROLE_ORDER = {"coordinator": 0, "rollout": 1, "trainer": 2}
+
+_log = structlog.get_logger(__name__)
+
+
+class TraceError(RuntimeError):
+    """A recorder was used out of order (a span ended twice, or not innermost-first)."""
+
+
+class Span(NamedTuple):
+    """A finished span: ns of the recorder's clock, or µs when read from trace.json."""
+
+    name: str
+    start: float
+    end: float
+    node: str = ""
+    tid: int = 0
+
+
+@dataclass(frozen=True)
+class SpanToken:
+    """Handle :meth:`SpanRecorder.begin` returns and :meth:`SpanRecorder.end` takes."""
+
+    serial: int
+    name: str
+    tid: int
+    start_ns: int
+    args: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+def wall_clock_ns() -> Callable[[], int]:
+    """A clock reading wall-time ns that never goes backwards (anchored once, then monotonic)."""
+    wall0, mono0 = time.time_ns(), time.perf_counter_ns()
+    return lambda: wall0 + (time.perf_counter_ns() - mono0)
+
+
+class SpanRecorder:
+    """Records spans, instants and counters of one node (one process track).
+
+    ``clock`` returns nanoseconds since the epoch (default :func:`wall_clock_ns`); tests
+    pass a fake. ``keep`` bounds the finished spans kept in memory for :meth:`spans`.
+    """
+
+    def __init__(self, node_id: str, role: str, clock: Callable[[], int] | None = None,
+                 *, keep: int = 100_000) -> None:
+        self.node_id = node_id
+        self.role = role
+        self._clock = clock or wall_clock_ns()
+        self._serial = itertools.count()
+        self._open: dict[int, list[SpanToken]] = {}
+        self._pending: list[dict[str, Any]] = []  # events not yet dumped
+        self._done: deque[Span] = deque(maxlen=keep)
+
+    def now_ns(self) -> int:
+        """The recorder's clock."""
+        return self._clock()
+
+    def begin(self, name: str, *, tid: int = 0, **args: Any) -> SpanToken:
+        """Open a span on track ``tid``; close it with :meth:`end` (for spans across awaits)."""
+        token = SpanToken(next(self._serial), name, tid, self._clock(), args)
+        self._open.setdefault(tid, []).append(token)
+        return token
+
+    def end(self, token: SpanToken, **args: Any) -> Span:
+        """Close the innermost open span of its track; ``args`` are added to the span's."""
+        end_ns = self._clock()
+        stack = self._open.get(token.tid, [])
+        if not stack or stack[-1].serial != token.serial:
+            inner = stack[-1].name if stack else None
+            raise TraceError(f"span {token.name!r} on tid {token.tid} ended out of order "
+                             f"(innermost open span: {inner!r})")
+        stack.pop()
+        span = Span(token.name, token.start_ns, end_ns, self.node_id, token.tid)
+        self._done.append(span)
+        self._pending.append({"ph": "X", "name": token.name, "ts_ns": token.start_ns,
+                              "dur_ns": end_ns - token.start_ns, "tid": token.tid,
+                              "args": {**token.args, **args}})
+        return span
+
+    @contextmanager
+    def span(self, name: str, *, tid: int = 0, **args: Any) -> Iterator[SpanToken]:
+        """``with rec.span("denoise_step", step=3):`` records the block as one span."""
+        token = self.begin(name, tid=tid, **args)
+        try:
+            yield token
+        finally:
+            self.end(token)
+
+    def instant(self, name: str, *, tid: int = 0, **args: Any) -> None:
+        """A point event (a version announced, a node lost)."""
+        self._pending.append({"ph": "i", "name": name, "ts_ns": self._clock(), "tid": tid,
+                              "args": args})
+
+    def counter(self, name: str, value: float) -> None:
+        """A sampled value drawn as a counter track (queue depth, bytes in flight)."""
+        self._pending.append({"ph": "C", "name": name, "ts_ns": self._clock(), "tid": 0,
+                              "args": {"value": value}})
+
+    def spans(self, since_ns: int | None = None) -> list[Span]:
+        """Finished spans (the last ``keep``), optionally only those ending after ``since_ns``."""
+        return [s for s in self._done if since_ns is None or s.end > since_ns]
+
+    def dump(self, path: Path | str) -> int:
+        """Append the events recorded since the last dump to ``path``; returns how many.
+
+        Each line carries the node and role, so files can be appended to by restarts and
+        read without a header. Open spans are written when they close (next dump).
+        """
+        path = Path(path)
+        events, self._pending = self._pending, []
+        if not events:
+            return 0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as f:
+            for ev in events:
+                f.write(json.dumps({**ev, "node": self.node_id, "role": self.role}) + "\n")
+            f.flush()
+        return len(events)
+
+
+# ----------------------------------------------------------------------------- busy
+
+
+def busy_fraction(spans: Iterable[Span], t0: int | float, t1: int | float,
+                  busy_names: Iterable[str] = BUSY_SPANS) -> float:
+    """Fraction of [t0, t1] covered by the union of spans whose name is in ``busy_names``.
+
+    Overlapping or nested busy spans count once; spans are clipped to the window. Units
+    are the spans' (ns from a recorder, µs from trace.json); t0 and t1 use the same.
+    """
+    if not t1 > t0:
+        raise ValueError(f"busy_fraction window [{t0}, {t1}] is empty")
+    names = set(busy_names)
+    intervals = sorted((max(s.start, t0), min(s.end, t1)) for s in spans
+                       if s.name in names and s.end > t0 and s.start < t1)
+    covered, cur_start, cur_end = 0.0, None, None
+    for start, end in intervals:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                covered += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        covered += cur_end - cur_start
+    return covered / (t1 - t0)
+
+
+def busy_by_node(spans: Iterable[Span], t0: int | float, t1: int | float,
+                 busy_names: Iterable[str] = BUSY_SPANS) -> dict[str, float]:
+    """:func:`busy_fraction` for each node that has spans, keyed by node id."""
+    per_node: dict[str, list[Span]] = {}
+    for s in spans:
+        per_node.setdefault(s.node, []).append(s)
+    return {node: busy_fraction(ss, t0, t1, busy_names) for node, ss in sorted(per_node.items())}
+
+
+# ----------------------------------------------------------------------------- merge
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    events = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            # A node killed mid-write leaves a torn last line; the rest is still good.
+            _log.warning("trace_line_skipped", path=str(path), line=lineno)
+    return events
+
+
+def _track_key(node: str, role: str) -> tuple[int, str, int]:
+    # "trainer-10" sorts after "trainer-2".
+    prefix, _, suffix = node.rpartition("-")
+    number = int(suffix) if suffix.isdigit() else -1
+    return _ROLE_ORDER.get(role, 3), prefix or node, number
+
+
+def merge_traces(run_dir: Path | str, *, offset_ns: Mapping[str, int] | None = None) -> Path:
+    """Merge ``run_dir/trace/*.jsonl`` into ``run_dir/trace.json`` (Chrome trace-event JSON).
+
+    ``offset_ns`` maps node id to the ns to add to that node's clock to reach the
+    reference clock (multi-host runs; nodes on one host need none). Times are shifted so
+    the earliest event is at 0. Returns the path written.
+    """
+    run_dir = Path(run_dir)
+    offsets = dict(offset_ns or {})
+    nodes: dict[str, str] = {}
+    raw: list[dict[str, Any]] = []
+    for path in sorted((run_dir / "trace").glob("*.jsonl")):
+        for ev in _read_jsonl(path):
+            node = str(ev.get("node", path.stem))
+            nodes.setdefault(node, str(ev.get("role", "")))
+            raw.append({**ev, "node": node, "ts_ns": int(ev["ts_ns"]) + offsets.get(node, 0)})
+    t0 = min((ev["ts_ns"] for ev in raw), default=0)
+    pids = {node: pid for pid, node in
+            enumerate(sorted(nodes, key=lambda n: _track_key(n, nodes[n])), start=1)}
+    out: list[dict[str, Any]] = []
+    tids: set[tuple[int, int]] = set()
+    for node, pid in pids.items():
+        out.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                    "args": {"name": node}})
+        out.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
+                    "args": {"sort_index": pid}})
+    for ev in sorted(raw, key=lambda e: (e["ts_ns"], -e.get("dur_ns", 0))):
+        pid, tid = pids[ev["node"]], int(ev.get("tid", 0))
+        tids.add((pid, tid))
+        item = {"ph": ev["ph"], "name": ev["name"], "pid": pid, "tid": tid,
+                "ts": (ev["ts_ns"] - t0) / 1000.0, "args": ev.get("args", {})}
+        if ev["ph"] == "X":
+            item["dur"] = ev["dur_ns"] / 1000.0
+        elif ev["ph"] == "i":
+            item["s"] = "t"
+        elif ev["ph"] == "C":
+            item["args"] = {ev["name"]: ev["args"]["value"]}
+        out.append(item)
+    for pid, tid in sorted(tids):
+        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                    "args": {"name": "main" if tid == 0 else f"task-{tid}"}})
+    target = run_dir / "trace.json"
+    target.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms",
+                                  "otherData": {"t0_ns": t0, "offset_ns": offsets}}),
+                      encoding="utf-8")
+    return target
+
+
+def read_trace(path: Path | str) -> tuple[list[str], list[Span]]:
+    """Process track names (in track order) and the "X" spans of a merged trace.json.
+
+    Span times are the trace's microseconds since the run's first event.
+    """
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {ev["pid"]: ev["args"]["name"] for ev in events
+             if ev.get("ph") == "M" and ev.get("name") == "process_name"}
+    spans = [Span(ev["name"], ev["ts"], ev["ts"] + ev["dur"], names.get(ev["pid"], str(ev["pid"])),
+                  ev.get("tid", 0)) for ev in events if ev.get("ph") == "X"]
+    return [names[pid] for pid in sorted(names)], spans

@@ -1,0 +1,178 @@
+"""SpanRecorder, merge_traces and busy_fraction on a small scripted three-node run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from digenrl.telemetry.trace import (
+    BUSY_SPANS,
+    Span,
+    SpanRecorder,
+    TraceError,
+    busy_by_node,
+    busy_fraction,
+    merge_traces,
+    read_trace,
+)
+
+MS = 1_000_000  # ns
+EPOCH = 1_700_000_000 * 1_000_000_000
+
+
+class FakeClock:
+    """A virtual wall clock in ns; tests advance it explicitly."""
+
+    def __init__(self, start: int = EPOCH) -> None:
+        self.t = start
+
+    def __call__(self) -> int:
+        return self.t
+
+    def advance(self, ms: float) -> None:
+        self.t += int(ms * MS)
+
+
+def scripted_run(clock: FakeClock, skew_ns: int = 0) -> list[SpanRecorder]:
+    """Two steps of a 1-rollout, 2-trainer run; the rollout's clock is ``skew_ns`` off."""
+    roll = SpanRecorder("rollout-0", "rollout", lambda: clock() + skew_ns)
+    trainers = [SpanRecorder(f"trainer-{r}", "trainer", clock) for r in range(2)]
+    for step in range(2):
+        waits = [t.begin("wait") for t in trainers]
+        for i in range(4):
+            with roll.span("denoise_step", step=step, t=i):
+                clock.advance(10)
+            send = roll.begin("send_chunk", tid=1, t=i)  # overlaps the next denoise step
+            clock.advance(2)
+            roll.end(send)
+        with roll.span("reward"):
+            clock.advance(5)
+        for t, w in zip(trainers, waits):
+            t.end(w)
+        for r, t in enumerate(trainers):
+            with t.span("fragment_train", step=step):
+                clock.advance(8 + 4 * r)
+        roll.instant("version_applied", version=step + 1)
+        with trainers[0].span("optimizer_step", step=step):
+            clock.advance(3)
+            with trainers[0].span("weight_publish"):
+                clock.advance(1)
+        trainers[1].counter("queue_depth", step)
+    return [roll, *trainers]
+
+
+def write_run(tmp_path: Path, recorders: list[SpanRecorder]) -> Path:
+    for rec in recorders:
+        rec.dump(tmp_path / "trace" / f"{rec.node_id}.jsonl")
+    return merge_traces(tmp_path)
+
+
+def test_trace_json_has_one_named_track_per_process(tmp_path):
+    recs = scripted_run(FakeClock())
+    trace = json.loads(write_run(tmp_path, recs).read_text())
+    meta = [e for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
+    assert [m["args"]["name"] for m in meta] == ["rollout-0", "trainer-0", "trainer-1"]
+    assert len({m["pid"] for m in meta}) == 3
+    pids = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert pids == {m["pid"] for m in meta}
+
+
+def test_spans_nest_and_never_partially_overlap_within_a_track(tmp_path):
+    _, spans = read_trace(write_run(tmp_path, scripted_run(FakeClock())))
+    tracks: dict[tuple[str, int], list[Span]] = {}
+    for s in spans:
+        tracks.setdefault((s.node, s.tid), []).append(s)
+    assert ("rollout-0", 1) in tracks  # the concurrent sender has its own track
+    for track in tracks.values():
+        track.sort(key=lambda s: (s.start, -s.end))
+        open_spans: list[Span] = []
+        for s in track:
+            while open_spans and open_spans[-1].end <= s.start:
+                open_spans.pop()
+            # Whatever is still open must contain s entirely.
+            assert not open_spans or s.end <= open_spans[-1].end, (open_spans[-1], s)
+            open_spans.append(s)
+
+
+def test_times_are_microseconds_from_the_first_event(tmp_path):
+    _, spans = read_trace(write_run(tmp_path, scripted_run(FakeClock())))
+    first = min(spans, key=lambda s: s.start)
+    assert first.start == 0
+    denoise = next(s for s in spans if s.name == "denoise_step")
+    assert denoise.end - denoise.start == 10_000.0  # 10 ms
+
+
+def test_busy_fractions_from_trace_equal_those_from_the_recorders(tmp_path):
+    recs = scripted_run(FakeClock())
+    direct_spans = [s for r in recs for s in r.spans()]
+    t0 = min(s.start for s in direct_spans)
+    t1 = max(s.end for s in direct_spans)
+    direct = busy_by_node(direct_spans, t0, t1)
+    _, spans = read_trace(write_run(tmp_path, recs))
+    from_trace = busy_by_node(spans, 0, (t1 - t0) / 1000)
+    assert from_trace == pytest.approx(direct, abs=1e-12)
+    assert direct["trainer-0"] < direct["rollout-0"] < 1.0  # trainers idle while rollouts work
+
+
+def test_offset_aligns_a_skewed_node_clock(tmp_path):
+    aligned = json.loads(write_run(tmp_path / "a", scripted_run(FakeClock())).read_text())
+    skew = 7_000 * MS
+    recs = scripted_run(FakeClock(), skew_ns=skew)
+    for rec in recs:
+        rec.dump(tmp_path / "b" / "trace" / f"{rec.node_id}.jsonl")
+    corrected = json.loads(merge_traces(tmp_path / "b", offset_ns={"rollout-0": -skew}).read_text())
+    assert corrected["traceEvents"] == aligned["traceEvents"]
+
+
+def test_busy_fraction_counts_overlaps_once_clips_to_the_window_and_ignores_wait():
+    spans = [Span("denoise_step", 0, 50), Span("reward", 40, 60), Span("wait", 60, 100),
+             Span("fragment_train", 90, 200)]
+    assert busy_fraction(spans, 0, 100) == pytest.approx(0.7)
+    assert busy_fraction(spans, 50, 200) == pytest.approx(0.8)
+    assert "wait" not in BUSY_SPANS and "send_chunk" not in BUSY_SPANS
+
+
+def test_busy_fraction_rejects_an_empty_window():
+    with pytest.raises(ValueError, match=r"\[5, 5\]"):
+        busy_fraction([], 5, 5)
+
+
+def test_ending_a_span_out_of_order_is_an_error():
+    rec = SpanRecorder("trainer-0", "trainer", FakeClock())
+    outer = rec.begin("fragment_train")
+    rec.begin("optimizer_step")
+    with pytest.raises(TraceError, match="fragment_train"):
+        rec.end(outer)
+
+
+def test_dump_appends_only_new_events(tmp_path):
+    clock = FakeClock()
+    rec = SpanRecorder("rollout-0", "rollout", clock)
+    path = tmp_path / "trace" / "rollout-0.jsonl"
+    with rec.span("denoise_step"):
+        clock.advance(1)
+    open_span = rec.begin("reward")
+    assert rec.dump(path) == 1
+    rec.end(open_span)
+    rec.instant("version_applied")
+    assert rec.dump(path) == 2
+    assert rec.dump(path) == 0
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(e["ph"], e["name"]) for e in lines] == [
+        ("X", "denoise_step"), ("X", "reward"), ("i", "version_applied")]
+    assert all(e["node"] == "rollout-0" and e["role"] == "rollout" for e in lines)
+
+
+def test_a_torn_last_line_is_skipped(tmp_path):
+    clock = FakeClock()
+    rec = SpanRecorder("trainer-0", "trainer", clock)
+    with rec.span("optimizer_step"):
+        clock.advance(1)
+    path = tmp_path / "trace" / "trainer-0.jsonl"
+    rec.dump(path)
+    with path.open("a") as f:
+        f.write('{"ph": "X", "name": "fragm')
+    names, spans = read_trace(merge_traces(tmp_path))
+    assert names == ["trainer-0"] and [s.name for s in spans] == ["optimizer_step"]
