@@ -83,7 +83,7 @@ def parse_prompt(prompt: str) -> tuple[str, str, str]:
 def sample_scene(rng: random.Random, prompt: str | None = None, size: int = IMAGE_SIZE) -> Scene:
     """A random scene; with ``prompt``, its shape and colours are fixed and only placement varies.
 
-    The radius is 18-36% of the image size and the centre keeps the whole shape inside the image.
+    The radius is 18-36% of the image size; the shape stays inside, off the outermost pixels.
     """
     if prompt is None:
         shape = rng.choice(SHAPES)
@@ -92,7 +92,8 @@ def sample_scene(rng: random.Random, prompt: str | None = None, size: int = IMAG
     else:
         shape, colour, background = parse_prompt(prompt)
     radius = rng.uniform(0.18, 0.36) * size
-    lo, hi = radius + 0.5, size - radius - 0.5
+    # The diamond reaches 1.15 r from the centre; keep a one-pixel border of pure background.
+    lo, hi = 1.15 * radius + 1.0, size - 1.15 * radius - 1.0
     return Scene(shape=shape, colour=colour, background=background,
                  cx=rng.uniform(lo, hi), cy=rng.uniform(lo, hi), radius=radius)
 
