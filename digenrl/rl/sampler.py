@@ -1,0 +1,157 @@
+"""Rollout: sample trajectories step by step and yield each step the moment it exists.
+
+:func:`rollout` is a Python generator over :class:`StepRecord`; the rollout actor streams
+each record to the trainer rank that owns its timestep (TSP) while the next step is being
+denoised. The trainer recomputes log-probs from exactly the stored tensors.
+
+Latents in records are **float32 tensors holding values representable in the wire dtype**:
+the initial noise and every sampled ``x_next`` are rounded to ``wire_dtype`` and back before
+the model or the log-prob sees them. So casting a record to the wire dtype for transport
+is lossless, and the training recompute sees exactly what the rollout used.
+
+Per-sample noise: pass one ``torch.Generator`` per sample (:func:`seeded_generators`). Each
+sample then draws its initial noise and every step's noise from its own generator, so its
+trajectory depends only on its seed (and the weights), not on which other samples share its
+batch: generating a step in one fragment or in four gives the same trajectories (up to the
+model's own batch-size rounding, ~1e-7 in float32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from digenrl.config import SamplerConfig
+from digenrl.models.base import Cond, FlowModel, cond_cat, cond_repeat
+from digenrl.rl.sde import sde_step, sigma_schedule
+
+WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class StepRecord:
+    """Step ``index`` of a batch of trajectories: ``x_t -> x_next`` with its log-prob.
+
+    ``x_t``/``x_next`` are ``(B, *latent_shape)`` float32 holding wire-dtype values;
+    ``log_prob`` is ``[B]`` (0 for ODE steps); ``sde`` says whether noise was injected.
+    """
+
+    index: int
+    sigma: float
+    sigma_next: float
+    x_t: torch.Tensor
+    x_next: torch.Tensor
+    log_prob: torch.Tensor
+    sde: bool
+
+
+def seeded_generators(seeds: Sequence[int], device: str | torch.device = "cpu") -> list[torch.Generator]:
+    """One ``torch.Generator`` per sample, seeded with that sample's seed."""
+    gens = []
+    for seed in seeds:
+        if not 0 <= int(seed) < 2**63:
+            raise ValueError(f"seed {seed}: expected an integer in [0, 2**63)")
+        gens.append(torch.Generator(device=device).manual_seed(int(seed)))
+    return gens
+
+
+def resolve_wire_dtype(name: str | torch.dtype | None) -> torch.dtype:
+    """``"float32"``/``"bfloat16"`` (or a dtype, or None = float32) as a torch dtype."""
+    if name is None:
+        return torch.float32
+    if isinstance(name, torch.dtype):
+        if name not in WIRE_DTYPES.values():
+            raise ValueError(f"wire dtype {name}: expected torch.float32 or torch.bfloat16")
+        return name
+    if name not in WIRE_DTYPES:
+        raise ValueError(f"wire dtype {name!r}: expected one of {', '.join(WIRE_DTYPES)}")
+    return WIRE_DTYPES[name]
+
+
+def guided_velocity(
+    model: FlowModel,
+    x: torch.Tensor,
+    sigma: float,
+    cond: Cond,
+    *,
+    guidance_scale: float = 1.0,
+    uncond: Cond | None = None,
+) -> torch.Tensor:
+    """The model's velocity at ``(x, sigma)``; with CFG ``v_u + w (v_c - v_u)``.
+
+    ``uncond`` is the one-row empty-prompt conditioning; with ``guidance_scale != 1`` the
+    unconditional and conditional passes run as one forward over ``[uncond; cond]``. The
+    trainer calls this too, so the recomputed log-prob is that of the same (guided) policy.
+    """
+    b = x.shape[0]
+    if guidance_scale == 1.0:
+        return model.velocity(x, torch.full((b,), sigma, dtype=torch.float32, device=x.device), cond)
+    if uncond is None:
+        raise ValueError(f"guidance_scale = {guidance_scale} needs the unconditional conditioning")
+    both = cond_cat([cond_repeat(uncond, b), cond])
+    s = torch.full((2 * b,), sigma, dtype=torch.float32, device=x.device)
+    v_u, v_c = model.velocity(torch.cat([x, x]), s, both).chunk(2)
+    return v_u + guidance_scale * (v_c - v_u)
+
+
+def initial_noise(
+    shape: Sequence[int],
+    generator: torch.Generator | Sequence[torch.Generator],
+    wire_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Initial latents ``(B, *shape[1:])``, per-sample when given one generator per sample."""
+    if isinstance(generator, torch.Generator):
+        x = torch.randn(tuple(shape), generator=generator, device=generator.device)
+    else:
+        if len(generator) != shape[0]:
+            raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]}")
+        x = torch.stack([torch.randn(tuple(shape[1:]), generator=g, device=g.device)
+                         for g in generator])
+    return x.to(wire_dtype).float()
+
+
+def rollout(
+    model: FlowModel,
+    cond: Cond,
+    *,
+    generator: torch.Generator | Sequence[torch.Generator],
+    sampler_cfg: SamplerConfig,
+    sde_steps: set[int] | None = None,
+    x_init: torch.Tensor | None = None,
+    wire_dtype: str | torch.dtype | None = None,
+) -> Iterator[StepRecord]:
+    """Denoise a batch from noise, yielding each step's :class:`StepRecord` as soon as it is done.
+
+    ``generator`` is one generator per sample (see the module doc) or one for the batch;
+    ``sde_steps`` are the step indices that inject noise (None: all; the others are ODE
+    steps, as in a Flow-GRPO-Fast window); ``wire_dtype`` defaults to
+    ``sampler_cfg.wire_dtype``. The final latents are the last record's ``x_next``.
+    """
+    wdtype = resolve_wire_dtype(wire_dtype if wire_dtype is not None else sampler_cfg.wire_dtype)
+    b = next(iter(cond.values())).shape[0] if cond else None
+    if x_init is None:
+        if b is None:
+            raise ValueError("rollout needs a non-empty cond or x_init to know the batch size")
+        x = initial_noise((b, *model.latent_shape), generator, wdtype)
+    else:
+        x = x_init.float().to(wdtype).float()
+    sigmas = sigma_schedule(sampler_cfg.num_steps, sampler_cfg.shift).tolist()
+    sigma_max = sigmas[1]
+    uncond = None
+    if sampler_cfg.guidance_scale != 1.0:
+        with torch.no_grad():
+            uncond = model.encode_prompts([""])
+    for i in range(sampler_cfg.num_steps):
+        noisy = sampler_cfg.sde_type != "ode" and (sde_steps is None or i in sde_steps)
+        # no_grad only around the work: a generator's `with` would leak into the caller's code
+        with torch.no_grad():
+            v = guided_velocity(model, x, sigmas[i], cond,
+                                guidance_scale=sampler_cfg.guidance_scale, uncond=uncond)
+            out = sde_step(sampler_cfg.sde_type if noisy else "ode", x, v, sigmas[i], sigmas[i + 1],
+                           noise_level=sampler_cfg.noise_level, eta=sampler_cfg.eta,
+                           sigma_max=sigma_max, generator=generator, wire_dtype=wdtype)
+        yield StepRecord(index=i, sigma=sigmas[i], sigma_next=sigmas[i + 1], x_t=x,
+                         x_next=out.x_next, log_prob=out.log_prob, sde=noisy)
+        x = out.x_next

@@ -1,0 +1,168 @@
+"""The step math in digenrl.rl.sde against torch.distributions, diffusers and written-out formulas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from digenrl.rl.sde import sde_step, sigma_schedule
+
+torch.set_num_threads(1)
+
+T, SHIFT = 6, 3.0
+SIGMAS = sigma_schedule(T, SHIFT)
+SIGMA_MAX = float(SIGMAS[1])
+
+
+def _xv(seed: int = 0, shape=(3, 2, 4, 4)):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def _step(kind, x, v, i, **kw):
+    kw.setdefault("noise_level", 0.7)
+    kw.setdefault("eta", 0.3)
+    return sde_step(kind, x, v, float(SIGMAS[i]), float(SIGMAS[i + 1]), sigma_max=SIGMA_MAX, **kw)
+
+
+def test_schedule_runs_from_one_to_zero_and_matches_diffusers_shifted_sigmas():
+    sched = FlowMatchEulerDiscreteScheduler(shift=SHIFT)
+    sched.set_timesteps(sigmas=torch.linspace(1.0, 0.0, T + 1)[:-1].tolist())
+    assert SIGMAS.shape == (T + 1,)
+    assert SIGMAS[0] == 1.0 and SIGMAS[-1] == 0.0
+    assert bool((SIGMAS[1:] < SIGMAS[:-1]).all())
+    torch.testing.assert_close(SIGMAS, sched.sigmas.float(), rtol=0, atol=1e-6)
+
+
+def test_schedule_rejects_zero_steps():
+    with pytest.raises(ValueError, match="num_steps = 0"):
+        sigma_schedule(0, 3.0)
+
+
+@pytest.mark.parametrize("i", range(T))
+def test_sde_log_prob_equals_normal_log_prob_averaged_over_elements(i):
+    x, v = _xv(i)
+    out = _step("sde", x, v, i, generator=torch.Generator().manual_seed(7))
+    ref = torch.distributions.Normal(out.mean, out.std.expand_as(out.mean)).log_prob(out.x_next)
+    assert torch.equal(out.log_prob, ref.mean(dim=(1, 2, 3)))
+    assert bool(torch.isfinite(out.log_prob).all())
+
+
+def test_sde_mean_and_std_follow_flow_grpo_formulas():
+    x, v = _xv(1)
+    i = 2
+    s, sn = float(SIGMAS[i]), float(SIGMAS[i + 1])
+    dt = sn - s
+    st = 0.7 * math.sqrt(s / (1 - s))
+    out = _step("sde", x, v, i, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(out.mean, x + (v + st**2 / (2 * s) * (x + (1 - s) * v)) * dt)
+    assert out.std.item() == pytest.approx(st * math.sqrt(-dt), rel=1e-6)
+    assert out.noise_scale.item() == pytest.approx(st, rel=1e-6)
+
+
+def test_sde_first_step_at_sigma_one_uses_sigma_max_guard_and_stays_finite():
+    x, v = _xv(2)
+    out = _step("sde", x, v, 0, generator=torch.Generator().manual_seed(0))
+    assert out.noise_scale.item() == pytest.approx(0.7 * math.sqrt(1 / (1 - SIGMA_MAX)), rel=1e-6)
+    assert all(bool(torch.isfinite(t).all()) for t in (out.x_next, out.mean, out.log_prob))
+
+
+def test_sde_last_step_to_sigma_zero_keeps_positive_std():
+    x, v = _xv(3)
+    out = _step("sde", x, v, T - 1, generator=torch.Generator().manual_seed(0))
+    assert out.std.item() > 0
+    assert bool(torch.isfinite(out.log_prob).all())
+
+
+def test_ode_step_equals_diffusers_euler_step():
+    sched = FlowMatchEulerDiscreteScheduler(shift=SHIFT)
+    sched.set_timesteps(sigmas=torch.linspace(1.0, 0.0, T + 1)[:-1].tolist())
+    x, v = _xv(4)
+    for i, t in enumerate(sched.timesteps):
+        ours = _step("ode", x, v, i)
+        theirs = sched.step(v, t, x, return_dict=False)[0]
+        torch.testing.assert_close(ours.x_next, theirs, rtol=0, atol=1e-6)
+        assert torch.equal(ours.log_prob, torch.zeros(x.shape[0]))
+        x = theirs
+
+
+def test_sde_with_zero_noise_level_is_rejected_with_the_value_named():
+    x, v = _xv(5)
+    with pytest.raises(ValueError, match="noise_level = 0"):
+        _step("sde", x, v, 1, noise_level=0.0)
+
+
+def test_cps_step_matches_its_formula_written_out():
+    x, v = _xv(6)
+    i, a = 2, 0.8
+    s, sn = float(SIGMAS[i]), float(SIGMAS[i + 1])
+    out = _step("cps", x, v, i, noise_level=a, generator=torch.Generator().manual_seed(1))
+    std = sn * math.sin(a * math.pi / 2)
+    mu = (1 - sn) * (x - s * v) + math.sqrt(sn**2 - std**2) * (x + (1 - s) * v)
+    torch.testing.assert_close(out.mean, mu)
+    assert out.std.item() == pytest.approx(std, rel=1e-6)
+    torch.testing.assert_close(out.log_prob, -((out.x_next - mu) ** 2).mean(dim=(1, 2, 3)))
+
+
+def test_cps_last_step_to_sigma_zero_is_deterministic_and_finite():
+    x, v = _xv(7)
+    out = _step("cps", x, v, T - 1, noise_level=0.8, generator=torch.Generator().manual_seed(1))
+    s = float(SIGMAS[T - 1])
+    torch.testing.assert_close(out.x_next, x - s * v)
+    assert torch.equal(out.log_prob, torch.zeros(3))
+    assert not bool(torch.isnan(out.mean).any())
+
+
+def test_dance_step_matches_dancegrpo_score_form_written_out():
+    x, v = _xv(8)
+    i, eta = 3, 0.3
+    s, sn = float(SIGMAS[i]), float(SIGMAS[i + 1])
+    dsigma = sn - s
+    x0 = x - s * v
+    score = -(x - (1 - s) * x0) / s**2
+    mu = x + dsigma * v - 0.5 * eta**2 * score * dsigma
+    out = _step("dance", x, v, i, eta=eta, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(out.mean, mu)
+    assert out.std.item() == pytest.approx(eta * math.sqrt(s - sn), rel=1e-6)
+    ref = torch.distributions.Normal(out.mean, out.std.expand_as(out.mean)).log_prob(out.x_next)
+    assert torch.equal(out.log_prob, ref.mean(dim=(1, 2, 3)))
+
+
+@pytest.mark.parametrize("kind", ["sde", "cps", "dance"])
+def test_bf16_wire_log_prob_recomputed_from_stored_latent_equals_rollout_exactly(kind):
+    x, v = _xv(9)
+    for i in range(T):
+        out = _step(kind, x, v, i, generator=torch.Generator().manual_seed(i),
+                    wire_dtype=torch.bfloat16)
+        stored = out.x_next.to(torch.bfloat16)  # what travels
+        assert torch.equal(stored.float(), out.x_next)
+        again = _step(kind, x, v, i, x_next=stored.float())
+        assert torch.equal(again.log_prob, out.log_prob)
+
+
+def test_per_sample_generators_make_noise_independent_of_batch_composition():
+    x, v = _xv(10)
+    gens = [torch.Generator().manual_seed(s) for s in (11, 12, 13)]
+    full = _step("sde", x, v, 1, generator=gens)
+    part = _step("sde", x[1:2], v[1:2], 1, generator=[torch.Generator().manual_seed(12)])
+    assert torch.equal(full.x_next[1:2], part.x_next)
+
+
+def test_recompute_log_prob_carries_gradient_to_velocity():
+    x, v = _xv(11)
+    out = _step("sde", x, v, 1, generator=torch.Generator().manual_seed(0))
+    v_param = v.clone().requires_grad_(True)
+    again = _step("sde", x, v_param, 1, x_next=out.x_next)
+    again.log_prob.sum().backward()
+    assert v_param.grad is not None and bool(v_param.grad.abs().sum() > 0)
+
+
+def test_bad_sigma_order_is_rejected_with_values_named():
+    x, v = _xv(12)
+    with pytest.raises(ValueError, match=r"sigma = 0\.3"):
+        sde_step("sde", x, v, 0.3, 0.5, noise_level=0.7, eta=0.3, sigma_max=SIGMA_MAX)
+    with pytest.raises(ValueError, match="step kind 'euler'"):
+        sde_step("euler", x, v, 0.5, 0.3, noise_level=0.7, eta=0.3, sigma_max=SIGMA_MAX)
