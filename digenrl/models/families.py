@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import diffusers
 
-from digenrl.models import sd3
+from digenrl.models import flux, qwenimage, sd3, video
 from digenrl.models.adapter import DiffusersFlowModel
 
 
@@ -26,9 +26,24 @@ class FamilySpec:
 SPECS: dict[str, FamilySpec] = {
     "sd3": FamilySpec(diffusers.SD3Transformer2DModel, sd3.SD3Model,
                       lambda cfg, real: sd3.sd3_latent_shape(cfg), sd3.sd3_text_dims, "AutoencoderKL"),
+    "flux": FamilySpec(diffusers.FluxTransformer2DModel, flux.FluxModel, flux.flux_latent_shape,
+                       lambda cfg: (cfg.joint_attention_dim, cfg.pooled_projection_dim), "AutoencoderKL"),
+    "qwenimage": FamilySpec(diffusers.QwenImageTransformer2DModel, qwenimage.QwenImageModel,
+                            qwenimage.qwenimage_latent_shape, lambda cfg: (cfg.joint_attention_dim, 0),
+                            "AutoencoderKLQwenImage"),
+    "wan": FamilySpec(diffusers.WanTransformer3DModel, video.WanModel, video.wan_latent_shape,
+                      lambda cfg: (cfg.text_dim, 0), "AutoencoderKLWan"),
+    "hunyuanvideo": FamilySpec(diffusers.HunyuanVideoTransformer3DModel, video.HunyuanVideoModel,
+                               video.hunyuan_latent_shape,
+                               lambda cfg: (cfg.text_embed_dim, cfg.pooled_projection_dim),
+                               "AutoencoderKLHunyuanVideo"),
 }
 
 #: Constructor kwargs of each family's tiny random model (the real diffusers class).
 TINY_CONFIGS: dict[str, dict] = {
     "sd3": sd3.TINY_SD3,
+    "flux": flux.TINY_FLUX,
+    "qwenimage": qwenimage.TINY_QWENIMAGE,
+    "wan": video.TINY_WAN,
+    "hunyuanvideo": video.TINY_HUNYUANVIDEO,
 }
