@@ -69,11 +69,12 @@ def test_colourfulness_of_two_colour_image_exceeds_flat_one():
 
 def test_prompt_colours_are_found_in_order():
     assert prompt_colours("a Red triangle on a blue background") == ["red", "blue"]
+    assert prompt_colours("a white cross on a reddish background") == ["white", "red"]
     assert prompt_colours("a sunset") == []
 
 
 def test_colour_match_is_high_for_matching_image_and_low_for_swapped_or_wrong_colours():
-    prompt = "a red square on a blue background"
+    prompt = "a red square on a bluish background"
     match = two_colour(COLOURS["red"], COLOURS["blue"])
     swapped = two_colour(COLOURS["blue"], COLOURS["red"])
     wrong = two_colour(COLOURS["yellow"], COLOURS["white"])
@@ -87,7 +88,7 @@ def test_colour_match_is_high_for_matching_image_and_low_for_swapped_or_wrong_co
 def test_colour_match_makes_the_prompt_matter():
     rng = random.Random(3)
     img, prompt = make_example(rng, "a green circle on a black background")
-    other = "a purple circle on a orange background"
+    other = "a purple circle on a orangish background"
     r = BUILTIN["prompt_colour_match"](torch.stack([img, img]), [prompt, other])
     assert r[0] > 0.95 and r[1] < 0.7
 

@@ -39,6 +39,15 @@ def test_every_generated_prompt_parses_back_to_its_parts():
         assert colour != background
 
 
+def test_swapped_colours_give_different_bags_of_words():
+    # The tiny models' prompt encoder is order-blind, so the words themselves must differ.
+    a = Scene(shape="circle", colour="red", background="blue", cx=16.0, cy=16.0, radius=8.0)
+    b = Scene(shape="circle", colour="blue", background="red", cx=16.0, cy=16.0, radius=8.0)
+    assert sorted(a.prompt.split()) != sorted(b.prompt.split())
+    assert parse_prompt(a.prompt) == ("circle", "red", "blue")
+    assert parse_prompt("a red circle on a blue background") == ("circle", "red", "blue")
+
+
 def test_grammar_has_every_shape_colour_background_combination():
     prompts = all_prompts()
     assert len(prompts) == len(set(prompts)) == len(SHAPES) * len(COLOURS) * (len(COLOURS) - 1)
@@ -67,15 +76,16 @@ def test_prompted_example_follows_the_prompt_and_stays_inside_the_image():
     rng = random.Random(1)
     for _ in range(20):
         img, prompt = make_example(rng, "a yellow triangle on a purple background")
-        assert prompt == "a yellow triangle on a purple background"
+        assert prompt == "a yellow triangle on a purplish background"
         border = torch.cat([img[:, 0], img[:, -1], img[:, :, 0], img[:, :, -1]], dim=1)
         assert (border == torch.tensor(COLOURS["purple"], dtype=torch.uint8).view(3, 1)).all()
         assert (img == torch.tensor(COLOURS["yellow"], dtype=torch.uint8).view(3, 1, 1)).all(0).any()
 
 
 @pytest.mark.parametrize("prompt, word", [
-    ("a red hexagon on a blue background", "hexagon"),
-    ("a pink circle on a blue background", "pink"),
+    ("a red hexagon on a bluish background", "hexagon"),
+    ("a pink circle on a bluish background", "pink"),
+    ("a red circle on a pinkish background", "pinkish"),
     ("a red circle", "expected 'a <colour>"),
 ])
 def test_prompt_outside_grammar_is_rejected_naming_the_word(prompt, word):

@@ -3,7 +3,13 @@
 This is the tiny data set the shipped base model (``digenrl/data/base-sd3-tiny``) was trained
 on, and the grammar of the built-in prompt set (``digenrl/data/prompts.txt``)::
 
-    a {colour} {shape} on a {background} background      e.g. "a red triangle on a blue background"
+    a {colour} {shape} on a {background}ish background   e.g. "a red triangle on a bluish background"
+
+Why "bluish" and not "blue": the tiny models' prompt encoder (``HashPromptEncoder``) gives each
+word a fixed vector and SD3 adds no position to text tokens, so the transformer sees a prompt as
+a *bag* of words. "a red square on a blue background" and "a blue square on a red background"
+would then be the same input. Naming the background colour with its own word keeps the shape
+colour and the background colour apart for any order-blind encoder.
 
 Scenes are drawn from an injected :class:`random.Random`, so a seed replays the same images.
 Shapes are anti-aliased by supersampling (each output pixel averages ``supersample``^2 coverage
@@ -30,13 +36,20 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "black": (15, 15, 15),
 }
 
+#: The word that names each colour as a background (see the module docstring for why).
+BACKGROUND_WORDS: dict[str, str] = {
+    "red": "reddish", "green": "greenish", "blue": "bluish", "yellow": "yellowish",
+    "purple": "purplish", "orange": "orangish", "white": "whitish", "black": "blackish",
+}
+_BACKGROUND_COLOUR = {w: c for c, w in BACKGROUND_WORDS.items()}
+
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "diamond", "cross")
 
 IMAGE_SIZE = 32
 
 
 class PromptParseError(ValueError):
-    """A prompt does not follow the shapes grammar ``a {colour} {shape} on a {colour} background``."""
+    """A prompt does not follow the shapes grammar ``a {colour} {shape} on a {colour}ish background``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,27 +66,30 @@ class Scene:
     @property
     def prompt(self) -> str:
         """The scene's caption in the shapes grammar."""
-        return f"a {self.colour} {self.shape} on a {self.background} background"
+        return f"a {self.colour} {self.shape} on a {BACKGROUND_WORDS[self.background]} background"
 
 
 def all_prompts() -> list[str]:
     """Every prompt of the grammar (shapes x colours x different background colours)."""
     return [
-        f"a {c} {s} on a {b} background"
+        f"a {c} {s} on a {BACKGROUND_WORDS[b]} background"
         for s in SHAPES for c in COLOURS for b in COLOURS if b != c
     ]
 
 
 def parse_prompt(prompt: str) -> tuple[str, str, str]:
-    """(shape, colour, background) of a grammar prompt; :class:`PromptParseError` otherwise."""
+    """(shape, colour, background colour name) of a grammar prompt; PromptParseError otherwise.
+
+    The background may be named "bluish" (the generated form) or plainly "blue".
+    """
     words = prompt.strip().lower().split()
     if (len(words) != 7 or words[0] != "a" or words[3:5] != ["on", "a"]
             or words[6] != "background"):
         raise PromptParseError(
-            f"prompt {prompt!r}: expected 'a <colour> <shape> on a <colour> background'")
-    colour, shape, background = words[1], words[2], words[5]
+            f"prompt {prompt!r}: expected 'a <colour> <shape> on a <colour>ish background'")
+    colour, shape, background = words[1], words[2], _BACKGROUND_COLOUR.get(words[5], words[5])
     for word, known, what in ((colour, COLOURS, "colour"), (shape, SHAPES, "shape"),
-                              (background, COLOURS, "colour")):
+                              (background, COLOURS, "background colour")):
         if word not in known:
             raise PromptParseError(
                 f"prompt {prompt!r}: unknown {what} {word!r}; expected one of {', '.join(known)}")

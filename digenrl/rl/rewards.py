@@ -44,7 +44,7 @@ import torch
 from PIL import Image
 
 from digenrl.config import RewardTerm
-from digenrl.data.shapes import COLOURS
+from digenrl.data.shapes import BACKGROUND_WORDS, COLOURS
 
 RewardFn = Callable[[torch.Tensor, Sequence[str]], torch.Tensor]
 
@@ -109,7 +109,8 @@ def redness(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
     return (r - 0.5 * (g + b)).mean(dim=(1, 2))
 
 
-_COLOUR_WORD = re.compile(r"\b(" + "|".join(COLOURS) + r")\b")
+_COLOUR_OF_WORD = {**{c: c for c in COLOURS}, **{w: c for c, w in BACKGROUND_WORDS.items()}}
+_COLOUR_WORD = re.compile(r"\b(" + "|".join(_COLOUR_OF_WORD) + r")\b")
 _MAX_RGB_DIST = math.sqrt(3) * 255.0
 #: The shape is scored on its best-matching 5% of pixels, the background on its best 50%:
 #: the smallest shapes of the data set cover about 6% of the image, backgrounds at least 55%.
@@ -118,8 +119,8 @@ BACKGROUND_FRACTION = 0.5
 
 
 def prompt_colours(prompt: str) -> list[str]:
-    """Colour words of :data:`~digenrl.data.shapes.COLOURS` in ``prompt``, in order of appearance."""
-    return _COLOUR_WORD.findall(prompt.lower())
+    """Colours named in ``prompt`` in order of appearance ("blue" and "bluish" both name blue)."""
+    return [_COLOUR_OF_WORD[w] for w in _COLOUR_WORD.findall(prompt.lower())]
 
 
 def _best_closeness(pixels: torch.Tensor, rgb: tuple[int, int, int], fraction: float) -> torch.Tensor:
@@ -133,7 +134,7 @@ def prompt_colour_match(images: torch.Tensor, prompts: Sequence[str]) -> torch.T
     """How well the pixels show the colours the prompt names, in [0, 1].
 
     The first colour word is the shape's, the second the background's ("a red triangle on a
-    blue background"). The shape term is the mean closeness to the shape colour of the 5% of
+    bluish background"; "blue" works too). The shape term is the mean closeness to the shape colour of the 5% of
     pixels nearest to it (so a shape of that colour must be there); the background term is the
     same over the best 50% of pixels (so the background colour must dominate). The reward is
     their mean (only the shape term when the prompt names one colour). Closeness is
