@@ -1,0 +1,181 @@
+"""GRPO pieces of Flow-GRPO: group advantages, timestep plans, the clipped surrogate and KL.
+
+Loss normalisation (what makes GAP and TSP exact): the loss of one optimizer step is
+
+    L = 1 / (B * T_trained) * sum over samples b and trained timesteps t of loss[b, t]
+
+with ``B`` the step's trajectories and ``T_trained`` its trained timesteps. Every term is
+weighted by :func:`loss_weight` independently of how the batch was cut, so the gradients of
+fragments (of whole groups) and of timestep subsets (TSP ranks) sum to exactly the
+full-batch gradient.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+
+@dataclass
+class AdvStats:
+    """What :func:`group_advantages` saw.
+
+    ``keep[N]`` is False for samples of zero-advantage groups (all advantages exactly 0:
+    identical rewards or a singleton group), which carry no policy gradient and are skipped;
+    ``zero_groups`` counts those groups out of ``groups``.
+    """
+
+    keep: torch.Tensor
+    groups: int
+    zero_groups: int
+    reward_mean: float
+    reward_std: float
+    clipped: int = 0
+
+
+@dataclass
+class TimestepPlan:
+    """Which denoising steps of a training step are trained and which inject noise."""
+
+    trained: list[int]
+    sde: list[int] = field(default_factory=list)
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor | Sequence[int],
+    *,
+    std_mode: Literal["group", "global"] = "group",
+    clip: float = 5.0,
+    eps: float = 1e-4,
+) -> tuple[torch.Tensor, AdvStats]:
+    """GRPO advantages ``A = (r - mean_group) / (std + eps)`` clipped to ``+-clip``.
+
+    ``std`` is the group's population std, or with ``std_mode="global"`` the std of all N
+    rewards. A group whose rewards are all equal (including a singleton) gets advantage
+    exactly 0 and is flagged in ``AdvStats.keep``. Computed in float64, returned float32.
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
+    gid = torch.as_tensor(group_ids).flatten()
+    if r.shape != gid.shape:
+        raise ValueError(f"{r.numel()} rewards but {gid.numel()} group ids")
+    if r.numel() == 0:
+        raise ValueError("group_advantages needs at least one reward")
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError(f"rewards must be finite, got {r.tolist()}")
+    if std_mode not in ("group", "global"):
+        raise ValueError(f"std_mode = {std_mode!r}: expected 'group' or 'global'")
+    adv = torch.zeros_like(r)
+    keep = torch.ones(r.shape, dtype=torch.bool)
+    global_std = r.std(unbiased=False)
+    uniq = torch.unique(gid)
+    zero_groups = 0
+    for g in uniq:
+        idx = (gid == g).nonzero().flatten()
+        rg = r[idx]
+        if rg.numel() < 2 or bool(rg.max() == rg.min()):
+            # exact zero, not (r - mean) ~ 1e-17 rounding noise that clipping would amplify
+            keep[idx] = False
+            zero_groups += 1
+            continue
+        std = rg.std(unbiased=False) if std_mode == "group" else global_std
+        adv[idx] = (rg - rg.mean()) / (std + eps)
+    clipped = int((adv.abs() > clip).sum())
+    adv = adv.clamp(-clip, clip)
+    stats = AdvStats(keep=keep, groups=len(uniq), zero_groups=zero_groups,
+                     reward_mean=float(r.mean()), reward_std=float(global_std), clipped=clipped)
+    return adv.float(), stats
+
+
+def select_timesteps(
+    mode: Literal["all", "fraction", "window"],
+    num_steps: int,
+    *,
+    fraction: float = 1.0,
+    window_size: int = 2,
+    window_lo: int = 0,
+    window_hi: int = 0,
+    rng: random.Random,
+) -> TimestepPlan:
+    """The steps to train and to sample with noise for one training step.
+
+    * ``all``: every step trained, every step SDE.
+    * ``fraction``: the first ``max(1, int(fraction * T))`` steps trained (Flow-GRPO's
+      ``timestep_fraction``), every step SDE.
+    * ``window`` (Flow-GRPO-Fast): start ``k`` drawn uniformly from ``[lo, hi - W]``
+      (``hi = 0`` means ``T // 2``); only ``[k, k + W)`` is SDE and trained, the rest ODE.
+
+    Rollouts and every trainer rank must agree on the plan, so seed ``rng`` from the run
+    seed and the step.
+    """
+    t_all = list(range(num_steps))
+    if mode == "all":
+        return TimestepPlan(trained=t_all, sde=list(t_all))
+    if mode == "fraction":
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction = {fraction}: expected 0 < fraction <= 1")
+        return TimestepPlan(trained=t_all[:max(1, int(fraction * num_steps))], sde=list(t_all))
+    if mode == "window":
+        hi = window_hi or max(num_steps // 2, 1)
+        # the same acceptance rule as config._check_consistency (a 1-step window may sit at lo)
+        if window_size < 1 or window_lo + window_size > min(max(hi, window_lo + 1), num_steps):
+            raise ValueError(f"window_size = {window_size}: the window [{window_lo}, "
+                             f"{window_lo}+{window_size}) must fit in hi = {hi} and {num_steps} steps")
+        last_start = max(hi - window_size, window_lo)
+        k = rng.randint(window_lo, last_start)
+        window = list(range(k, k + window_size))
+        return TimestepPlan(trained=window, sde=list(window))
+    raise ValueError(f"timestep mode {mode!r}: expected 'all', 'fraction' or 'window'")
+
+
+def clipped_surrogate(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    adv: torch.Tensor,
+    clip_range: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-sample PPO loss ``max(-A r, -A clip(r, 1 - eps, 1 + eps))``, ``r = exp(new - old)``.
+
+    Stats: ``ratio_mean``, ``ratio_max_dev`` (max ``|r - 1|``), ``clipfrac`` (share with
+    ``|r - 1| > eps``) and ``approx_kl`` (``1/2 mean((new - old)^2)``).
+    """
+    delta = logp_new - logp_old.detach()
+    ratio = torch.exp(delta)
+    adv = adv.detach().to(ratio.dtype)
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))
+    with torch.no_grad():
+        dev = (ratio - 1).abs()
+        stats = {
+            "ratio_mean": float(ratio.mean()) if ratio.numel() else 1.0,
+            "ratio_max_dev": float(dev.max()) if ratio.numel() else 0.0,
+            "clipfrac": float((dev > clip_range).float().mean()) if ratio.numel() else 0.0,
+            "approx_kl": float(0.5 * (delta**2).mean()) if ratio.numel() else 0.0,
+        }
+    return loss, stats
+
+
+def kl_penalty(mean_theta: torch.Tensor, mean_ref: torch.Tensor, noise_scale: torch.Tensor) -> torch.Tensor:
+    """Per-sample ``mean_elements((mu_theta - mu_ref)^2) / (2 s^2)`` (flow_grpo's KL).
+
+    ``s`` is the step's ``noise_scale`` from :func:`~digenrl.rl.sde.sde_step`: ``s_t`` for
+    "sde" (so this is the Gaussian KL times ``|dt|``), ``eta`` for "dance" and ``std`` for
+    "cps". Where ``s = 0`` (a deterministic step, e.g. CPS into sigma 0) the KL of two point
+    masses is undefined and the term is 0.
+    """
+    b = mean_theta.shape[0]
+    sq = ((mean_theta - mean_ref.detach()) ** 2).reshape(b, -1).mean(dim=1)
+    s = torch.as_tensor(noise_scale, dtype=sq.dtype, device=sq.device).reshape(-1)
+    s = s.expand(b) if s.numel() == 1 else s
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.where(s > 0, sq / (2 * safe**2), torch.zeros_like(sq))
+
+
+def loss_weight(batch_size: int, n_trained: int) -> float:
+    """``1 / (B * T_trained)``: the weight of one (sample, timestep) loss term in a step."""
+    if batch_size < 1 or n_trained < 1:
+        raise ValueError(f"batch_size = {batch_size}, n_trained = {n_trained}: expected both >= 1")
+    return 1.0 / (batch_size * n_trained)
