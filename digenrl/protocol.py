@@ -1,0 +1,213 @@
+"""The wire protocol: every message that travels between DigenRL nodes.
+
+Messages are frozen, keyword-only dataclasses registered once with the codec
+(:mod:`digenrl.transport.codec`, which documents the frame layout). Fields are ints
+(64-bit), floats, str, bool, bytes, lists of those, msgpack-able dicts, ``torch.Tensor``
+and ``dict[str, torch.Tensor]``; tensors travel as raw frames, everything else in the
+msgpack header. Compare messages with :func:`messages_equal` (tensors bit for bit).
+
+Typical use::
+
+    frames = encode(Chunk(task_id=..., x_t=x_t_NCHW, ...))
+    msg = decode(frames, max_frame_bytes=cfg.transport.max_frame_bytes)  # ProtocolError only
+"""
+
+from __future__ import annotations
+
+import torch
+
+from digenrl.transport.codec import (
+    DEFAULT_MAX_FRAMES,
+    DEFAULT_MAX_HEADER_BYTES,
+    INT_MAX,
+    INT_MIN,
+    PROTOCOL_VERSION,
+    JSONDict,
+    Message,
+    decode,
+    encode,
+    message,
+    message_types,
+    messages_equal,
+)
+from digenrl.transport.errors import ProtocolError, VersionMismatch
+from digenrl.transport.frames import DTYPES, tensor_checksum
+
+__all__ = [
+    "DEFAULT_MAX_FRAMES", "DEFAULT_MAX_HEADER_BYTES", "DTYPES", "INT_MAX", "INT_MIN",
+    "PROTOCOL_VERSION", "Assign", "Chunk", "Commit", "Consumed", "Heartbeat", "Hello",
+    "JSONDict", "Message", "ProtocolError", "Revoke", "Shutdown", "StepDone", "TagOffer",
+    "VersionAnnounce", "VersionMismatch", "WeightsApplied", "WeightsPart", "WeightsRequest",
+    "Welcome", "decode", "encode", "message", "message_types", "messages_equal",
+    "tensor_checksum",
+]
+
+@message("hello")
+class Hello(Message):
+    """A node introduces itself to the coordinator (first message on the control socket)."""
+
+    node_id: str  # stable name of the node, e.g. "rollout-0"
+    role: str  # "coordinator" | "rollout" | "trainer"
+    gpu: str  # GPU type the node declares (H100, L40S, cpu, ...)
+    incarnation: int  # bumps on every restart, so the coordinator can drop a dead twin's work
+    pid: int  # OS process id, for operators
+    host: str  # host name, for operators
+
+
+@message("welcome")
+class Welcome(Message):
+    """The coordinator's answer to Hello: the run's config and where the peers are."""
+
+    node_id: str  # echoes the Hello
+    run_id: str  # the run this node joined
+    config_toml: str  # the run's full config, so every node runs the same settings
+    endpoints: JSONDict  # name -> ZeroMQ address (e.g. "trainer/0" -> "tcp://10.0.0.2:5601")
+    rank: int  # rank among nodes of its role
+    world_size: int  # number of nodes of its role
+
+
+@message("heartbeat")
+class Heartbeat(Message):
+    """Periodic liveness and load report from a node to the coordinator."""
+
+    node_id: str
+    incarnation: int
+    policy_version: int  # the weights version the node currently holds
+    state: str  # "idle" | "generating" | "training" | ...
+    seq: int  # increases by one per heartbeat, so gaps show lost messages
+    gpu: JSONDict  # NVML snapshot: free_mb, util, ...
+    stats: JSONDict  # counters since the last heartbeat
+
+
+@message("assign")
+class Assign(Message):
+    """A fragment task: generate these prompts' groups and stream their chunks."""
+
+    task_id: int
+    step: int  # training step the fragment belongs to
+    fragment: int  # index of the fragment inside the step
+    prompt_ids: list[int]  # indices into the prompt set
+    prompts: list[str]  # the prompt texts, same order
+    seeds: list[int]  # one noise seed per trajectory (len = len(prompts) * group_size)
+    group_size: int  # generations per prompt (GRPO group)
+    version_floor: int  # generate with a policy version >= this
+    lease_s: float  # the task is revoked if not committed within this many seconds
+    sde_steps: list[int]  # denoising step indices sampled stochastically (and trained)
+    owners: JSONDict  # str(timestep index) -> trainer rank that trains it (TSP)
+
+
+@message("chunk")
+class Chunk(Message):
+    """One denoising step of a fragment's trajectories, streamed to the rank owning ``t_index``."""
+
+    task_id: int
+    step: int
+    fragment: int
+    t_index: int  # denoising step index
+    sigma: float  # noise level at x_t
+    sigma_next: float  # noise level at x_next
+    policy_version: int  # version that generated the whole trajectory (TCSS)
+    x_t: torch.Tensor  # latents before the step, (N, ...) with N trajectories
+    x_next: torch.Tensor  # latents after the step, same shape
+    log_prob: torch.Tensor  # (N,) behaviour log-prob of x_next, float32
+
+
+@message("commit")
+class Commit(Message):
+    """A fragment is fully generated and scored; sent last, after all its chunks."""
+
+    task_id: int
+    step: int
+    fragment: int
+    node_id: str
+    policy_version: int
+    prompt_ids: list[int]
+    rewards: list[float]  # one per trajectory
+    reward_terms: JSONDict  # term name -> list of per-trajectory values
+    gen_seconds: float  # wall time generating the fragment
+    cond: dict[str, torch.Tensor]  # conditioning the trainer needs (prompt embeddings, ...)
+    images: torch.Tensor  # uint8 decoded samples for logging; may be empty
+
+
+@message("consumed")
+class Consumed(Message):
+    """A trainer rank finished with a fragment: credits return to the ledger."""
+
+    task_id: int
+    step: int
+    fragment: int
+    rank: int
+    trained: int  # trajectories trained
+    discarded: dict[str, int]  # reason -> trajectories discarded
+    train_seconds: float
+
+
+@message("version_announce")
+class VersionAnnounce(Message):
+    """A new policy version exists; fetch it in ``nparts`` parts."""
+
+    version: int
+    step: int  # optimizer steps done
+    nparts: int
+    nbytes: int  # total payload bytes
+    checksum: str  # tensor_checksum of the whole weight set
+
+
+@message("weights_request")
+class WeightsRequest(Message):
+    """Ask the weight server for one part of a version."""
+
+    version: int
+    part: int
+
+
+@message("weights_part")
+class WeightsPart(Message):
+    """One part of a weight set."""
+
+    version: int
+    part: int
+    nparts: int
+    checksum: str  # tensor_checksum of this part's tensors
+    tensors: dict[str, torch.Tensor]  # parameter name -> tensor
+
+
+@message("weights_applied")
+class WeightsApplied(Message):
+    """A node now generates with ``version``."""
+
+    node_id: str
+    version: int
+
+
+@message("step_done")
+class StepDone(Message):
+    """The trainer finished an optimizer step."""
+
+    step: int
+    version: int  # the version the step produced
+    metrics: JSONDict  # train/* metrics of the step
+
+
+@message("tag_offer")
+class TagOffer(Message):
+    """A trainer rank is idle and can generate (trainer-assisted generation)."""
+
+    node_id: str
+    rank: int
+    free_mb: float  # GPU memory headroom
+
+
+@message("revoke")
+class Revoke(Message):
+    """The coordinator takes a task back (lease expired, node lost, ...)."""
+
+    task_id: int
+    reason: str
+
+
+@message("shutdown")
+class Shutdown(Message):
+    """Stop now; ``reason`` says why (also used to refuse a peer)."""
+
+    reason: str

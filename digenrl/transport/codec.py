@@ -1,0 +1,310 @@
+"""The codec: message classes registered by tag <-> lists of ZeroMQ frames.
+
+A message is a multipart ZeroMQ message. Frame 0 is a msgpack map::
+
+    {"t": tag, "v": PROTOCOL_VERSION, <non-tensor fields>...,
+     "_tensors": [[field, key, dtype, shape, nbytes], ...]}
+
+and every tensor follows as one raw frame, in the order of ``_tensors``. ``key`` is
+``None`` for a ``Tensor`` field and the dict key for a ``dict[str, Tensor]`` field (a
+slot of its own rather than ``"field/key"``, because parameter names contain ``/``).
+
+:func:`decode` treats its input as hostile: whatever the bytes, it raises only
+:class:`ProtocolError`; it checks frame counts, frame sizes and declared shapes before
+it builds anything, and gives msgpack explicit container limits. The message set itself
+lives in :mod:`digenrl.protocol`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+import torch
+
+from digenrl.transport.errors import ProtocolError, VersionMismatch
+from digenrl.transport.frames import as_buffer, frame_to_tensor, tensor_to_frame, tensors_equal
+
+PROTOCOL_VERSION = 1
+
+INT_MIN = -(1 << 63)
+INT_MAX = (1 << 64) - 1  # msgpack carries unsigned 64-bit too
+DEFAULT_MAX_FRAMES = 1 + 8192  # header + tensors; bigger weight sets go in more parts
+DEFAULT_MAX_HEADER_BYTES = 1 << 20
+# Bounds how many Python objects a header may expand into (msgpack's own default is the
+# buffer length, i.e. up to a million one-byte nils per MiB).
+_MAX_CONTAINER_LEN = 1 << 16
+_MAX_DEPTH = 16
+
+JSONDict = dict[str, Any]
+"""A msgpack-able mapping: str keys; None/bool/int/float/str/bytes, lists and dicts as values."""
+
+
+class Message:
+    """Base of all wire messages; subclasses are made by :func:`message`."""
+
+    TAG: ClassVar[str]
+    KINDS: ClassVar[dict[str, str]]  # field name -> "int" | "list:str" | "tensor" | ...
+
+
+_REGISTRY: dict[str, type[Message]] = {}
+M = TypeVar("M", bound=Message)
+_SCALARS: dict[Any, str] = {int: "int", float: "float", str: "str", bool: "bool", bytes: "bytes"}
+_EXACT = {"str": str, "bool": bool, "bytes": bytes}
+
+
+def _kind_of(tp: Any) -> str:
+    if tp in _SCALARS:
+        return _SCALARS[tp]
+    if tp is torch.Tensor:
+        return "tensor"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list and len(args) == 1 and args[0] in _SCALARS:
+        return "list:" + _SCALARS[args[0]]
+    if origin is dict and args and args[0] is str:
+        return "tensors" if args[1] is torch.Tensor else "dict"
+    raise TypeError(f"unsupported message field type {tp!r}")  # our bug, not a peer's
+
+
+def message(tag: str) -> Callable[[type[M]], type[M]]:
+    """Class decorator: make a frozen keyword-only dataclass and register it under ``tag``."""
+
+    def register(cls: type[M]) -> type[M]:
+        if tag in _REGISTRY or tag.startswith("_") or tag in ("t", "v"):
+            raise TypeError(f"message tag {tag!r} is reserved or registered twice")
+        cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+        hints = typing.get_type_hints(cls)
+        cls.KINDS = {f.name: _kind_of(hints[f.name]) for f in dataclasses.fields(cls)}
+        cls.TAG = tag
+        _REGISTRY[tag] = cls
+        return cls
+
+    return register
+
+
+def message_types() -> dict[str, type[Message]]:
+    """Every registered message class by tag (a copy)."""
+    return dict(_REGISTRY)
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _check_value(where: str, kind: str, value: Any) -> Any:
+    """Validate one non-tensor field for encoding; returns the msgpack-ready value."""
+    if kind == "int":
+        if type(value) is not int:
+            raise ValueError(f"{where} = {value!r}: expected an int")
+        if not INT_MIN <= value <= INT_MAX:
+            raise ValueError(f"{where} = {value!r}: outside the 64-bit range")
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where} = {value!r}: expected a float")
+        return float(value)
+    if kind in _EXACT:
+        if type(value) is not _EXACT[kind]:
+            raise ValueError(f"{where} = {value!r}: expected {kind}")
+        return value
+    if kind.startswith("list:"):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where} = {value!r}: expected a list")
+        inner = kind[5:]
+        return [_check_value(f"{where}[{i}]", inner, v) for i, v in enumerate(value)]
+    assert kind == "dict", kind
+    _check_plain(where, value, 0)
+    return value
+
+
+def _check_plain(where: str, value: Any, depth: int) -> None:
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"{where}: nested deeper than {_MAX_DEPTH}")
+    if value is None or isinstance(value, (bool, float, str, bytes)):
+        return
+    if isinstance(value, int):
+        if not INT_MIN <= value <= INT_MAX:
+            raise ValueError(f"{where} = {value!r}: outside the 64-bit range")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_plain(f"{where}[{i}]", v, depth + 1)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{where}: key {k!r} is not a str")
+            _check_plain(f"{where}[{k!r}]", v, depth + 1)
+    else:
+        raise ValueError(f"{where} = {value!r}: {type(value).__name__} is not msgpack-able")
+
+
+def encode(msg: Message) -> list[bytes | memoryview]:
+    """Frames for ``msg``: the msgpack header, then one zero-copy memoryview per tensor.
+
+    Do not modify the tensors in place until the frames are sent. Raises ValueError
+    naming the field if a value cannot travel (wrong type, int outside 64 bits,
+    unsupported dtype).
+    """
+    cls = type(msg)
+    if _REGISTRY.get(getattr(cls, "TAG", "")) is not cls:
+        raise ValueError(f"{cls.__name__} is not a registered message class")
+    header: dict[str, Any] = {"t": cls.TAG, "v": PROTOCOL_VERSION}
+    entries: list[list[Any]] = []
+    frames: list[bytes | memoryview] = [b""]
+    for name, kind in cls.KINDS.items():
+        value = getattr(msg, name)
+        where = f"{cls.__name__}.{name}"
+        if kind == "tensor":
+            dtype, shape, raw = tensor_to_frame(where, value)
+            entries.append([name, None, dtype, shape, raw.nbytes])
+            frames.append(raw)
+        elif kind == "tensors":
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}: expected a dict of tensors")
+            for key, t in value.items():
+                if not isinstance(key, str):
+                    raise ValueError(f"{where}: key {key!r} is not a str")
+                dtype, shape, raw = tensor_to_frame(f"{where}[{key!r}]", t)
+                entries.append([name, key, dtype, shape, raw.nbytes])
+                frames.append(raw)
+        else:
+            header[name] = _check_value(where, kind, value)
+    header["_tensors"] = entries
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _decoded_ok(kind: str, value: Any) -> bool:
+    if kind == "int":
+        return type(value) is int
+    if kind == "float":
+        return type(value) in (float, int)
+    if kind in _EXACT:
+        return type(value) is _EXACT[kind]
+    if kind.startswith("list:"):
+        return type(value) is list and all(_decoded_ok(kind[5:], v) for v in value)
+    return type(value) is dict and _plain_ok(value, 0)
+
+
+def _plain_ok(value: Any, depth: int) -> bool:
+    """msgpack allows bytes map keys; JSONDict keys must be str, and nesting is bounded."""
+    if depth > _MAX_DEPTH:
+        return False
+    if type(value) is dict:
+        return all(type(k) is str and _plain_ok(v, depth + 1) for k, v in value.items())
+    if type(value) is list:
+        return all(_plain_ok(v, depth + 1) for v in value)
+    return True
+
+
+def decode(frames: Sequence[Any], *, max_frame_bytes: int,
+           max_frames: int = DEFAULT_MAX_FRAMES,
+           max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> Message:
+    """Rebuild a message from frames (bytes, memoryview or zmq.Frame) without copying tensors.
+
+    Raises only :class:`ProtocolError` (:class:`VersionMismatch` for another protocol
+    version). Decoded tensors share memory with the frames.
+    """
+    try:
+        return _decode(frames, max_frame_bytes, max_frames, max_header_bytes)
+    except ProtocolError:
+        raise
+    except Exception as e:  # the contract is one exception type, whatever hostile bytes trip
+        raise ProtocolError(f"undecodable message: {type(e).__name__}: {e}") from e
+
+
+def _decode(frames: Sequence[Any], max_frame_bytes: int, max_frames: int,
+            max_header_bytes: int) -> Message:
+    if not 1 <= len(frames) <= max_frames:
+        raise ProtocolError(f"{len(frames)} frames; expected 1 to {max_frames}", reason="frames")
+    views = [as_buffer(f) for f in frames]
+    for i, v in enumerate(views):
+        if len(v) > max_frame_bytes:
+            raise ProtocolError(f"frame {i} has {len(v)} bytes, over the {max_frame_bytes}-byte "
+                                "limit", reason="too_large")
+    if len(views[0]) > max_header_bytes:
+        raise ProtocolError(f"header has {len(views[0])} bytes, over {max_header_bytes}",
+                            reason="too_large")
+    limit = len(views[0])
+    try:
+        header = msgpack.unpackb(
+            views[0], raw=False, strict_map_key=True, use_list=True,
+            max_str_len=limit, max_bin_len=limit, max_ext_len=0,
+            max_array_len=min(limit, _MAX_CONTAINER_LEN),
+            max_map_len=min(limit, _MAX_CONTAINER_LEN))
+    except Exception as e:
+        raise ProtocolError(f"header is not msgpack: {type(e).__name__}: {e}",
+                            reason="header") from e
+    if type(header) is not dict:
+        raise ProtocolError(f"header is a {type(header).__name__}, not a map", reason="header")
+    version = header.pop("v", None)
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise VersionMismatch(version, PROTOCOL_VERSION)
+    tag = header.pop("t", None)
+    cls = _REGISTRY.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message tag {tag!r:.80}", reason="tag")
+    entries = header.pop("_tensors", None)
+    if type(entries) is not list or len(entries) != len(views) - 1:
+        have = len(entries) if type(entries) is list else "no list of"
+        raise ProtocolError(f"{cls.__name__}: header lists {have} tensors, message has "
+                            f"{len(views) - 1} tensor frames", reason="frames")
+    kinds = cls.KINDS
+    fields: dict[str, Any] = {n: {} for n, k in kinds.items() if k == "tensors"}
+    for entry, view in zip(entries, views[1:]):
+        ok = type(entry) is list and len(entry) == 5
+        name, key = (entry[0], entry[1]) if ok else (None, None)
+        kind = kinds.get(name) if isinstance(name, str) else None
+        where = f"{cls.__name__}.{name}"
+        if kind == "tensor" and key is None and name not in fields:
+            fields[name] = frame_to_tensor(where, *entry[2:], view,
+                                           max_frame_bytes=max_frame_bytes)
+        elif kind == "tensors" and isinstance(key, str) and key not in fields[name]:
+            fields[name][key] = frame_to_tensor(f"{where}[{key!r}]", *entry[2:], view,
+                                                max_frame_bytes=max_frame_bytes)
+        else:
+            raise ProtocolError(f"{cls.__name__}: bad or repeated tensor entry {entry!r:.200}",
+                                reason="tensor")
+    for name, value in header.items():
+        kind = kinds.get(name)
+        if kind is None or kind in ("tensor", "tensors"):
+            raise ProtocolError(f"{cls.__name__}: unexpected field {name!r:.80}", reason="field")
+        if not _decoded_ok(kind, value):
+            raise ProtocolError(f"{cls.__name__}.{name} = {value!r:.200}: expected {kind}",
+                                reason="field")
+        if kind == "float":
+            value = float(value)
+        elif kind == "list:float":
+            value = [float(v) for v in value]
+        fields[name] = value
+    missing = [n for n in kinds if n not in fields]
+    if missing:
+        raise ProtocolError(f"{cls.__name__}: missing fields {', '.join(missing)}", reason="field")
+    return cls(**fields)
+
+
+# ---------------------------------------------------------------- equality for tests and checks
+
+
+def _values_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and tensors_equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(_values_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+def messages_equal(a: Message, b: Message) -> bool:
+    """Field-wise equality, tensors compared bit for bit (dataclass ``==`` is ambiguous on them)."""
+    if type(a) is not type(b):
+        return False
+    return all(_values_equal(getattr(a, f), getattr(b, f)) for f in type(a).KINDS)

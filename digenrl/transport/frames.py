@@ -1,0 +1,114 @@
+"""Tensors <-> raw ZeroMQ frames, without copies, and checks that come before any allocation.
+
+A tensor travels as its bytes; the header (see :mod:`digenrl.transport.codec`) carries
+``[dtype, shape, nbytes]``. Sending uses a uint8 memoryview of the tensor's own storage
+(bfloat16 has no buffer-protocol format, and bytes are what travel anyway); receiving
+uses ``torch.frombuffer`` over the received frame, then ``.view(dtype)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import warnings
+from typing import Any
+
+import msgpack
+import torch
+
+from digenrl.transport.errors import ProtocolError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+"""Wire name -> dtype for every dtype a tensor frame may carry."""
+
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+MAX_NDIM = 16
+
+
+def tensor_to_frame(where: str, t: Any) -> tuple[str, list[int], memoryview]:
+    """(dtype name, shape, bytes view) of ``t``; ``where`` names the field in errors.
+
+    The view shares the tensor's memory when it is a contiguous CPU tensor (the common
+    case); otherwise a contiguous CPU copy is made first.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{where} = {type(t).__name__}: expected a torch.Tensor")
+    name = DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise ValueError(f"{where}: dtype {t.dtype} is not one of {', '.join(DTYPES)}")
+    t = t.detach().cpu().contiguous()
+    return name, list(t.shape), t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def as_buffer(frame: Any) -> memoryview:
+    """A flat byte view of bytes, bytearray, memoryview or zmq.Frame, without copying."""
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    view = memoryview(buf if buf is not None else frame)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    return view
+
+
+def frame_to_tensor(where: str, dtype_name: Any, shape: Any, nbytes: Any, frame: memoryview,
+                    *, max_frame_bytes: int) -> torch.Tensor:
+    """Rebuild a tensor over ``frame`` after checking the declared description against it.
+
+    Every check runs on the header's numbers (in Python ints, so no overflow) before a
+    tensor object exists; the result shares memory with ``frame``.
+    """
+    dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
+        raise ProtocolError(f"{where}: unknown dtype {dtype_name!r:.80}", reason="tensor")
+    if not (type(shape) is list and len(shape) <= MAX_NDIM
+            and all(type(d) is int and d >= 0 for d in shape)):
+        raise ProtocolError(f"{where}: bad shape {shape!r:.200}", reason="tensor")
+    if type(nbytes) is not int:
+        raise ProtocolError(f"{where}: bad nbytes {nbytes!r:.80}", reason="tensor")
+    expected = math.prod(shape) * dtype.itemsize
+    if expected > max_frame_bytes:
+        raise ProtocolError(f"{where}: shape {shape} {dtype_name} needs {expected} bytes, "
+                            f"over the {max_frame_bytes}-byte frame limit", reason="too_large")
+    if nbytes != expected or len(frame) != expected:
+        raise ProtocolError(f"{where}: shape {shape} {dtype_name} needs {expected} bytes, header "
+                            f"says {nbytes}, frame has {len(frame)}", reason="tensor")
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)  # frombuffer refuses empty buffers
+    if frame.readonly:
+        # bytes input (tests, files): torch warns that the tensor cannot be made read-only.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(frame, dtype=torch.uint8)
+    else:
+        flat = torch.frombuffer(frame, dtype=torch.uint8)
+    if dtype is torch.bool and bool((flat > 1).any()):
+        # torch assumes bools are 0 or 1; other bytes give undefined results downstream.
+        raise ProtocolError(f"{where}: bool tensor holds bytes other than 0 and 1", reason="tensor")
+    return flat.view(dtype).reshape(shape)
+
+
+def tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (so NaN payloads and -0.0 compare as the bits they are)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                       b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def tensor_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """blake2b hex digest over names, dtypes, shapes and bytes, in sorted name order."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        meta = msgpack.packb([name, str(t.dtype), list(t.shape)])
+        h.update(len(meta).to_bytes(4, "little"))  # length prefix: no name/shape ambiguity
+        h.update(meta)
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
