@@ -264,7 +264,8 @@ def test_unit_exec_start_is_accepted_by_the_node_cli(name: str) -> None:
     assert len(exec_start) == 1, name
     argv = _node_argv_from_exec_start(exec_start[0], instance="3")
     if "trainer" in name:
-        assert f"tcp://{ENV_EXAMPLE['DIGENRL_HOST']}:5603" in argv and "--rank" in argv
+        assert argv[argv.index("--rank") + 1] == "3"
+        assert argv[argv.index("--bind") + 1] == ENV_EXAMPLE["DIGENRL_TRAINER_BIND"]
     _assert_node_cli_accepts(argv)
 
 
@@ -329,6 +330,7 @@ def test_supervisor_config_parses_with_supervisors_own_parser(tmp_path: Path, mo
     assert procs["digenrl-rollout-2"].environment["CUDA_VISIBLE_DEVICES"] == "2"
     assert procs["digenrl-coordinator"].environment["CUDA_VISIBLE_DEVICES"] == ""
     trainer_argv = shlex.split(procs["digenrl-trainer-1"].command)
-    assert trainer_argv[trainer_argv.index("--bind") + 1] == f"tcp://{env['DIGENRL_HOST']}:5601"
+    assert trainer_argv[trainer_argv.index("--rank") + 1] == "1"
+    assert trainer_argv[trainer_argv.index("--bind") + 1] == env["DIGENRL_TRAINER_BIND"]
     for p in procs.values():
         _assert_node_cli_accepts(shlex.split(p.command))
