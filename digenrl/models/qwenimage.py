@@ -15,9 +15,10 @@ from digenrl.models.adapter import DiffusersFlowModel
 from digenrl.models.base import Cond
 from digenrl.models.packing import pack_2x2, unpack_2x2
 
-#: Tiny Qwen-Image: latent 12x16x16 packed into 64 tokens of 48 features.
+#: Tiny Qwen-Image: latent 12x16x16 packed into 64 tokens of 48 features; 2 layers, because the
+#: last block's text stream feeds nothing and a 1-layer model would never train its text path.
 TINY_QWENIMAGE = dict(
-    patch_size=2, in_channels=48, out_channels=12, num_layers=1, attention_head_dim=16,
+    patch_size=2, in_channels=48, out_channels=12, num_layers=2, attention_head_dim=16,
     num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
 )
 

@@ -1,0 +1,268 @@
+"""The diffusers adapters on tiny random configs of the real model classes (CPU, 1 thread)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from digenrl.config import ModelConfig, SamplerConfig
+from digenrl.models import (
+    TINY_CONFIGS,
+    FlowModel,
+    HashPromptEncoder,
+    ModelFolderError,
+    NoAdapterError,
+    PixelDecoder,
+    SyncStateError,
+    build_model,
+    encode_images,
+)
+from digenrl.rl.sampler import rollout, seeded_generators
+from digenrl.rl.sde import sde_step
+
+FAMILIES = ["sd3", "flux", "qwenimage", "wan", "hunyuanvideo"]
+PROMPTS = ["a red circle", "a blue square", "a green triangle on the left", ""]
+# The last block's text stream feeds nothing (its text output is dropped), so these may get no gradient.
+TEXT_STREAM = re.compile(r"add_|txt_|norm_added")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(family: str, **kw) -> FlowModel:
+    return build_model(ModelConfig(family=family, path="random", **kw), seed=0)
+
+
+def latents(model: FlowModel, batch: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(batch, *model.latent_shape, generator=torch.Generator().manual_seed(seed))
+
+
+def perturb_lora(model: FlowModel, seed: int = 3) -> None:
+    """LoRA starts with B = 0 (a no-op); give it weights so enabling it changes the output."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recomputed_log_probs_of_a_rollout_give_ratio_exactly_one(family):
+    model = tiny(family)
+    cond = model.encode_prompts(PROMPTS)
+    cfg = SamplerConfig(num_steps=3, noise_level=0.7)
+    records = list(rollout(model, cond, generator=seeded_generators([10, 11, 12, 13]), sampler_cfg=cfg))
+    assert len(records) == 3
+    sigma_max = records[1].sigma
+    for rec in records:
+        v = model.velocity(rec.x_t, torch.full((4,), rec.sigma), cond)  # grad enabled, as in training
+        new = sde_step("sde", rec.x_t, v, rec.sigma, rec.sigma_next, noise_level=cfg.noise_level,
+                       eta=cfg.eta, sigma_max=sigma_max, x_next=rec.x_next).log_prob
+        assert torch.isfinite(new).all()
+        assert new.requires_grad
+        assert torch.equal(torch.exp(new - rec.log_prob), torch.ones(4))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_backward_gives_finite_nonzero_gradients_on_trainable_parameters(family):
+    model = tiny(family)
+    v = model.velocity(latents(model, 2), torch.tensor([0.9, 0.4]), model.encode_prompts(PROMPTS[:2]))
+    assert v.dtype == torch.float32 and v.shape == (2, *model.latent_shape)
+    v.pow(2).mean().backward()
+    params = dict(model.transformer.named_parameters())
+    assert {id(p) for p in model.trainable_parameters()} == {id(p) for p in params.values()}
+    silent = [n for n, p in params.items() if p.grad is None or not p.grad.any()]
+    assert all(TEXT_STREAM.search(n) for n in silent), silent
+    assert len(silent) < 0.2 * len(params)
+    assert all(torch.isfinite(p.grad).all() for p in params.values() if p.grad is not None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_saved_model_reloads_with_identical_velocity(family, tmp_path):
+    model = tiny(family)
+    x, cond = latents(model, 2), model.encode_prompts(PROMPTS[:2])
+    model.save(tmp_path)
+    assert (tmp_path / "config.json").exists()
+    reloaded = build_model(ModelConfig(family=family, path=str(tmp_path)), seed=99)
+    assert reloaded.latent_shape == model.latent_shape
+    with torch.no_grad():
+        assert torch.equal(reloaded.velocity(x, 0.6, cond), model.velocity(x, 0.6, cond))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_trains_only_the_adapter_and_disabling_it_gives_the_base_model(family, tmp_path):
+    base, lora = tiny(family), tiny(family, lora_rank=2)
+    perturb_lora(lora)
+    names = [n for n, p in lora.transformer.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    assert sum(1 for _ in lora.trainable_parameters()) == len(names)
+    x, cond = latents(base, 2), base.encode_prompts(PROMPTS[:2])
+    with torch.no_grad():
+        v_base, v_lora = base.velocity(x, 0.5, cond), lora.velocity(x, 0.5, cond)
+        with lora.adapter_disabled():
+            v_ref = lora.velocity(x, 0.5, cond)
+        assert torch.equal(lora.velocity(x, 0.5, cond), v_lora)  # re-enabled on exit
+    assert not torch.allclose(v_lora, v_base)
+    assert torch.equal(v_ref, v_base)
+
+    sd = lora.sync_state_dict()
+    assert sd and all("lora_" in k for k in sd)
+    peer = tiny(family, lora_rank=2)
+    peer.load_sync_state_dict(sd)
+    lora.save(tmp_path)
+    reloaded = build_model(ModelConfig(family=family, path=str(tmp_path), lora_rank=2), seed=5)
+    with torch.no_grad():
+        assert torch.equal(peer.velocity(x, 0.5, cond), v_lora)
+        assert torch.equal(reloaded.velocity(x, 0.5, cond), v_lora)
+
+
+def test_sync_state_dict_with_wrong_keys_is_rejected_naming_them():
+    model = tiny("sd3", lora_rank=2)
+    sd = model.sync_state_dict()
+    missing = sorted(sd)[0]
+    del sd[missing]
+    with pytest.raises(SyncStateError, match=re.escape(missing)):
+        model.load_sync_state_dict(sd)
+
+
+def test_full_finetune_sync_state_dict_round_trips_all_parameters():
+    src, dst = tiny("sd3"), build_model(ModelConfig(family="sd3", path="random"), seed=1)
+    x, cond = latents(src, 2), src.encode_prompts(PROMPTS[:2])
+    sd = src.sync_state_dict()
+    assert set(sd) == set(src.transformer.state_dict())
+    dst.load_sync_state_dict(sd)
+    with torch.no_grad():
+        assert torch.equal(dst.velocity(x, 0.3, cond), src.velocity(x, 0.3, cond))
+
+
+def test_adapter_disabled_without_lora_raises():
+    with pytest.raises(NoAdapterError, match="lora_rank=0"), tiny("sd3").adapter_disabled():
+        pass
+
+
+def test_default_tiny_sd3_is_rgb_32x32_pixel_unshuffled():
+    model = tiny("sd3")
+    assert TINY_CONFIGS["sd3"]["in_channels"] == 12
+    assert model.latent_shape == (12, 16, 16)
+    img = model.decode(latents(model, 3))
+    assert img.dtype == torch.uint8 and img.shape == (3, 3, 32, 32)
+
+
+def test_random_init_depends_on_seed_and_leaves_global_rng_alone():
+    state = torch.get_rng_state()
+    a = build_model(ModelConfig(family="sd3", path="random"), seed=0)
+    assert torch.equal(torch.get_rng_state(), state)
+    b = build_model(ModelConfig(family="sd3", path="random"), seed=0)
+    c = build_model(ModelConfig(family="sd3", path="random"), seed=1)
+    wa, wb, wc = (m.transformer.proj_out.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    plain, ckpt = tiny("sd3"), tiny("sd3", gradient_checkpointing=True)
+    x, cond = latents(plain, 2), plain.encode_prompts(PROMPTS[:2])
+    for m in (plain, ckpt):
+        m.transformer.train()
+        m.velocity(x, 0.5, cond).pow(2).mean().backward()
+    g1, g2 = plain.transformer.proj_out.weight.grad, ckpt.transformer.proj_out.weight.grad
+    assert torch.allclose(g1, g2, atol=1e-6)
+
+
+def test_bfloat16_model_returns_float32_velocity():
+    model = tiny("sd3", dtype="bfloat16")
+    assert model.transformer.dtype == torch.bfloat16
+    v = model.velocity(latents(model, 2), 0.5, model.encode_prompts(PROMPTS[:2]))
+    assert v.dtype == torch.float32 and torch.isfinite(v).all()
+
+
+def test_missing_builtin_folder_error_names_the_folder():
+    with pytest.raises(ModelFolderError, match="base-flux-tiny"):
+        build_model(ModelConfig(family="flux", path="builtin"))
+
+
+def test_folder_without_a_config_is_rejected(tmp_path):
+    with pytest.raises(ModelFolderError, match=r"config\.json"):
+        build_model(ModelConfig(family="sd3", path=str(tmp_path)))
+
+
+def test_pipeline_folder_decodes_with_its_vae(tmp_path):
+    from diffusers import AutoencoderKL
+
+    model = tiny("sd3")
+    model.transformer.save_pretrained(tmp_path / "transformer")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=12, block_out_channels=(8, 8),
+                            down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                            norm_num_groups=4, layers_per_block=1)
+    vae.save_pretrained(tmp_path / "vae")
+    loaded = build_model(ModelConfig(family="sd3", path=str(tmp_path)))
+    x = latents(loaded, 2)
+    img = loaded.decode(x)
+    assert img.dtype == torch.uint8 and img.shape == (2, 3, 32, 32)  # one 2x downsampling stage
+    with torch.no_grad():
+        ref = vae.decode(x / vae.config.scaling_factor).sample
+    assert torch.equal(img, ((ref.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8))
+
+
+# -- prompts -------------------------------------------------------------------------------------
+def test_hash_encoder_gives_different_words_different_embeddings():
+    enc = HashPromptEncoder(dim=32, pooled_dim=32, max_tokens=8, seed=0)
+    out = enc(["a red circle", "a blue circle", "a red square", "A  Red, circle!"])
+    e, p = out["prompt_embeds"], out["pooled_embeds"]
+    assert not torch.equal(e[0], e[1]) and not torch.equal(e[0], e[2])
+    assert not torch.allclose(p[0], p[1]) and not torch.allclose(p[0], p[2])
+    assert torch.equal(e[0], e[3]) and torch.equal(p[0], p[3])  # case and punctuation do not matter
+    assert out["prompt_mask"][0].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert not e[0, 3:].any()
+
+
+def test_hash_encoder_is_deterministic_per_seed_and_truncates():
+    a = HashPromptEncoder(16, 8, max_tokens=2, seed=0)(["one two three"])
+    b = HashPromptEncoder(16, 8, max_tokens=2, seed=0)(["one two three"])
+    c = HashPromptEncoder(16, 8, max_tokens=2, seed=1)(["one two three"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["prompt_embeds"], c["prompt_embeds"])
+    assert a["prompt_embeds"].shape == (1, 2, 16) and a["prompt_mask"].tolist() == [[1, 1]]
+    empty = HashPromptEncoder(16, 8)([""])
+    assert not empty["prompt_embeds"].any() and not empty["prompt_mask"].any()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_prompt_changes_the_velocity(family):
+    model = tiny(family)
+    x = latents(model, 1).repeat(2, *(1,) * len(model.latent_shape))
+    with torch.no_grad():
+        v = model.velocity(x, 0.5, model.encode_prompts(["a red circle", "a blue square"]))
+    assert not torch.allclose(v[0], v[1])
+
+
+# -- pixels --------------------------------------------------------------------------------------
+def test_pixel_decoder_inverts_encode_images_exactly():
+    images = torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    z = encode_images(images)
+    assert z.shape == (3, 12, 16, 16) and z.min() >= -1 and z.max() <= 1
+    assert torch.equal(PixelDecoder(12)(z), images)
+
+
+def test_video_frames_are_tiled_left_to_right():
+    frames = torch.randint(0, 256, (2, 2, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    z = torch.stack([encode_images(frames[:, f]) for f in range(2)], dim=2)  # (B, C, F, H, W)
+    img = PixelDecoder(12)(z)
+    assert img.shape == (2, 3, 16, 32)
+    assert torch.equal(img[..., :16], frames[:, 0]) and torch.equal(img[..., 16:], frames[:, 1])
+
+
+def test_latents_that_are_not_3rr_channels_decode_through_a_fixed_projection():
+    z = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    a, b = PixelDecoder(16)(z), PixelDecoder(16)(z)
+    assert a.shape == (2, 3, 8, 8) and a.dtype == torch.uint8 and torch.equal(a, b)
+    with pytest.raises(ValueError, match="channels=16"):
+        encode_images(a, channels=16)
