@@ -1,0 +1,215 @@
+"""Per-step metrics: one typed record, one writer, one file that documents every key.
+
+The trainer (rank 0) reduces a step's numbers into a :class:`StepMetrics` and hands it to a
+:class:`MetricsWriter`, which appends one JSON line to ``run_dir/metrics.jsonl`` (flushed
+per line, so ``tail -f`` and a crashed run both see every finished step) and, when the
+optional ``metrics`` extra is installed, the same scalars to TensorBoard under
+``run_dir/tb``. Every key a record can produce is documented in ``docs/metrics.md``;
+:func:`documented_keys` parses that file so a test can hold the two together.
+
+Busy fractions come from :func:`digenrl.telemetry.trace.busy_fraction` over the step's
+window, the same function the report applies to ``trace.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+__all__ = ["DOCS_PATH", "MetricsWriter", "MissingExtraError", "StepMetrics", "documented_keys",
+           "is_documented", "read_metrics", "start_prometheus"]
+
+DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+# Dict-valued fields become one key per entry: busy={"trainer-0": .9} -> "busy/trainer-0".
+_PER_NODE = ("busy", "gpu_util", "gpu_mem_used_mb")
+
+_log = structlog.get_logger(__name__)
+
+
+class MissingExtraError(ImportError):
+    """An optional feature was asked for but its package is not installed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMetrics:
+    """What one optimizer step did. Meanings and units: docs/metrics.md."""
+
+    step: int
+    policy_version: int
+    wall_time: float
+    step_seconds: float
+    samples_per_s: float
+    reward_mean: float
+    reward_std: float
+    loss: float
+    kl: float
+    clipfrac: float
+    ratio_max_dev: float
+    grad_norm: float
+    max_staleness: int
+    mean_staleness: float
+    zero_adv_groups: int
+    trained: int
+    discarded: int
+    busy: dict[str, float] = field(default_factory=dict)
+    gpu_util: dict[str, float] = field(default_factory=dict)
+    gpu_mem_used_mb: dict[str, float] = field(default_factory=dict)
+
+    def to_record(self) -> dict[str, Any]:
+        """The flat JSON-line form: scalars as they are, per-node dicts as ``name/<node>``."""
+        record: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _PER_NODE:
+                record.update({f"{f.name}/{node}": float(v) for node, v in sorted(value.items())})
+            else:
+                record[f.name] = value
+        return record
+
+
+class MetricsWriter:
+    """Appends :class:`StepMetrics` to ``run_dir/metrics.jsonl`` (and TensorBoard if present).
+
+    ``tensorboard=True`` uses ``torch.utils.tensorboard`` when the ``tensorboard`` package
+    is importable and logs once (``tensorboard_unavailable``) when it is not.
+    """
+
+    def __init__(self, run_dir: Path | str, *, tensorboard: bool = True) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            if importlib.util.find_spec("tensorboard") is None:
+                _log.info("tensorboard_unavailable", hint="pip install 'digenrl[metrics]'",
+                          path=str(self.path))
+            else:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+
+    def write(self, metrics: StepMetrics) -> dict[str, Any]:
+        """Append one step; returns the record written."""
+        record = metrics.to_record()
+        # NaN/inf stay visible (a diverged loss must not read as "missing"); Python's json
+        # reads them back.
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._tb.add_scalar(key, value, global_step=metrics.step)
+            self._tb.flush()
+        return record
+
+    def close(self) -> None:
+        """Close the file (and the TensorBoard writer)."""
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
+    """The records of ``run_dir/metrics.jsonl`` in order (a torn last line is ignored)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+# ----------------------------------------------------------------------------- documentation
+
+_DOC_KEY = re.compile(r"^\|\s*`([^`]+)`\s*\|")
+
+
+def documented_keys(path: Path | str = DOCS_PATH) -> set[str]:
+    """Keys documented in docs/metrics.md: the backticked first cell of each table row
+    between the ``<!-- keys:begin -->`` and ``<!-- keys:end -->`` markers.
+
+    Per-node keys are written with a placeholder, e.g. ``busy/<node>``.
+    """
+    keys: set[str] = set()
+    inside = False
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip() == "<!-- keys:begin -->":
+            inside = True
+        elif line.strip() == "<!-- keys:end -->":
+            inside = False
+        elif inside and (m := _DOC_KEY.match(line)):
+            keys.add(m.group(1))
+    if not keys:
+        raise ValueError(f"{path}: no documented metric keys between the keys:begin/end markers")
+    return keys
+
+
+def is_documented(key: str, documented: Iterable[str]) -> bool:
+    """Whether ``key`` is documented, where ``name/<node>`` matches ``name/`` + any node id."""
+    for doc in documented:
+        if key == doc:
+            return True
+        prefix, sep, rest = doc.partition("/<")
+        if sep and rest.endswith(">") and key.startswith(prefix + "/") and len(key) > len(prefix) + 1:
+            return True
+    return False
+
+
+# ----------------------------------------------------------------------------- prometheus
+
+
+def _prometheus_name(key: str) -> tuple[str, dict[str, str]]:
+    name, _, node = key.partition("/")
+    return "digenrl_" + re.sub(r"[^a-zA-Z0-9_]", "_", name), ({"node": node} if node else {})
+
+
+def start_prometheus(port: int, registry_fn: Callable[[], Mapping[str, float]], *,
+                     addr: str = "127.0.0.1") -> Any:
+    """Serve the latest metrics on ``http://addr:port/metrics`` for Prometheus to scrape.
+
+    ``registry_fn`` returns the current record (e.g. the last ``StepMetrics.to_record()``);
+    it is called on every scrape. ``busy/<node>`` becomes ``digenrl_busy{node="..."}``.
+    Needs ``prometheus-client`` (``pip install 'digenrl[metrics]'``); raises
+    :class:`MissingExtraError` otherwise. Returns what ``start_http_server`` returns.
+    """
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise MissingExtraError(
+            f"start_prometheus(port={port}) needs prometheus-client, which is not installed: "
+            "pip install 'digenrl[metrics]'")
+    import prometheus_client
+    from prometheus_client.core import GaugeMetricFamily
+
+    class _Collector:
+        def collect(self) -> Iterable[Any]:
+            families: dict[str, Any] = {}
+            for key, value in registry_fn().items():
+                if not isinstance(value, int | float) or isinstance(value, bool):
+                    continue
+                name, labels = _prometheus_name(key)
+                if name not in families:
+                    families[name] = GaugeMetricFamily(
+                        name, f"digenrl metric {key.partition('/')[0]} (docs/metrics.md)",
+                        labels=list(labels))
+                families[name].add_metric(list(labels.values()), float(value))
+            yield from families.values()
+
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(_Collector())
+    return prometheus_client.start_http_server(port, addr=addr, registry=registry)
