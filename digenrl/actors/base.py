@@ -1,0 +1,110 @@
+"""What every actor shares: one TaskGroup, heartbeats, structured shutdown, a bound logger.
+
+An actor is a coroutine ``main()`` plus background loops. ``run()`` runs them in one
+``asyncio.TaskGroup``; when ``main()`` returns, the background loops are cancelled and the
+sockets closed. An exception in any of them propagates (never swallowed) and ends the actor.
+
+| blocking call             | waits for                         | unblocked by                    |
+|---------------------------|-----------------------------------|---------------------------------|
+| ``wait_stopped()``        | shutdown requested                | ``request_stop()``, Shutdown msg |
+| socket ``recv()``         | a peer's message                  | peer send, or cancellation       |
+| ``asyncio.to_thread(...)``| torch work off the event loop     | the work finishing              |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from digenrl.telemetry.trace import SpanRecorder
+
+
+@dataclass
+class BusyClock:
+    """Cumulative busy seconds of one process, from the same spans the trace records."""
+
+    started: float = field(default_factory=time.monotonic)
+    busy_s: float = 0.0
+
+    def stats(self) -> dict[str, float]:
+        return {"busy_s": self.busy_s, "wall_s": time.monotonic() - self.started}
+
+
+class Actor:
+    """Base of coordinator, rollout and trainer actors."""
+
+    role = "actor"
+
+    def __init__(self, *, node_id: str, recorder: SpanRecorder, log: Any) -> None:
+        self.node_id = node_id
+        self.recorder = recorder
+        self.log = log
+        self.busy = BusyClock()
+        self._stop = asyncio.Event()
+        self.stop_reason = ""
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def request_stop(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self.stop_reason = reason
+            self.log.info("stopping", reason=reason)
+            self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    async def wait_stopped(self) -> None:
+        await self._stop.wait()
+
+    async def main(self) -> None:
+        raise NotImplementedError
+
+    def background(self) -> list[Callable[[], Awaitable[None]]]:
+        return []
+
+    async def close(self) -> None:
+        """Release sockets; called once after the task group ends."""
+
+    async def run(self) -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                main = tg.create_task(self.main(), name=f"{self.node_id}:main")
+                loops = [tg.create_task(fn(), name=f"{self.node_id}:{fn.__name__}")
+                         for fn in self.background()]
+                await main
+                for t in loops:
+                    t.cancel()
+        finally:
+            await self.close()
+
+    # -- work accounting ------------------------------------------------------------------
+    @contextmanager
+    def working(self, name: str, **args: Any) -> Iterator[None]:
+        """A busy span: recorded in the trace and counted in the busy fraction."""
+        t0 = time.monotonic()
+        with self.recorder.span(name, **args):
+            try:
+                yield
+            finally:
+                self.busy.busy_s += time.monotonic() - t0
+
+    async def in_thread(self, name: str, fn: Callable[..., Any], *a: Any, **args: Any) -> Any:
+        """Run torch work off the event loop, as a busy span."""
+        with self.working(name, **args):
+            return await asyncio.to_thread(fn, *a)
+
+
+def default_node_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def incarnation() -> int:
+    """A per-process number that grows across restarts (fencing of zombie messages)."""
+    return time.time_ns() // 1000

@@ -1,0 +1,190 @@
+"""Coordinator: drives the sans-I/O scheduler with real sockets; records the run.
+
+    nodes --Hello/Heartbeat/Commit/Consumed/VersionAnnounce/StepDone/TagOffer--> [ROUTER control]
+    [ROUTER control] --Welcome/Assign/Revoke/VersionAnnounce/Shutdown--> nodes
+    [PUB] --VersionAnnounce/Shutdown--> rollouts (small state only; re-sent on heartbeats)
+
+| blocking call          | waits for                        | unblocked by                       |
+|------------------------|----------------------------------|------------------------------------|
+| control ``recv()``     | any node's message               | nodes                              |
+| tick loop sleep        | the next lease/liveness check    | the clock (heartbeat_s / 2)        |
+| ``wait_stopped()``     | the last step's version          | trainer rank 0's StepDone          |
+
+Trainers are welcomed once all ``cluster.trainers`` ranks said Hello (they need the
+torch.distributed rendezvous); rollouts once the trainers' data endpoints are known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from digenrl.actors.base import Actor
+from digenrl.config import Config, to_toml
+from digenrl.learner import step_metrics
+from digenrl.protocol import (
+    Assign,
+    Commit,
+    Consumed,
+    Heartbeat,
+    Hello,
+    Revoke,
+    Shutdown,
+    StepDone,
+    TagOffer,
+    VersionAnnounce,
+    Welcome,
+)
+from digenrl.scheduler import AssignCmd, RevokeCmd, Scheduler, ShutdownCmd
+
+
+class CoordinatorActor(Actor):
+    role = "coordinator"
+
+    def __init__(self, *, cfg: Config, scheduler: Scheduler, control: Any, pub: Any, prompts: list[str],
+                 run_dir: Path, dist_endpoint: str, metrics: Any, progress: Any = None,
+                 expected_trainers: int, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.cfg = cfg
+        self.sched = scheduler
+        self.control = control
+        self.pub = pub
+        self.prompts = prompts
+        self.run_dir = run_dir
+        self.dist_endpoint = dist_endpoint
+        self.metrics = metrics
+        self.progress = progress
+        self.expected_trainers = expected_trainers
+        self.nodes: dict[str, dict[str, Any]] = {}          # node_id -> {role, peer, rank, endpoint}
+        self.waiting_rollouts: list[tuple[bytes, Hello]] = []
+        self.trainers: dict[int, dict[str, Any]] = {}
+        self.latest_announce: VersionAnnounce | None = None
+        self.busy_last: dict[str, tuple[float, float]] = {}
+        self.busy_step: dict[str, float] = {}
+        self.busy_total: dict[str, tuple[float, float]] = {}
+        self.staleness_hist: dict[str, int] = {}
+        self.t0 = time.perf_counter()
+        self.step_samples = 0
+
+    def background(self) -> list[Any]:
+        return [self._tick_loop]
+
+    async def main(self) -> None:
+        while not self.stopping:
+            peer, msg = await self.control.recv()
+            await self._handle(peer, msg)
+        # tell everyone, by both paths (PUB may drop for a slow joiner)
+        await self._shutdown_all(self.stop_reason or "done")
+
+    # ------------------------------------------------------------------ messages
+    async def _handle(self, peer: bytes, msg: Any) -> None:
+        now = time.monotonic()
+        if isinstance(msg, Hello):
+            await self._hello(peer, msg, now)
+        elif isinstance(msg, Heartbeat):
+            self._record_busy(msg)
+            await self._run(self.sched.heartbeat(msg.node_id, now))
+            la = self.latest_announce
+            if la is not None and msg.policy_version < la.version and self.nodes.get(msg.node_id, {}).get("role") == "rollout":
+                await self.control.send(la, to=peer)  # a missed announcement, caught up
+        elif isinstance(msg, Commit):
+            self.staleness_hist[str(msg.step - msg.policy_version)] = \
+                self.staleness_hist.get(str(msg.step - msg.policy_version), 0) + len(msg.rewards)
+            await self._run(self.sched.fragment_committed(msg.task_id, msg.node_id, msg.policy_version,
+                                                          msg.gen_seconds, now))
+        elif isinstance(msg, Consumed):
+            await self._run(self.sched.fragment_consumed(msg.task_id, msg.rank, msg.trained,
+                                                         dict(msg.discarded), msg.train_seconds, now))
+        elif isinstance(msg, VersionAnnounce):
+            if self.latest_announce is None or msg.version > self.latest_announce.version:
+                self.latest_announce = msg
+                await self.pub.send(msg)
+            await self._run(self.sched.version_published(msg.version, now))
+        elif isinstance(msg, StepDone):
+            self._step_done(msg)
+        elif isinstance(msg, TagOffer):
+            await self._run(self.sched.tag_offer(msg.node_id, now))
+
+    async def _hello(self, peer: bytes, msg: Hello, now: float) -> None:
+        endpoint = msg.host  # nodes put their data endpoint in Hello.host ("" if none)
+        if msg.role == "trainer":
+            rank = len(self.trainers)
+            self.trainers[rank] = {"peer": peer, "node_id": msg.node_id, "endpoint": endpoint,
+                                   "gpu": msg.gpu}
+            self.nodes[msg.node_id] = {"role": "trainer", "peer": peer, "rank": rank}
+            if len(self.trainers) == self.expected_trainers:
+                for r, t in self.trainers.items():
+                    await self.control.send(self._welcome(t["node_id"], r, self.expected_trainers), to=t["peer"])
+                    await self._run(self.sched.node_joined(t["node_id"], "trainer", t["gpu"], now, rank=r))
+                for p, h in self.waiting_rollouts:
+                    await self._hello(p, h, now)
+                self.waiting_rollouts.clear()
+        elif msg.role == "rollout":
+            if len(self.trainers) < self.expected_trainers:
+                self.waiting_rollouts.append((peer, msg))
+                return
+            self.nodes[msg.node_id] = {"role": "rollout", "peer": peer}
+            await self.control.send(self._welcome(msg.node_id, 0, 0), to=peer)
+            if self.latest_announce is not None:
+                await self.control.send(self.latest_announce, to=peer)
+            await self._run(self.sched.node_joined(msg.node_id, "rollout", msg.gpu, now))
+
+    def _welcome(self, node_id: str, rank: int, world: int) -> Welcome:
+        endpoints = {f"trainer/{r}": t["endpoint"] for r, t in self.trainers.items()}
+        endpoints["dist"] = self.dist_endpoint
+        endpoints["pub"] = self.pub.endpoint
+        endpoints["weights"] = self.trainers[0]["endpoint"].rsplit("|", 1)[-1] if self.trainers else ""
+        return Welcome(node_id=node_id, run_id=self.run_dir.name, config_toml=to_toml(self.cfg),
+                       endpoints=endpoints, rank=rank, world_size=world)
+
+    # ------------------------------------------------------------------ scheduler commands
+    async def _run(self, cmds: list[Any]) -> None:
+        for cmd in cmds:
+            if isinstance(cmd, AssignCmd):
+                node = self.nodes.get(cmd.node_id)
+                if node is None:
+                    continue
+                await self.control.send(Assign(
+                    task_id=cmd.task_id, step=cmd.step, fragment=cmd.fragment,
+                    prompt_ids=list(cmd.prompt_ids), prompts=[self.prompts[i] for i in cmd.prompt_ids],
+                    seeds=list(cmd.seeds), group_size=cmd.group_size, version_floor=cmd.version_floor,
+                    lease_s=cmd.lease_s, sde_steps=list(cmd.sde_steps),
+                    owners={str(k): v for k, v in cmd.owners.items()}), to=node["peer"])
+            elif isinstance(cmd, RevokeCmd):
+                node = self.nodes.get(cmd.node_id)
+                if node is not None:
+                    await self.control.send(Revoke(task_id=cmd.task_id, reason=cmd.reason), to=node["peer"])
+                for t in self.trainers.values():  # trainers drop the attempt's staged chunks
+                    await self.control.send(Revoke(task_id=cmd.task_id, reason=cmd.reason), to=t["peer"])
+            elif isinstance(cmd, ShutdownCmd):
+                self.request_stop(cmd.reason)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.runtime.heartbeat_s / 2)
+            await self._run(self.sched.tick(time.monotonic()))
+
+    async def _shutdown_all(self, reason: str) -> None:
+        await self.pub.send(Shutdown(reason=reason))
+        for node in self.nodes.values():
+            await self.control.send(Shutdown(reason=reason), to=node["peer"])
+
+    # ------------------------------------------------------------------ metrics
+    def _record_busy(self, hb: Heartbeat) -> None:
+        busy, wall = float(hb.stats.get("busy_s", 0.0)), float(hb.stats.get("wall_s", 0.0))
+        self.busy_total[hb.node_id] = (busy, wall)
+
+    def _step_done(self, msg: StepDone) -> None:
+        now = time.perf_counter()
+        row: dict[str, Any] = {"step": msg.step, "policy_version": msg.version, **msg.metrics,
+                               "wall_time": now - self.t0}
+        for node, (busy, wall) in self.busy_total.items():
+            b0, w0 = self.busy_last.get(node, (0.0, 0.0))
+            if wall > w0:
+                row[f"busy/{node}"] = min(1.0, max(0.0, (busy - b0) / (wall - w0)))
+            self.busy_last[node] = (busy, wall)
+        self.metrics.write(step_metrics(row))
+        if self.progress is not None:
+            self.progress.update(row)

@@ -1,0 +1,78 @@
+"""Generate one fragment: the work a rollout node (or a TAG helper) does for an Assign.
+
+Shared by the rollout actor and trainer-assisted generation so both produce byte-identical
+chunks for the same task. ``FragmentJob.steps()`` yields each trained denoising step the
+moment it is computed (the caller streams it); ``finish()`` decodes and scores after the
+last step. All torch work here is synchronous; actors run it in a thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from digenrl.config import Config
+from digenrl.models.base import Cond, FlowModel, cond_repeat
+from digenrl.rl.rewards import Reward
+from digenrl.rl.sampler import StepRecord, rollout, seeded_generators
+
+
+@dataclass
+class FragmentResult:
+    rewards: list[float]
+    reward_terms: dict[str, list[float]]
+    cond: Cond
+    images: torch.Tensor
+    gen_seconds: float
+
+
+@dataclass
+class FragmentJob:
+    """One fragment of ``len(prompts)`` groups x ``group_size`` trajectories."""
+
+    model: FlowModel
+    cfg: Config
+    prompts: Sequence[str]
+    seeds: Sequence[int]
+    sde_steps: Sequence[int]
+    trained_steps: Sequence[int]
+    reward_fn: Reward
+    _final: torch.Tensor | None = field(default=None, init=False)
+    _cond: Cond | None = field(default=None, init=False)
+    _t0: float = field(default=0.0, init=False)
+
+    def steps(self) -> Iterator[StepRecord]:
+        """Yield the records of the trained steps, in denoising order, as they are produced."""
+        self._t0 = time.perf_counter()
+        g = self.cfg.train.group_size
+        cond = cond_repeat(self.model.encode_prompts(list(self.prompts)), g)
+        self._cond = cond
+        trained = set(self.trained_steps)
+        for rec in rollout(self.model, cond, generator=seeded_generators(self.seeds),
+                           sampler_cfg=self.cfg.sampler, sde_steps=set(self.sde_steps)):
+            self._final = rec.x_next
+            if rec.index in trained:
+                yield rec
+
+    def finish(self) -> FragmentResult:
+        """Decode the final latents and score them (after the last step)."""
+        assert self._final is not None and self._cond is not None, "steps() must run first"
+        g = self.cfg.train.group_size
+        images = self.model.decode(self._final)
+        prompts = [p for p in self.prompts for _ in range(g)]
+        total, terms = self.reward_fn(images, prompts)
+        return FragmentResult(
+            rewards=[float(r) for r in total],
+            reward_terms={k: [float(x) for x in v] for k, v in terms.items()},
+            cond=self._cond,
+            images=images,
+            gen_seconds=time.perf_counter() - self._t0,
+        )
+
+    def run_all(self) -> tuple[dict[int, StepRecord], FragmentResult]:
+        """Generate without streaming (colocated loop, tests)."""
+        records = {rec.index: rec for rec in self.steps()}
+        return records, self.finish()

@@ -1,0 +1,158 @@
+"""A node's sockets and the behaviours rollouts and TAG helpers share.
+
+``NodePeers`` owns a node's sockets (control DEALER to the coordinator, the announcement
+SUB, one PUSH per trainer rank, the weights DEALER, and on trainers the data PULL and rank
+0's weights ROUTER), the latest announced policy version, and three shared behaviours:
+heartbeats, catching up to a version at a trajectory boundary (TCSS), and generating one
+fragment while streaming its chunks to the ranks that own their timesteps (TSP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+import torch
+
+from digenrl.actors.generate import FragmentJob
+from digenrl.config import Config
+from digenrl.protocol import (
+    Assign,
+    Chunk,
+    Commit,
+    Heartbeat,
+    VersionAnnounce,
+    WeightsApplied,
+    WeightsPart,
+    WeightsRequest,
+)
+from digenrl.rl.sampler import WIRE_DTYPES
+from digenrl.telemetry.nvml import GpuProbe
+from digenrl.weights import WeightAssembly
+
+_EMPTY_IMAGES = torch.zeros(0, dtype=torch.uint8)
+
+
+class NodePeers:
+    def __init__(self, *, node_id: str, incarnation: int, cfg: Config, control: Any,
+                 sub: Any = None, pushes: dict[int, Any] | None = None, data: Any = None,
+                 weights: Any = None, gpu_probe: GpuProbe | None = None) -> None:
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self.cfg = cfg
+        self.control = control
+        self.sub = sub
+        self.pushes = pushes or {}
+        self.data = data
+        self.weights = weights
+        self.gpu = gpu_probe or GpuProbe()
+        self.version = 0
+        self.announced: VersionAnnounce | None = None
+        self.announce_event = asyncio.Event()
+        self._gpu_reading: dict[str, Any] = {}
+        self._seq = itertools.count()
+        self.weights_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ heartbeats
+    def heartbeat_loop(self, actor: Any) -> Any:
+        async def heartbeat() -> None:
+            while True:
+                self._gpu_reading = await self.gpu.read_async()
+                await self.control.send(Heartbeat(
+                    node_id=self.node_id, incarnation=self.incarnation,
+                    policy_version=getattr(actor, "policy", None).version if hasattr(actor, "policy")
+                    else self.version,
+                    state="stopping" if actor.stopping else "running", seq=next(self._seq),
+                    gpu=self._gpu_reading, stats=actor.busy.stats()))
+                await asyncio.sleep(self.cfg.runtime.heartbeat_s)
+        return heartbeat
+
+    def gpu_free_mb(self) -> float:
+        gpus = self._gpu_reading.get("gpus", []) if self._gpu_reading else []
+        free = [g.get("mem_free_mb", 0.0) for g in gpus if "mem_free_mb" in g]
+        return float(min(free)) if free else -1.0
+
+    # ------------------------------------------------------------------ versions (TCSS)
+    def on_control(self, msg: Any) -> None:
+        if isinstance(msg, VersionAnnounce):
+            self.on_announce(msg)
+
+    def on_announce(self, msg: VersionAnnounce) -> None:
+        if self.announced is None or msg.version > self.announced.version:
+            self.announced = msg
+            self.announce_event.set()
+
+    async def catch_up(self, actor: Any, floor: int) -> None:
+        """At a trajectory boundary: apply the newest announced version; wait for ``floor``."""
+        while True:
+            ann = self.announced
+            if ann is not None and ann.version > self.version:
+                await self._fetch_apply(actor, ann)
+            if self.version >= floor:
+                return
+            self.announce_event.clear()
+            with actor.recorder.span("wait", waiting_for=f"version {floor}"):
+                await self.announce_event.wait()
+
+    async def _fetch_apply(self, actor: Any, ann: VersionAnnounce) -> None:
+        async with self.weights_lock:
+            asm = WeightAssembly(ann.version, ann.nparts, ann.checksum)
+            with actor.working("weight_fetch", version=ann.version):
+                for part in range(ann.nparts):
+                    await self.weights.send(WeightsRequest(version=ann.version, part=part))
+                    while True:
+                        _, msg = await self.weights.recv()
+                        if isinstance(msg, WeightsPart) and msg.version == ann.version and msg.part == part:
+                            asm.add(part, dict(msg.tensors), msg.checksum)
+                            break
+            sd = asm.state_dict()
+            await actor.in_thread("weight_apply", actor.model.load_sync_state_dict, sd, version=ann.version)
+            self.version = ann.version
+            actor.log = actor.log.bind(policy_version=self.version)
+        await self.control.send(WeightsApplied(node_id=self.node_id, version=self.version))
+
+    # ------------------------------------------------------------------ generation (TSP)
+    async def generate_and_stream(self, actor: Any, task: Assign, model: Any, version: int,
+                                  reward_fn: Any, cfg: Config, span: str) -> bool:
+        """Generate ``task``; each trained step goes to its owner the moment it exists.
+
+        Returns False (and commits nothing) if the task is revoked mid-way.
+        """
+        trained = sorted(int(t) for t in task.owners)
+        job = FragmentJob(model=model, cfg=cfg, prompts=list(task.prompts), seeds=list(task.seeds),
+                          sde_steps=list(task.sde_steps), trained_steps=trained, reward_fn=reward_fn)
+        wire = WIRE_DTYPES[cfg.sampler.wire_dtype]
+        it = job.steps()
+        slow = cfg.runtime.slowdown
+        t_start = time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            rec = await actor.in_thread(span, next, it, None, step=task.step, task=task.task_id)
+            if slow > 1.0:  # TEST-ONLY knob: emulate a slower GPU
+                await asyncio.sleep((slow - 1.0) * (time.perf_counter() - t0))
+            if rec is None:
+                break
+            if task.task_id in getattr(actor, "revoked", ()):
+                return False
+            owner = int(task.owners[str(rec.index)])
+            with actor.working("send_chunk", t=rec.index):
+                await self.pushes[owner].send(Chunk(
+                    task_id=task.task_id, step=task.step, fragment=task.fragment, t_index=rec.index,
+                    sigma=rec.sigma, sigma_next=rec.sigma_next, policy_version=version,
+                    x_t=rec.x_t.to(wire), x_next=rec.x_next.to(wire), log_prob=rec.log_prob))
+        result = await actor.in_thread("reward", job.finish, task=task.task_id)
+        gen_seconds = time.perf_counter() - t_start
+        for rank, push in self.pushes.items():
+            await push.send(Commit(
+                task_id=task.task_id, step=task.step, fragment=task.fragment, node_id=self.node_id,
+                policy_version=version, prompt_ids=list(task.prompt_ids), rewards=result.rewards,
+                reward_terms=result.reward_terms, gen_seconds=gen_seconds,
+                cond={k: v.contiguous() for k, v in result.cond.items()},
+                images=result.images if rank == 0 else _EMPTY_IMAGES))
+        await self.control.send(Commit(
+            task_id=task.task_id, step=task.step, fragment=task.fragment, node_id=self.node_id,
+            policy_version=version, prompt_ids=list(task.prompt_ids), rewards=result.rewards,
+            reward_terms=result.reward_terms, gen_seconds=gen_seconds, cond={}, images=_EMPTY_IMAGES))
+        return True

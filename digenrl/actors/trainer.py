@@ -1,0 +1,234 @@
+"""Trainer rank: receives its timesteps' chunks, trains fragments as they commit, steps once per batch.
+
+    rollouts --PUSH Chunk/Commit--> [PULL data]  trainer rank r  [DEALER control] <--> coordinator
+                                       |  gloo/NCCL all-reduce with the other ranks
+                                       +-- rank 0: [ROUTER weights] serves WeightsPart by version
+
+| blocking call               | waits for                                | unblocked by                  |
+|-----------------------------|------------------------------------------|-------------------------------|
+| data ``recv()``             | a chunk or commit                        | a rollout (or TAG) sending    |
+| ``in_thread(train)``        | one fragment's forward/backward          | torch                         |
+| ``in_thread(all_reduce)``   | every rank finishing the step            | the slowest rank              |
+| control ``recv()``          | Welcome, Assign (TAG), Revoke, Shutdown  | the coordinator               |
+
+Step discipline: fragments of step s train into the accumulated gradient as their commits
+arrive (GAP); commits of later steps (K = 1 lets them exist) wait until step s's optimizer
+step is done, so gradients of two steps never mix. A commit whose trajectory is more than K
+versions behind is rejected and counted: the defence-in-depth oracle that must never fire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from digenrl.actors.base import Actor
+from digenrl.actors.generate import FragmentJob
+from digenrl.actors.peers import NodePeers
+from digenrl.config import Config
+from digenrl.images import save_grid
+from digenrl.learner import Learner, plan_for_step, save_final
+from digenrl.protocol import (
+    Assign,
+    Chunk,
+    Commit,
+    Consumed,
+    Revoke,
+    Shutdown,
+    StepDone,
+    TagOffer,
+    VersionAnnounce,
+    WeightsPart,
+    WeightsRequest,
+    tensor_checksum,
+)
+from digenrl.rl.policy import Policy
+from digenrl.rl.sde import sigma_schedule
+from digenrl.weights import split_parts
+
+
+class TrainerActor(Actor):
+    role = "trainer"
+
+    def __init__(self, *, peers: NodePeers, cfg: Config, policy: Policy, rank: int, world_size: int,
+                 run_dir: Any, reward_fn: Any, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.peers = peers
+        self.cfg = cfg
+        self.policy = policy
+        self.learner = Learner(policy, cfg)
+        self.rank = rank
+        self.world_size = world_size
+        self.run_dir = run_dir
+        self.reward_fn = reward_fn
+        self.sigma_max = float(sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)[1])
+        self.staged: dict[int, dict[int, Chunk]] = defaultdict(dict)    # task -> t -> chunk
+        self.pending: dict[int, list[Commit]] = defaultdict(list)        # step -> commits
+        self.consumed_slots: dict[int, set[int]] = defaultdict(set)      # step -> fragments
+        self.published: dict[int, list[dict[str, torch.Tensor]]] = {}    # version -> parts
+        self.rejected_stale = 0
+        self.tag_tasks: asyncio.Queue[Assign] = asyncio.Queue()
+        self._offered = False
+        self._step_t0 = time.perf_counter()
+        self.wake = asyncio.Event()
+
+    # ---------------------------------------------------------------- loops
+    def background(self) -> list[Any]:
+        loops = [self.peers.heartbeat_loop(self), self._control_loop, self._data_loop]
+        if self.rank == 0:
+            loops.append(self._weights_loop)
+        return loops
+
+    async def main(self) -> None:
+        if self.rank == 0:
+            await self._publish(0)
+        F = self.cfg.runtime.fragments_per_step
+        while not self.stopping and self.policy.version < self.cfg.run.steps:
+            step = self.policy.version
+            ready = self.pending.pop(step, [])
+            if ready:
+                for commit in ready:
+                    await self._consume(commit)
+                if len(self.consumed_slots[step]) == F:
+                    await self._finish_step(step)
+                continue
+            if not self.tag_tasks.empty():
+                await self._generate(self.tag_tasks.get_nowait())
+                continue
+            if not self._offered and self.cfg.runtime.tag != "never":
+                self._offered = True
+                await self.peers.control.send(TagOffer(node_id=self.node_id, rank=self.rank,
+                                                       free_mb=self.peers.gpu_free_mb()))
+            self.wake.clear()
+            with self.recorder.span("wait"):
+                await self.wake.wait()
+        await self.wait_stopped()
+
+    async def _data_loop(self) -> None:
+        while True:
+            _, msg = await self.peers.data.recv()
+            if isinstance(msg, Chunk):
+                self.staged[msg.task_id][msg.t_index] = msg
+            elif isinstance(msg, Commit):
+                if msg.step < self.policy.version or msg.fragment in self.consumed_slots[msg.step]:
+                    self.staged.pop(msg.task_id, None)
+                    continue  # a duplicate of a slot already trained (zombie or re-assigned)
+                self.pending[msg.step].append(msg)
+                self.wake.set()
+
+    async def _control_loop(self) -> None:
+        while True:
+            _, msg = await self.peers.control.recv()
+            if isinstance(msg, Assign):
+                self._offered = False
+                self.tag_tasks.put_nowait(msg)
+                self.wake.set()
+            elif isinstance(msg, Revoke):
+                self.staged.pop(msg.task_id, None)
+            elif isinstance(msg, Shutdown):
+                self.request_stop(msg.reason)
+                self.wake.set()
+            elif isinstance(msg, VersionAnnounce):
+                pass  # ranks learn versions from their own optimizer steps
+            self.peers.on_control(msg)
+
+    async def _weights_loop(self) -> None:
+        assert self.peers.weights is not None
+        while True:
+            peer, msg = await self.peers.weights.recv()
+            if isinstance(msg, WeightsRequest) and msg.version in self.published:
+                parts = self.published[msg.version]
+                if 0 <= msg.part < len(parts):
+                    await self.peers.weights.send(WeightsPart(
+                        version=msg.version, part=msg.part, nparts=len(parts),
+                        checksum=tensor_checksum(parts[msg.part]), tensors=parts[msg.part]), to=peer)
+
+    # ---------------------------------------------------------------- training
+    async def _consume(self, commit: Commit) -> None:
+        step, K = commit.step, self.cfg.runtime.staleness
+        chunks = self.staged.pop(commit.task_id, {})
+        n = len(commit.rewards)
+        discarded: dict[str, int] = {}
+        trained = 0
+        t0 = time.perf_counter()
+        staleness = self.policy.version - commit.policy_version
+        if staleness > K or staleness < 0:
+            self.rejected_stale += n
+            discarded["stale"] = n
+            self.learner.discard(n, "stale")
+            self.log.error("stale fragment rejected", task=commit.task_id, step=step,
+                           gen_version=commit.policy_version, version=self.policy.version)
+        else:
+            records = {t: _record(c) for t, c in chunks.items()}
+            before = self.learner.stats.trained
+            zero_before = self.learner.stats.discarded.get("zero_advantage", 0)
+            n_trained_total = len(plan_for_step(self.cfg, step)[0])
+            await self.in_thread("fragment_train", self._train, records, commit, n_trained_total,
+                                 step=step, fragment=commit.fragment)
+            trained = self.learner.stats.trained - before
+            zero = self.learner.stats.discarded.get("zero_advantage", 0) - zero_before
+            if zero:
+                discarded["zero_advantage"] = zero
+            if self.rank == 0 and (step == 0 or step == self.cfg.run.steps - 1) and commit.images.numel():
+                save_grid(commit.images, self.run_dir / "samples" / f"step_{step:04d}_f{commit.fragment}.png",
+                          nrow=self.cfg.train.group_size)
+        self.consumed_slots[step].add(commit.fragment)
+        await self.peers.control.send(Consumed(
+            task_id=commit.task_id, step=step, fragment=commit.fragment, rank=self.rank,
+            trained=trained, discarded=discarded, train_seconds=time.perf_counter() - t0))
+
+    def _train(self, records: dict[int, Any], commit: Commit, n_trained_total: int) -> None:
+        self.learner.train_fragment(records=records, cond=dict(commit.cond), rewards=commit.rewards,
+                                    gen_version=commit.policy_version, n_trained_total=n_trained_total,
+                                    sigma_max=self.sigma_max, reward_terms=commit.reward_terms)
+
+    async def _finish_step(self, step: int) -> None:
+        reduce = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM)) if self.world_size > 1 else None
+        metrics = await self.in_thread("optimizer_step", self.learner.finish_step, reduce, step=step)
+        metrics["rejected_stale"] = self.rejected_stale
+        dt = time.perf_counter() - self._step_t0
+        self._step_t0 = time.perf_counter()
+        metrics["step_seconds"] = dt
+        metrics["samples_per_s"] = self.cfg.batch_size / dt
+        self.consumed_slots.pop(step, None)
+        self.log = self.log.bind(policy_version=self.policy.version)
+        if self.rank == 0:
+            # metrics first: the coordinator may stop as soon as the last version is announced
+            await self.peers.control.send(StepDone(step=step, version=self.policy.version,
+                                                   metrics=metrics))
+            if self.policy.version == self.cfg.run.steps:
+                await asyncio.to_thread(save_final, self.policy, self.run_dir)
+            await self._publish(self.policy.version)
+
+    async def _publish(self, version: int) -> None:
+        with self.working("weight_publish", version=version):
+            sd = {k: v.detach().to("cpu", copy=True).contiguous()
+                  for k, v in self.policy.state_dict_for_sync().items()}
+            parts = split_parts(sd)
+            self.published[version] = parts
+            for old in [v for v in self.published if v < version - 2]:
+                del self.published[old]
+        await self.peers.control.send(VersionAnnounce(
+            version=version, step=version, nparts=len(parts),
+            nbytes=sum(t.numel() * t.element_size() for p in parts for t in p.values()),
+            checksum=tensor_checksum(sd)))
+
+    # ---------------------------------------------------------------- TAG
+    async def _generate(self, task: Assign) -> None:
+        """Trainer-assisted generation with the current weights; never touches gradients."""
+        await self.peers.generate_and_stream(self, task, self.policy.model, self.policy.version,
+                                             self.reward_fn, self.cfg, span="tag_generate")
+
+
+def _record(c: Chunk) -> Any:
+    from digenrl.rl.sampler import StepRecord
+    return StepRecord(index=c.t_index, sigma=c.sigma, sigma_next=c.sigma_next,
+                      x_t=c.x_t.float(), x_next=c.x_next.float(), log_prob=c.log_prob.float(), sde=True)
+
+
+__all__ = ["FragmentJob", "TrainerActor"]

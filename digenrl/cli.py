@@ -1,0 +1,123 @@
+"""Command line: ``digenrl`` (launch, plan, report, keys, config) and ``digenrl-node``.
+
+The event loop (uvloop), logging and torch threads are set up once here, at the entry point,
+and passed down; nothing below creates its own loop or configures logging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from digenrl.config import MODES, ConfigError
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="TOML config (default: embedded tiny-cpu.toml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set train.lr=1e-4 (repeatable)")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="digenrl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("launch", help="run a local cluster (or the colocated loop) to the end")
+    _add_config_args(p)
+    p.add_argument("--mode", choices=MODES, default=None, help="override run.mode")
+    p.add_argument("--rollouts", type=int, default=None, help="rollout processes")
+    p.add_argument("--trainers", type=int, default=None, help="trainer ranks")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps")
+    p.add_argument("--run-dir", default=None, help="output folder (default runs/<mode>-<time>)")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its checkpoint")
+    p.add_argument("--record", action="store_true", help="record rollout fragments for --trainer-only")
+    p.add_argument("--rollout-only", action="store_true",
+                   help="debug: run rollouts alone (no training, weights stay at version 0)")
+    p.add_argument("--trainer-only", default=None, metavar="RECORDING",
+                   help="debug: run trainers alone fed from a recording")
+
+    p = sub.add_parser("plan", help="predict throughput and bubbles with the simulator")
+    p.add_argument("--config", default=None, help="model / run config TOML")
+    p.add_argument("--cluster", default=None, help="cluster TOML (GPU types per role)")
+    p.add_argument("--modes", default="colocated,disagg-sync,digenrl")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeline", default=None, metavar="PNG")
+    p.add_argument("--search", action="store_true", help="search the rollout/trainer split")
+    p.add_argument("--calibrate", default=None, metavar="RUN_DIR", help="fit the cost model to a run")
+
+    p = sub.add_parser("report", help="summary table and plots of a run dir")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="where PNGs go (default RUN_DIR/report)")
+
+    p = sub.add_parser("keys", help="CurveZMQ keys")
+    ks = p.add_subparsers(dest="keys_command", required=True)
+    g = ks.add_parser("generate", help="write server and client key pairs into DIR")
+    g.add_argument("dir")
+    g.add_argument("--names", default="server,client", help="comma-separated key names")
+
+    p = sub.add_parser("config", help="print the resolved config as TOML")
+    _add_config_args(p)
+    p.add_argument("--mode", choices=MODES, default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "launch":
+            from digenrl.launch import launch_from_args
+            return launch_from_args(args)
+        if args.command == "config":
+            from digenrl.config import load_config, resolve_mode, to_toml
+            cfg = resolve_mode(load_config(args.config, args.overrides), args.mode)
+            sys.stdout.write(to_toml(cfg))
+            return 0
+        if args.command == "report":
+            from digenrl.telemetry.report import make_report
+            make_report(Path(args.run_dir), Path(args.out) if args.out else None)
+            return 0
+        if args.command == "keys":
+            from digenrl.transport.curve import generate_keys
+            paths = generate_keys(Path(args.dir), names=tuple(args.names.split(",")))
+            for path in paths:
+                print(path)
+            return 0
+        if args.command == "plan":
+            from digenrl.sim.plan import plan_from_args
+            return plan_from_args(args)
+    except ConfigError as e:
+        print(f"digenrl: config error: {e}", file=sys.stderr)
+        return 2
+    raise AssertionError(args.command)
+
+
+def _build_node_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="digenrl-node", description="run one DigenRL role by hand")
+    p.add_argument("--role", required=True, choices=["coordinator", "rollout", "trainer"])
+    p.add_argument("--coordinator", default=None, metavar="ENDPOINT",
+                   help="coordinator control address, e.g. tcp://10.0.0.1:5555 (nodes)")
+    p.add_argument("--bind", default=None, metavar="ENDPOINT",
+                   help="address to bind (coordinator: control ROUTER; trainer: data PULL)")
+    p.add_argument("--gpu", default=None, help="GPU type this node declares (H100, L40S, cpu, ...)")
+    p.add_argument("--node-id", default=None, help="stable node id (default role-host-pid)")
+    p.add_argument("--run-dir", default=None, help="run folder (coordinator writes metrics there)")
+    p.add_argument("--allow-plaintext", action="store_true",
+                   help="permit an unencrypted bind on a non-loopback address (warns)")
+    _add_config_args(p)
+    return p
+
+
+def node_main(argv: list[str] | None = None) -> int:
+    args = _build_node_parser().parse_args(argv)
+    try:
+        from digenrl.actors.node import run_node
+        return run_node(args)
+    except ConfigError as e:
+        print(f"digenrl-node: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

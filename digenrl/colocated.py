@@ -1,0 +1,144 @@
+"""The colocated loop: flow_grpo-style SPMD, every rank generates then trains, in turn.
+
+This is the baseline DigenRL is measured against, and the shortest path from a config to a
+trained policy (one process, no sockets). With ``world_size > 1`` each rank generates its
+share of the step's groups and trains them; gradients are all-reduced (gloo on CPU).
+
+    for step in range(steps):
+        prompts, seeds = step content (stepplan, same for every mode)
+        records, result = generate my groups            # sample + reward
+        learner.train_fragment(records, result)         # advantages, loss, backward
+        learner.finish_step(all_reduce)                 # optimizer step -> version step+1
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from digenrl.actors.generate import FragmentJob
+from digenrl.config import Config
+from digenrl.images import save_grid
+from digenrl.learner import Learner, plan_for_step, save_final, step_metrics
+from digenrl.models import build_model
+from digenrl.prompts import load_prompts
+from digenrl.rl.policy import Policy
+from digenrl.rl.rewards import build_reward
+from digenrl.rl.sde import sigma_schedule
+from digenrl.stepplan import fragment_seeds, step_prompt_ids
+from digenrl.telemetry.metrics import MetricsWriter
+from digenrl.telemetry.trace import SpanRecorder
+
+
+def _all_reduce(t: torch.Tensor) -> None:
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+
+
+def build_policy(cfg: Config) -> Policy:
+    model = build_model(cfg.model, seed=cfg.run.seed)
+    return Policy(model, cfg.train, cfg.sampler)
+
+
+def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int = 1,
+                  progress: object | None = None, log: object | None = None) -> dict[str, float]:
+    """Train ``cfg.run.steps`` steps; rank 0 writes metrics.jsonl and sample grids."""
+    torch.set_num_threads(cfg.run.threads)
+    P, G = cfg.train.prompts_per_step, cfg.train.group_size
+    if P % world_size:
+        raise ValueError(f"train.prompts_per_step = {P}: colocated mode with {world_size} ranks "
+                         "needs a multiple of the rank count")
+    policy = build_policy(cfg)
+    learner = Learner(policy, cfg)
+    reward_fn = build_reward(cfg.reward.terms)
+    prompts = load_prompts(cfg.prompts.file)
+    sigma_max = float(sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)[1])
+    node = f"colocated-{rank}"
+    recorder = SpanRecorder(node, "colocated")
+    writer = MetricsWriter(run_dir) if rank == 0 else None
+    per_rank = P // world_size
+    my_groups = range(rank * per_rank, (rank + 1) * per_rank)
+    t_start = time.perf_counter()
+    busy = 0.0
+    last: dict[str, float] = {}
+    trained_total = 0
+    discarded: dict[str, int] = {}
+    for step in range(cfg.run.steps):
+        t0 = time.perf_counter()
+        ids = step_prompt_ids(cfg.run.seed, step, P, len(prompts))
+        trained, sde = plan_for_step(cfg, step)
+        job = FragmentJob(model=policy.model, cfg=cfg, prompts=[prompts[ids[g]] for g in my_groups],
+                          seeds=fragment_seeds(cfg.run.seed, step, my_groups, G),
+                          sde_steps=sde, trained_steps=trained, reward_fn=reward_fn)
+        with recorder.span("generate", step=step):
+            records, result = job.run_all()
+        with recorder.span("fragment_train", step=step):
+            learner.train_fragment(records=records, cond=result.cond, rewards=result.rewards,
+                                   gen_version=policy.version, n_trained_total=len(trained),
+                                   sigma_max=sigma_max, reward_terms=result.reward_terms)
+        with recorder.span("optimizer_step", step=step):
+            metrics = learner.finish_step(_all_reduce if world_size > 1 else None)
+        if world_size > 1:
+            # rewards of every rank for the step's reward statistics
+            r = torch.tensor([metrics["reward_mean"], metrics["reward_std"] ** 2], dtype=torch.float64)
+            dist.all_reduce(r)
+            metrics["reward_mean"] = float(r[0]) / world_size
+            metrics["reward_std"] = float(r[1] / world_size) ** 0.5
+        trained_total += int(metrics["trained"])
+        for k, v in learner.last_discarded.items():
+            discarded[k] = discarded.get(k, 0) + v
+        dt = time.perf_counter() - t0
+        busy += dt
+        if rank == 0 and (step == 0 or step == cfg.run.steps - 1 or
+                          (cfg.run.sample_grid_every and step % cfg.run.sample_grid_every == 0)):
+            save_grid(result.images, run_dir / "samples" / f"step_{step:04d}.png", nrow=G)
+        last = {"step": step, "policy_version": policy.version, **metrics,
+                "samples_per_s": P * G / dt, "step_seconds": dt,
+                "wall_time": time.perf_counter() - t_start, f"busy/{node}": 1.0}
+        if writer is not None:
+            writer.write(step_metrics(last))
+            if progress is not None:
+                progress.update(last)  # type: ignore[attr-defined]
+    recorder.dump(run_dir / "trace" / f"{node}.jsonl")
+    if rank == 0:
+        save_final(policy, run_dir)
+    if writer is not None:
+        writer.close()
+    total = time.perf_counter() - t_start
+    return {"samples_per_s": cfg.run.steps * P * G / total, "wall_s": total,
+            "trained": trained_total, "discarded": discarded, "busy": busy / total}
+
+
+def _rank_main(argv: list[str]) -> int:
+    """Entry of one colocated rank process: RUN_DIR RANK WORLD INIT_METHOD."""
+    import json
+
+    from digenrl.config import load_config
+
+    run_dir, rank, world, init = Path(argv[0]), int(argv[1]), int(argv[2]), argv[3]
+    cfg = load_config(run_dir / "config.toml")
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        result = run_colocated(cfg, run_dir, rank=rank, world_size=world)
+        # every rank's trained/discarded counts add up to the step's batch
+        counts = [None] * world
+        dist.all_gather_object(counts, (result["trained"], result["discarded"]))
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        result["trained"] = sum(c[0] for c in counts)  # type: ignore[index]
+        merged: dict[str, int] = {}
+        for _, d in counts:  # type: ignore[misc]
+            for k, v in d.items():
+                merged[k] = merged.get(k, 0) + v
+        result["discarded"] = merged
+        (run_dir / "colocated-summary.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_rank_main(sys.argv[1:]))

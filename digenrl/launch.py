@@ -1,0 +1,139 @@
+"""``digenrl launch``: run a whole job on this machine and leave a complete run dir.
+
+colocated: the SPMD loop in this process (or one process per rank, gloo).
+disagg-sync / digenrl: the coordinator runs in this process; rollout and trainer nodes are
+child processes on loopback, supervised (a crashed rollout is restarted; a crashed trainer
+stops the run with a clear error unless a checkpoint allows resuming).
+
+Run dir: config.toml, metrics.jsonl, summary.json, trace/<node>.jsonl, trace.json,
+samples/step_<n>.png, logs/<node>.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from digenrl.config import Config, ConfigError, load_config, resolve_mode, to_toml
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    cfg = load_config(args.config, args.overrides)
+    run, cl = cfg.run, cfg.cluster
+    if args.steps is not None:
+        if args.steps < 1:
+            raise ConfigError(f"--steps {args.steps}: expected at least 1")
+        run = dataclasses.replace(run, steps=args.steps)
+    if args.rollouts is not None:
+        cl = dataclasses.replace(cl, rollouts=args.rollouts)
+    if args.trainers is not None:
+        if args.trainers < 1:
+            raise ConfigError(f"--trainers {args.trainers}: expected at least 1")
+        cl = dataclasses.replace(cl, trainers=args.trainers)
+    return resolve_mode(dataclasses.replace(cfg, run=run, cluster=cl), args.mode)
+
+
+def make_run_dir(cfg: Config, run_dir: str | None) -> Path:
+    path = Path(run_dir) if run_dir else Path("runs") / f"{cfg.run.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path.mkdir(parents=True, exist_ok=True)
+    for sub in ("trace", "samples", "logs"):
+        (path / sub).mkdir(exist_ok=True)
+    (path / "config.toml").write_text(to_toml(cfg))
+    return path
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _child_env(cfg: Config) -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(cfg.run.threads)
+    env["MKL_NUM_THREADS"] = str(cfg.run.threads)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_colocated_ranks(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    """One process per rank (world > 1) or this process (world 1)."""
+    from digenrl.colocated import run_colocated
+    from digenrl.telemetry.progress import Progress
+
+    world = cfg.cluster.trainers
+    if world == 1:
+        return run_colocated(cfg, run_dir, progress=Progress(cfg.run.steps))
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = []
+    for rank in range(world):
+        log = open(run_dir / "logs" / f"colocated-{rank}.stderr", "wb")  # noqa: SIM115 - child owns it
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "digenrl.colocated", str(run_dir), str(rank), str(world), init],
+            env=_child_env(cfg), stdout=log if rank else None, stderr=log))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise RuntimeError(f"colocated ranks exited with codes {codes}; see {run_dir}/logs")
+    return json.loads((run_dir / "colocated-summary.json").read_text())
+
+
+def launch(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    """Run ``cfg`` to the end; returns (and writes) summary.json."""
+    from digenrl.telemetry.trace import merge_traces
+
+    t0 = time.perf_counter()
+    if cfg.run.mode == "colocated":
+        result = run_colocated_ranks(cfg, run_dir)
+        b = cfg.batch_size * cfg.run.steps
+        summary = {
+            "mode": "colocated", "steps": cfg.run.steps, "wall_s": time.perf_counter() - t0,
+            "samples_per_s": result["samples_per_s"],
+            "accounting": {"admitted": b, "trained": int(result["trained"]),
+                           "discarded": result.get("discarded", {}), "in_flight": 0},
+            "staleness_hist": {"0": int(result["trained"])},
+            "busy": {f"colocated-{r}": result.get("busy", 1.0) for r in range(cfg.cluster.trainers)},
+        }
+        write_json_atomic(run_dir / "summary.json", summary)
+    else:
+        from digenrl.actors.cluster import run_local_cluster
+        summary = run_local_cluster(cfg, run_dir)
+    merge_traces(run_dir)
+    return summary
+
+
+def launch_from_args(args: argparse.Namespace) -> int:
+    from digenrl.telemetry.logging import configure_logging
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.toml").is_file():
+            raise ConfigError(f"--resume {args.resume}: no config.toml in that folder")
+        cfg = load_config(run_dir / "config.toml", args.overrides)
+    else:
+        cfg = config_from_args(args)
+        run_dir = make_run_dir(cfg, args.run_dir)
+    configure_logging(log_file=run_dir / "logs" / "launcher.log")
+    print(f"digenrl: mode={cfg.run.mode} steps={cfg.run.steps} B={cfg.batch_size} "
+          f"rollouts={cfg.cluster.rollouts} trainers={cfg.cluster.trainers} run_dir={run_dir}",
+          flush=True)
+    summary = launch(cfg, run_dir)
+    acc = summary["accounting"]
+    print(f"digenrl: done in {summary['wall_s']:.1f}s, {summary['samples_per_s']:.2f} samples/s, "
+          f"trained {acc['trained']} of {acc['admitted']} admitted "
+          f"(discarded {sum(acc['discarded'].values()) if acc['discarded'] else 0}); "
+          f"see {run_dir}/summary.json, `digenrl report {run_dir}`", flush=True)
+    return 0

@@ -1,0 +1,167 @@
+"""The trainer's view of one optimizer step: fragments in, one update out.
+
+Used as-is by the colocated loop and by every trainer rank of the disaggregated runtime, so
+the two cannot drift apart. A step's batch arrives as fragments of whole GRPO groups (GAP);
+each fragment's advantages need only its own rewards, its loss is scaled by
+1 / (B * T_trained) and its gradient is accumulated, so the sum over fragments (and over the
+TSP ranks' disjoint timestep sets, after an all-reduce) is the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from digenrl.config import Config
+from digenrl.models.base import Cond
+from digenrl.rl.grpo import group_advantages
+from digenrl.rl.policy import Policy
+
+
+@dataclass
+class StepStats:
+    """What one step's fragments add up to (reduced into metrics.jsonl by rank 0)."""
+
+    rewards: list[float] = field(default_factory=list)
+    reward_terms: dict[str, list[float]] = field(default_factory=dict)
+    staleness: list[int] = field(default_factory=list)
+    loss: float = 0.0
+    kl: float = 0.0
+    clipfrac_num: float = 0.0
+    ratio_max_dev: float = 0.0
+    n_loss: int = 0
+    trained: int = 0
+    discarded: dict[str, int] = field(default_factory=dict)
+    zero_adv_groups: int = 0
+    train_seconds: float = 0.0
+
+
+class Learner:
+    """Accumulates fragment gradients for the current step and applies the optimizer step."""
+
+    def __init__(self, policy: Policy, cfg: Config) -> None:
+        self.policy = policy
+        self.cfg = cfg
+        self.stats = StepStats()
+        self.last_discarded: dict[str, int] = {}
+
+    @property
+    def version(self) -> int:
+        return self.policy.version
+
+    def train_fragment(self, *, records: Mapping[int, object], cond: Cond, rewards: Sequence[float],
+                       gen_version: int, n_trained_total: int, sigma_max: float,
+                       reward_terms: Mapping[str, Sequence[float]] | None = None) -> dict[str, float]:
+        """Accumulate one fragment's gradient. ``records`` are this rank's trained steps only."""
+        t0 = time.perf_counter()
+        g = self.cfg.train.group_size
+        n = len(rewards)
+        r = torch.tensor(list(rewards), dtype=torch.float32)
+        group_ids = torch.arange(n) // g
+        adv, adv_stats = group_advantages(r, group_ids, std_mode=self.cfg.train.adv_std,
+                                          clip=self.cfg.train.adv_clip)
+        keep = adv_stats.keep
+        st = self.stats
+        st.rewards += [float(x) for x in rewards]
+        for k, v in (reward_terms or {}).items():
+            st.reward_terms.setdefault(k, []).extend(float(x) for x in v)
+        st.staleness += [self.policy.version - gen_version] * n
+        n_keep = int(keep.sum())
+        st.zero_adv_groups += int(adv_stats.zero_groups)
+        if n - n_keep:
+            st.discarded["zero_advantage"] = st.discarded.get("zero_advantage", 0) + n - n_keep
+        st.trained += n_keep
+        out: dict[str, float] = {}
+        if n_keep and records:
+            out = self.policy.fragment_loss_backward(
+                records, cond, adv, keep, batch_size_total=self.cfg.batch_size,
+                n_trained_total=n_trained_total, sigma_max=sigma_max)
+            st.loss += float(out.get("loss", 0.0))
+            st.kl += float(out.get("kl", 0.0))
+            st.clipfrac_num += float(out.get("clipfrac", 0.0)) * len(records)
+            st.ratio_max_dev = max(st.ratio_max_dev, float(out.get("ratio_max_dev", 0.0)))
+            st.n_loss += len(records)
+        st.train_seconds += time.perf_counter() - t0
+        return out
+
+    def discard(self, n: int, reason: str) -> None:
+        self.stats.discarded[reason] = self.stats.discarded.get(reason, 0) + n
+
+    def finish_step(self, all_reduce: Callable[[torch.Tensor], None] | None = None) -> dict[str, float]:
+        """All-reduce (sum) the accumulated gradients over ranks, step the optimizer."""
+        t0 = time.perf_counter()
+        if all_reduce is not None:
+            params = [p for p in self.policy.model.trainable_parameters()]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g_.reshape(-1) for g_ in grads])
+            all_reduce(flat)
+            offset = 0
+            for p in params:
+                numel = p.numel()
+                p.grad = flat[offset:offset + numel].view_as(p).clone()
+                offset += numel
+        opt = self.policy.optimizer_step()
+        st = self.stats
+        rewards = torch.tensor(st.rewards) if st.rewards else torch.zeros(1)
+        metrics = {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "loss": st.loss,
+            "kl": st.kl,
+            "clipfrac": st.clipfrac_num / max(st.n_loss, 1),
+            "ratio_max_dev": st.ratio_max_dev,
+            "grad_norm": float(opt.get("grad_norm", math.nan)),
+            "max_staleness": max(st.staleness, default=0),
+            "mean_staleness": sum(st.staleness) / max(len(st.staleness), 1),
+            "zero_adv_groups": st.zero_adv_groups,
+            "trained": st.trained,
+            "discarded": sum(st.discarded.values()),
+            "train_seconds": st.train_seconds + time.perf_counter() - t0,
+        }
+        for k, v in st.reward_terms.items():
+            metrics[f"reward/{k}"] = sum(v) / max(len(v), 1)
+        self.last_discarded = dict(st.discarded)
+        self.stats = StepStats()
+        return metrics
+
+
+def plan_for_step(cfg: Config, step: int) -> tuple[list[int], list[int]]:
+    """(trained steps, SDE steps) of ``step``; deterministic from the run seed."""
+    from digenrl.rl.grpo import select_timesteps
+    from digenrl.stepplan import step_rng
+
+    t = cfg.train
+    plan = select_timesteps(t.timesteps, cfg.sampler.num_steps, fraction=t.timestep_fraction,
+                            window_size=t.window_size, window_lo=t.window_lo,
+                            window_hi=t.window_hi, rng=step_rng(cfg.run.seed, step, "timesteps"))
+    sde = list(plan.sde) if cfg.sampler.sde_type != "ode" else []
+    return list(plan.trained), sde
+
+
+def save_final(policy: Policy, run_dir: Path) -> Path:
+    """The trained weights (LoRA: adapter only) as run_dir/final/policy.safetensors, atomically."""
+    from safetensors.torch import save_file
+
+    out = run_dir / "final"
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict_for_sync().items()}
+    tmp = out / "policy.safetensors.tmp"
+    save_file(sd, str(tmp), metadata={"version": str(policy.version)})
+    tmp.replace(out / "policy.safetensors")
+    return out / "policy.safetensors"
+
+
+def step_metrics(row: dict[str, Any]) -> Any:
+    """A metrics row (flat dict, ``busy/<node>`` keys) as the typed record the writer takes."""
+    from digenrl.telemetry.metrics import StepMetrics
+
+    names = {f.name for f in dataclasses.fields(StepMetrics)}
+    busy = {k.split("/", 1)[1]: float(v) for k, v in row.items() if k.startswith("busy/")}
+    return StepMetrics(**{k: v for k, v in row.items() if k in names and k != "busy"}, busy=busy)
