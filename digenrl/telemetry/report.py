@@ -124,14 +124,17 @@ def _plot_reward(metrics: Sequence[Mapping[str, Any]], path: Path) -> Path:
 def _plot_throughput(metrics: Sequence[Mapping[str, Any]], average: float | None,
                      path: Path) -> Path:
     start = metrics[0]["wall_time"] - metrics[0].get("step_seconds", 0.0)
-    t = [(m["wall_time"] - start) / 60 for m in metrics]
+    span_s = metrics[-1]["wall_time"] - start
+    unit, scale = ("min", 60.0) if span_s >= 120 else ("s", 1.0)
+    t = [(m["wall_time"] - start) / scale for m in metrics]
+    rate = [m["samples_per_s"] for m in metrics]
     fig, ax = _figure("throughput")
-    ax.plot(t, [m["samples_per_s"] for m in metrics], marker="o", ms=3, label="per step")
+    ax.plot(t, rate, marker="o", ms=3, label="per step")
     if average is not None:
         ax.axhline(average, ls="--", color="#d62728", label=f"run average {average:.2f}")
-    ax.set(title="Throughput (trajectories trained per second)", xlabel="wall time (min)",
-           ylabel="samples / s")
-    ax.set_ylim(bottom=0)
+    ax.set(title="Throughput (trajectories trained per second)",
+           xlabel=f"wall time since start ({unit})", ylabel="samples / s")
+    ax.set_ylim(0, 1.15 * max([*rate, average or 0.0]) or 1.0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -202,7 +205,8 @@ def _plot_samples(samples: list[tuple[int, Path]], path: Path) -> Path:
             ax.imshow(img.convert("RGB"), interpolation="nearest")
         label = "first" if i == 0 else "last"
         ax.set_title(f"step {step} ({label})")
-        ax.axis("off")
+        ax.set_xticks([])
+        ax.set_yticks([])  # keep the frame: samples often have white backgrounds
     fig.suptitle("Samples: first and last step")
     fig.tight_layout()
     return _save(fig, path)
