@@ -66,11 +66,9 @@ def fake_nvml(*, power_supported: bool = True) -> types.ModuleType:
     return m
 
 
-def test_present_gpus_are_read_and_a_failing_gpu_becomes_an_error_entry():
-    nvml = fake_nvml()
-    probe = GpuProbe(nvml=nvml, devices=None)
-    probe._devices = None  # ignore the test machine's CUDA_VISIBLE_DEVICES
-    reading = probe.read()
+def test_present_gpus_are_read_and_a_failing_gpu_becomes_an_error_entry(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # every GPU
+    reading = GpuProbe(nvml=fake_nvml()).read()
     assert reading["available"] is True and reading["reason"] == ""
     good, bad = reading["gpus"]
     assert good == {"index": 0, "name": "NVIDIA H100 80GB HBM3", "mem_used_mb": 1024.0,
