@@ -1,0 +1,203 @@
+"""The trainer-side policy: recompute log-probs, accumulate the GRPO loss, step the optimizer.
+
+Shared by the colocated loop and the distributed trainer actor. One optimizer step is::
+
+    for each fragment (whole groups) as its rewards commit:         # GAP
+        adv, stats = group_advantages(rewards, group_ids)
+        policy.fragment_loss_backward(records_of_my_timesteps,     # TSP: a rank's own t only
+                                      cond, adv, stats.keep, batch_size_total=B,
+                                      n_trained_total=len(plan.trained))
+    (all-reduce .grad over trainer ranks)
+    policy.optimizer_step()                                        # version += 1
+
+Each (sample, timestep) term carries :func:`~digenrl.rl.grpo.loss_weight` = 1/(B T_trained),
+so whatever the cut into fragments and timestep subsets, the summed gradient is the
+full-batch gradient. ``backward`` runs once per timestep, so one step's graph is alive at a time.
+
+At the rollout's weights, dtype and batch layout the recomputed log-prob is bit-identical,
+so the first ratio is exactly 1; dropping zero-advantage rows (``keep``) changes the layout,
+which moves the ratio of the kept rows by ~1e-7 in float32.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+from digenrl.config import SamplerConfig, TrainConfig
+from digenrl.models.base import Cond, FlowModel, cond_select
+from digenrl.rl.grpo import clipped_surrogate, kl_penalty, loss_weight
+from digenrl.rl.sampler import guided_velocity
+from digenrl.rl.sde import sde_step, sigma_schedule
+
+
+class StepLike(Protocol):
+    """What :meth:`Policy.fragment_loss_backward` reads of a step (a StepRecord or a Chunk)."""
+
+    sigma: float
+    sigma_next: float
+    x_t: torch.Tensor
+    x_next: torch.Tensor
+    log_prob: torch.Tensor
+
+
+class Policy:
+    """A :class:`FlowModel` under training: AdamW over its trainable parameters and a version.
+
+    ``version`` counts optimizer steps done. With ``train_cfg.kl_beta > 0`` the KL reference
+    is the base model with the LoRA adapter disabled (adapters with ``lora_rank > 0``), or
+    else a frozen copy of the transformer made here.
+    """
+
+    def __init__(self, model: FlowModel, train_cfg: TrainConfig, sampler_cfg: SamplerConfig) -> None:
+        self.model, self.train_cfg, self.sampler_cfg = model, train_cfg, sampler_cfg
+        self.params = list(model.trainable_parameters())
+        if not self.params:
+            raise ValueError("the model has no trainable parameters")
+        self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, betas=train_cfg.adam_betas,
+                                           weight_decay=train_cfg.weight_decay)
+        self.version = 0
+        self.sigma_max = float(sigma_schedule(sampler_cfg.num_steps, sampler_cfg.shift)[1])
+        self.uncond: Cond | None = None
+        if sampler_cfg.guidance_scale != 1.0:
+            with torch.no_grad():
+                self.uncond = model.encode_prompts([""])
+        self._ref: FlowModel | None = None
+        if train_cfg.kl_beta > 0 and not getattr(model, "lora_rank", 0):
+            # shallow copy shares encoder/decoder; only the transformer is duplicated and frozen
+            self._ref = copy.copy(model)
+            self._ref.transformer = copy.deepcopy(model.transformer).requires_grad_(False)
+
+    # -- the loss --------------------------------------------------------------------------------
+    def _velocity(self, model: FlowModel, x: torch.Tensor, sigma: float, cond: Cond) -> torch.Tensor:
+        return guided_velocity(model, x, sigma, cond, guidance_scale=self.sampler_cfg.guidance_scale,
+                               uncond=self.uncond)
+
+    def _ref_velocity(self, x: torch.Tensor, sigma: float, cond: Cond) -> torch.Tensor:
+        with torch.no_grad():
+            if self._ref is not None:
+                return self._velocity(self._ref, x, sigma, cond)
+            with self.model.adapter_disabled():  # type: ignore[attr-defined]
+                return self._velocity(self.model, x, sigma, cond)
+
+    def fragment_loss_backward(
+        self,
+        records: Mapping[int, StepLike],
+        cond: Cond,
+        adv: torch.Tensor,
+        keep: torch.Tensor,
+        *,
+        batch_size_total: int,
+        n_trained_total: int,
+        sigma_max: float | None = None,
+    ) -> dict[str, float]:
+        """Accumulate into ``.grad`` the loss of these samples at the timesteps in ``records``.
+
+        ``records`` maps trained step index -> step tensors of this fragment's ``B_f`` samples
+        (rows aligned with ``cond``, ``adv[B_f]``, ``keep[B_f]``); rows with ``keep=False`` are
+        skipped. ``batch_size_total`` (the step's B) and ``n_trained_total`` (its trained
+        timesteps) fix the loss weight. Returns this call's stats: ``loss`` (its share of
+        the step loss), ``ratio_mean``, ``ratio_max_dev``, ``clipfrac``, ``approx_kl``,
+        ``kl`` and ``n`` (sample-timestep terms).
+        """
+        tc, sc = self.train_cfg, self.sampler_cfg
+        w = loss_weight(batch_size_total, n_trained_total)
+        sigma_max = self.sigma_max if sigma_max is None else sigma_max
+        keep = torch.as_tensor(keep, dtype=torch.bool).flatten()
+        if adv.shape[0] != keep.shape[0]:
+            raise ValueError(f"{adv.shape[0]} advantages but {keep.shape[0]} keep flags")
+        rows = keep.nonzero().flatten()
+        all_rows = rows.numel() == keep.numel()
+        device = self.params[0].device
+        if not all_rows:
+            cond = cond_select(cond, rows)
+        cond = {k: v.to(device) for k, v in cond.items()}
+        adv_k = adv[rows].to(device)
+        totals = {"loss": 0.0, "ratio_mean": 0.0, "ratio_max_dev": 0.0, "clipfrac": 0.0,
+                  "approx_kl": 0.0, "kl": 0.0, "n": 0}
+        if rows.numel() == 0:
+            return totals
+
+        for t in sorted(records):
+            rec = records[t]
+            if not getattr(rec, "sde", True):
+                raise ValueError(f"step {t} was sampled without noise (ODE): it has no log-prob to train")
+            if rec.x_t.shape[0] != keep.shape[0]:
+                raise ValueError(f"step {t} holds {rec.x_t.shape[0]} samples, expected {keep.shape[0]}")
+            x_t, x_next, logp_old = (z if all_rows else z[rows] for z in (rec.x_t, rec.x_next, rec.log_prob))
+            x_t, x_next, logp_old = x_t.to(device), x_next.to(device), logp_old.to(device)
+            step = dict(noise_level=sc.noise_level, eta=sc.eta, sigma_max=sigma_max, x_next=x_next)
+
+            v = self._velocity(self.model, x_t, rec.sigma, cond)
+            out = sde_step(sc.sde_type, x_t, v, rec.sigma, rec.sigma_next, **step)
+            per_sample, st = clipped_surrogate(out.log_prob, logp_old, adv_k, tc.clip_range)
+            kl = torch.zeros_like(per_sample)
+            if tc.kl_beta > 0:
+                v_ref = self._ref_velocity(x_t, rec.sigma, cond)
+                ref = sde_step(sc.sde_type, x_t, v_ref, rec.sigma, rec.sigma_next, **step)
+                kl = kl_penalty(out.mean, ref.mean, out.noise_scale)
+                per_sample = per_sample + tc.kl_beta * kl
+            loss = per_sample.sum() * w
+            loss.backward()
+
+            n = int(rows.numel())
+            totals["loss"] += float(loss.detach())
+            totals["ratio_max_dev"] = max(totals["ratio_max_dev"], st["ratio_max_dev"])
+            for key in ("ratio_mean", "clipfrac", "approx_kl"):
+                totals[key] += st[key] * n
+            totals["kl"] += float(kl.detach().sum())
+            totals["n"] += n
+        for key in ("ratio_mean", "clipfrac", "approx_kl", "kl"):
+            totals[key] /= max(totals["n"], 1)
+        return totals
+
+    # -- the update ------------------------------------------------------------------------------
+    def optimizer_step(self) -> dict[str, Any]:
+        """Clip the gradient norm (``max_grad_norm``; 0 = off), step AdamW, zero grads, version += 1.
+
+        A non-finite gradient norm skips the update (reported as ``skipped``) but still ends the
+        step, so versions keep counting steps.
+        """
+        max_norm = self.train_cfg.max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
+        skipped = not bool(torch.isfinite(grad_norm))
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return {"grad_norm": float(grad_norm), "skipped": skipped, "version": self.version,
+                "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (an aborted step)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def grads_snapshot(self) -> list[torch.Tensor]:
+        """Clones of the trainable parameters' ``.grad`` (zeros where None); for tests/checks."""
+        return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
+
+    # -- weight sync -----------------------------------------------------------------------------
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        """What a rollout needs to match this policy: the LoRA adapter, or the trainable weights."""
+        if hasattr(self.model, "sync_state_dict"):
+            return {k: v.detach().clone() for k, v in self.model.sync_state_dict().items()}
+        return {k: p.detach().clone() for k, p in self.model.transformer.named_parameters()
+                if p.requires_grad}
+
+    def load_sync_state(self, sd: Mapping[str, torch.Tensor]) -> None:
+        """Apply a :meth:`state_dict_for_sync` (ValueError naming the keys on mismatch)."""
+        if hasattr(self.model, "load_sync_state_dict"):
+            self.model.load_sync_state_dict(dict(sd))
+            return
+        named = {k: p for k, p in self.model.transformer.named_parameters() if p.requires_grad}
+        if set(sd) != set(named):
+            raise ValueError(f"sync state keys differ: missing {sorted(set(named) - set(sd))[:3]}, "
+                             f"unexpected {sorted(set(sd) - set(named))[:3]}")
+        with torch.no_grad():
+            for k, p in named.items():
+                if sd[k].shape != p.shape:
+                    raise ValueError(f"sync state {k}: shape {tuple(sd[k].shape)}, expected {tuple(p.shape)}")
+                p.copy_(sd[k])
