@@ -134,7 +134,8 @@ def rollout(
     if x_init is None:
         if b is None:
             raise ValueError("rollout needs a non-empty cond or x_init to know the batch size")
-        x = initial_noise((b, *model.latent_shape), generator, wdtype)
+        device = next(iter(cond.values())).device  # adapters encode onto the model's device
+        x = initial_noise((b, *model.latent_shape), generator, wdtype).to(device)
     else:
         x = x_init.float().to(wdtype).float()
     sigmas = sigma_schedule(sampler_cfg.num_steps, sampler_cfg.shift).tolist()

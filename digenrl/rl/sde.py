@@ -101,13 +101,19 @@ def _draw_noise(
     generator: torch.Generator | Sequence[torch.Generator] | None,
     device: torch.device,
 ) -> torch.Tensor:
-    """Standard normal noise; a sequence of generators draws each sample from its own one."""
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    """Standard normal noise on ``device``, drawn on each generator's own device.
+
+    A sequence of generators draws each sample from its own one. Drawing on the generator's
+    device (then moving) lets CPU generators give the same noise whatever device computes.
+    """
+    if generator is None:
+        return torch.randn(shape, device=device, dtype=torch.float32)
+    if isinstance(generator, torch.Generator):
+        return torch.randn(shape, generator=generator, device=generator.device).to(device)
     if len(generator) != shape[0]:
         raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]}")
-    return torch.stack([torch.randn(shape[1:], generator=g, device=device, dtype=torch.float32)
-                        for g in generator])
+    return torch.stack([torch.randn(shape[1:], generator=g, device=g.device)
+                        for g in generator]).to(device)
 
 
 def _mean_over_elements(t: torch.Tensor) -> torch.Tensor:
