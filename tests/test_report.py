@@ -77,7 +77,7 @@ def make_run_dir(run_dir: Path, steps: int = 6, seed: int = 0) -> Path:
         spans = [sp for rec in rollouts + trainers for sp in rec.spans(since_ns=window[0])]
         mean = 0.3 + 0.05 * s + rng.uniform(-0.02, 0.02)
         writer.write(StepMetrics(
-            step=s, policy_version=s + 1, wall_time=window[1] / 1e9, step_seconds=STEP_MS / 1e3,
+            step=s, policy_version=s + 1, wall_time=(window[1] - EPOCH) / 1e9, step_seconds=STEP_MS / 1e3,
             samples_per_s=16 / (STEP_MS / 1e3) * rng.uniform(0.9, 1.0), reward_mean=mean,
             reward_std=0.1 - 0.01 * s, loss=rng.gauss(0, 0.01), kl=1e-4 * s, clipfrac=0.01 * s,
             ratio_max_dev=1e-4 * s, grad_norm=rng.uniform(0.5, 1.5), max_staleness=min(s, 1),

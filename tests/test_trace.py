@@ -176,3 +176,36 @@ def test_a_torn_last_line_is_skipped(tmp_path):
         f.write('{"ph": "X", "name": "fragm')
     names, spans = read_trace(merge_traces(tmp_path))
     assert names == ["trainer-0"] and [s.name for s in spans] == ["optimizer_step"]
+
+
+async def test_concurrent_tasks_get_their_own_lanes_and_finished_lanes_are_reused(tmp_path):
+    import asyncio
+
+    clock = FakeClock()
+    rec = SpanRecorder("rollout-0", "rollout", clock)
+    sent, denoised = asyncio.Event(), asyncio.Event()
+
+    async def sender() -> None:
+        with rec.span("send_chunk"):  # opens inside denoise_step, closes after it
+            denoised.set()
+            await sent.wait()
+            clock.advance(1)
+
+    async def denoiser() -> None:
+        with rec.span("denoise_step"):
+            clock.advance(10)
+            task = asyncio.create_task(sender(), name="chunk-sender")
+            await denoised.wait()
+        sent.set()
+        await task
+
+    await asyncio.create_task(denoiser(), name="denoise-loop")
+    await asyncio.create_task(sender(), name="second-sender")  # after both finished
+    lanes = {s.name: s.tid for s in rec.spans()}
+    assert lanes == {"denoise_step": 0, "send_chunk": 0}  # second sender reused lane 0
+    assert sorted({s.tid for s in rec.spans()[:2]}) == [0, 1]
+    rec.dump(tmp_path / "trace" / "rollout-0.jsonl")
+    trace = json.loads(merge_traces(tmp_path).read_text())
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {0: "main", 1: "chunk-sender"}

@@ -16,8 +16,12 @@ the hosts' NTP error; the coordinator can measure each node's offset when it ans
 clock + offset = coordinator clock).
 
 Tracks. Spans on one ``tid`` of a recorder must nest (a span closes after every span
-opened inside it). Work that overlaps in time -- an asyncio task sending chunks while the
-main task denoises -- records on its own ``tid``; ``tid`` 0 is the main task.
+opened inside it). By default the ``tid`` is chosen per asyncio task (and per thread): code
+outside any task and the first task get 0 ("main"), each further concurrently running task
+gets the lowest free lane, and a lane is reused once its task has finished. A ``with``
+block cannot interleave with itself inside one task, so spans nest without the caller doing
+anything; concurrent tasks (a chunk sender beside the denoising loop) get their own lanes.
+Pass ``tid=`` to choose a lane explicitly.
 
 Span names (documented in docs/metrics.md): see :data:`SPAN_NAMES`; :data:`BUSY_SPANS` are
 those that count as busy in :func:`busy_fraction`, which metrics.jsonl, summary.json and the
@@ -26,8 +30,10 @@ report all use.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -100,15 +106,54 @@ class SpanRecorder:
         self._open: dict[int, list[SpanToken]] = {}
         self._pending: list[dict[str, Any]] = []  # events not yet dumped
         self._done: deque[Span] = deque(maxlen=keep)
+        self._lanes: dict[Any, int] = {}  # live asyncio task / thread -> tid
+        self._free: list[int] = []  # tids of finished tasks, for reuse
+        self._next_tid = 0
+
+    def _tid(self, tid: int | None) -> int:
+        if tid is not None:
+            return tid
+        try:
+            owner: Any = asyncio.current_task()
+        except RuntimeError:  # no running loop in this thread
+            owner = None
+        if owner is None:
+            thread = threading.current_thread()
+            if thread is threading.main_thread():
+                return 0
+            owner = thread
+        lane = self._lanes.get(owner)
+        if lane is None:
+            if self._free:
+                lane = min(self._free)
+                self._free.remove(lane)
+            else:
+                lane, self._next_tid = self._next_tid, self._next_tid + 1
+            self._lanes[owner] = lane
+            name = owner.get_name() if isinstance(owner, asyncio.Task) else owner.name
+            self._pending.append({"ph": "M", "name": "thread_name", "ts_ns": self._clock(),
+                                  "tid": lane, "args": {"name": "main" if lane == 0 else name}})
+            if isinstance(owner, asyncio.Task):
+                owner.add_done_callback(self._release)
+        return lane
+
+    def _release(self, task: Any) -> None:
+        lane = self._lanes.pop(task, None)
+        # A lane whose task died with spans open stays retired: reusing it would mis-nest.
+        if lane is not None and not self._open.get(lane):
+            self._free.append(lane)
 
     def now_ns(self) -> int:
         """The recorder's clock."""
         return self._clock()
 
-    def begin(self, name: str, *, tid: int = 0, **args: Any) -> SpanToken:
-        """Open a span on track ``tid``; close it with :meth:`end` (for spans across awaits)."""
-        token = SpanToken(next(self._serial), name, tid, self._clock(), args)
-        self._open.setdefault(tid, []).append(token)
+    def begin(self, name: str, *, tid: int | None = None, **args: Any) -> SpanToken:
+        """Open a span on track ``tid`` (default: the calling task's lane); close it with
+        :meth:`end`. ``with`` :meth:`span` is the usual form; this one is for spans whose
+        end is in a different function."""
+        lane = self._tid(tid)
+        token = SpanToken(next(self._serial), name, lane, self._clock(), args)
+        self._open.setdefault(lane, []).append(token)
         return token
 
     def end(self, token: SpanToken, **args: Any) -> Span:
@@ -128,7 +173,7 @@ class SpanRecorder:
         return span
 
     @contextmanager
-    def span(self, name: str, *, tid: int = 0, **args: Any) -> Iterator[SpanToken]:
+    def span(self, name: str, *, tid: int | None = None, **args: Any) -> Iterator[SpanToken]:
         """``with rec.span("denoise_step", step=3):`` records the block as one span."""
         token = self.begin(name, tid=tid, **args)
         try:
@@ -136,10 +181,10 @@ class SpanRecorder:
         finally:
             self.end(token)
 
-    def instant(self, name: str, *, tid: int = 0, **args: Any) -> None:
+    def instant(self, name: str, *, tid: int | None = None, **args: Any) -> None:
         """A point event (a version announced, a node lost)."""
-        self._pending.append({"ph": "i", "name": name, "ts_ns": self._clock(), "tid": tid,
-                              "args": args})
+        self._pending.append({"ph": "i", "name": name, "ts_ns": self._clock(),
+                              "tid": self._tid(tid), "args": args})
 
     def counter(self, name: str, value: float) -> None:
         """A sampled value drawn as a counter track (queue depth, bytes in flight)."""
@@ -248,15 +293,20 @@ def merge_traces(run_dir: Path | str, *, offset_ns: Mapping[str, int] | None = N
     pids = {node: pid for pid, node in
             enumerate(sorted(nodes, key=lambda n: _track_key(n, nodes[n])), start=1)}
     out: list[dict[str, Any]] = []
-    tids: set[tuple[int, int]] = set()
+    tids: dict[tuple[int, int], str] = {}
     for node, pid in pids.items():
         out.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                     "args": {"name": node}})
         out.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
                     "args": {"sort_index": pid}})
-    for ev in sorted(raw, key=lambda e: (e["ts_ns"], -e.get("dur_ns", 0))):
+    # Lane names first (a reused lane keeps the name of its first task).
+    for ev in sorted((e for e in raw if e["ph"] == "M"), key=lambda e: e["ts_ns"]):
+        tids.setdefault((pids[ev["node"]], int(ev.get("tid", 0))),
+                        str(ev.get("args", {}).get("name", "")))
+    for ev in sorted((e for e in raw if e["ph"] != "M"),
+                     key=lambda e: (e["ts_ns"], -e.get("dur_ns", 0))):
         pid, tid = pids[ev["node"]], int(ev.get("tid", 0))
-        tids.add((pid, tid))
+        tids.setdefault((pid, tid), "main" if tid == 0 else f"task-{tid}")
         item = {"ph": ev["ph"], "name": ev["name"], "pid": pid, "tid": tid,
                 "ts": (ev["ts_ns"] - t0) / 1000.0, "args": ev.get("args", {})}
         if ev["ph"] == "X":
@@ -266,9 +316,9 @@ def merge_traces(run_dir: Path | str, *, offset_ns: Mapping[str, int] | None = N
         elif ev["ph"] == "C":
             item["args"] = {ev["name"]: ev["args"]["value"]}
         out.append(item)
-    for pid, tid in sorted(tids):
+    for (pid, tid), name in sorted(tids.items()):
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-                    "args": {"name": "main" if tid == 0 else f"task-{tid}"}})
+                    "args": {"name": name}})
     target = run_dir / "trace.json"
     target.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms",
                                   "otherData": {"t0_ns": t0, "offset_ns": offsets}}),
