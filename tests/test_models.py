@@ -192,17 +192,59 @@ def test_folder_without_a_config_is_rejected(tmp_path):
         build_model(ModelConfig(family="sd3", path=str(tmp_path)))
 
 
-def test_pipeline_folder_decodes_with_its_vae(tmp_path):
+def write_vae(folder, latent_channels: int):
     from diffusers import AutoencoderKL
 
-    model = tiny("sd3")
-    model.transformer.save_pretrained(tmp_path / "transformer")
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=12, block_out_channels=(8, 8),
+        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(8, 8),
                             down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
                             norm_num_groups=4, layers_per_block=1)
-    vae.save_pretrained(tmp_path / "vae")
+    vae.save_pretrained(folder / "vae")
+    return vae
+
+
+def write_text_encoders(folder, family: str) -> None:
+    """Tiny CLIP(s) + T5 with hand-made vocabularies, saved the way the SD3 / FLUX pipelines lay them out."""
+    import json
+    import string
+
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModel,
+        CLIPTextModelWithProjection,
+        CLIPTokenizer,
+        T5Config,
+        T5EncoderModel,
+        T5TokenizerFast,
+    )
+
+    words = ["a", "red", "blue", "green", "circle", "square", "triangle", "on", "the", "left"]
+    clip_vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for ch in string.ascii_lowercase:
+        clip_vocab[ch], clip_vocab[ch + "</w>"] = len(clip_vocab), len(clip_vocab) + 1
+    (folder / "vocab.json").write_text(json.dumps(clip_vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    t5_vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)] + [("\u2581" + w, -1.0) for w in words]
+    clip_cfg = dict(vocab_size=len(clip_vocab), hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                    num_attention_heads=2, max_position_embeddings=16, projection_dim=8)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        clips = [CLIPTextModelWithProjection if family == "sd3" else CLIPTextModel] * (2 if family == "sd3" else 1)
+        for i, cls in enumerate(clips):
+            suffix = "" if i == 0 else "_2"
+            CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=16).save_pretrained(
+                folder / f"tokenizer{suffix}")
+            cls(CLIPTextConfig(**clip_cfg)).save_pretrained(folder / f"text_encoder{suffix}")
+        t5_suffix = "_3" if family == "sd3" else "_2"
+        T5TokenizerFast(vocab=t5_vocab, extra_ids=0).save_pretrained(folder / f"tokenizer{t5_suffix}")
+        T5EncoderModel(T5Config(vocab_size=len(t5_vocab), d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+                       ).save_pretrained(folder / f"text_encoder{t5_suffix}")
+
+
+def test_pipeline_folder_decodes_with_its_vae(tmp_path):
+    tiny("sd3").transformer.save_pretrained(tmp_path / "transformer")
+    vae = write_vae(tmp_path, 12)
     loaded = build_model(ModelConfig(family="sd3", path=str(tmp_path)))
     x = latents(loaded, 2)
     img = loaded.decode(x)
@@ -210,6 +252,23 @@ def test_pipeline_folder_decodes_with_its_vae(tmp_path):
     with torch.no_grad():
         ref = vae.decode(x / vae.config.scaling_factor).sample
     assert torch.equal(img, ((ref.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8))
+
+
+@pytest.mark.parametrize(("family", "pooled_dim"), [("sd3", 16), ("flux", 8)])
+def test_pipeline_folder_encodes_prompts_with_its_own_clip_and_t5(family, pooled_dim, tmp_path):
+    overrides = {"joint_attention_dim": 32, "pooled_projection_dim": pooled_dim}
+    model = build_model(ModelConfig(family=family, path="random"), tiny_overrides=overrides)
+    model.transformer.save_pretrained(tmp_path / "transformer")
+    write_vae(tmp_path, model.latent_shape[0])
+    write_text_encoders(tmp_path, family)
+    loaded = build_model(ModelConfig(family=family, path=str(tmp_path)))
+    cond = loaded.encode_prompts(["a red circle", "a blue square"])
+    assert cond["prompt_embeds"].shape[::2] == (2, 32) and cond["pooled_embeds"].shape == (2, pooled_dim)
+    assert not torch.allclose(cond["prompt_embeds"][0], cond["prompt_embeds"][1])
+    x = torch.randn(2, *loaded.latent_shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        v = loaded.velocity(x, 0.5, cond)
+    assert torch.isfinite(v).all() and v.shape == x.shape
 
 
 # -- prompts -------------------------------------------------------------------------------------
