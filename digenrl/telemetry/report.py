@@ -46,7 +46,7 @@ DPI = 100
 PNG_SIZES: dict[str, tuple[int, int]] = {  # (width, height) in pixels
     "reward": (900, 500), "throughput": (900, 500), "timeline": (1200, 600), "samples": (1000, 560)}
 _COLOURS = dict(zip(SPAN_NAMES, ["#1f77b4", "#aec7e8", "#2ca02c", "#ff7f0e", "#d62728",
-                                 "#9467bd", "#8c564b", "#e377c2", "#d9d9d9"]))
+                                 "#9467bd", "#8c564b", "#e377c2", "#17becf", "#d9d9d9"]))
 _SAMPLE = re.compile(r"step_(\d+)\.png$")
 
 
@@ -181,9 +181,10 @@ def _plot_timeline(names: list[str], spans: list[Span], last_steps: int, path: P
     ax.set_yticks(range(len(names)), [f"{n}\n{busy.get(n, 0.0):.0%} busy" for n in names])
     ax.set_ylim(len(names) - 0.5, -0.5)
     ax.set_xlim(0, (t1 - t0) / 1e6)
+    n_shown = sum(1 for e in ends if t0 < e <= t1)
+    which = f"the last {n_shown} steps" if len(ends) > last_steps else f"all {n_shown} steps"
     ax.set(xlabel="time (s) — dotted lines: optimizer steps",
-           title=f"Timeline of the last {min(last_steps, max(len(ends) - 1, 0)) or 'few'} steps "
-                 "(hatched = waiting, white = idle: the bubbles)")
+           title=f"Timeline of {which} (hatched = waiting, white = idle: the bubbles)")
     present = [n for n in SPAN_NAMES if any(s.name == n for s in shown)]
     present += sorted({s.name for s in shown} - set(present))
     handles = [Patch(facecolor=_COLOURS.get(n, "#7f7f7f"), hatch="//" if n == "wait" else None,

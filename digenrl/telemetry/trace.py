@@ -49,10 +49,10 @@ __all__ = ["BUSY_SPANS", "SPAN_NAMES", "Span", "SpanRecorder", "SpanToken", "Tra
 
 SPAN_NAMES: tuple[str, ...] = (
     "denoise_step", "send_chunk", "reward", "fragment_train", "optimizer_step",
-    "weight_publish", "weight_apply", "tag_generate", "wait")
+    "weight_publish", "weight_apply", "tag_generate", "generate", "wait")
 BUSY_SPANS: frozenset[str] = frozenset({
     "denoise_step", "reward", "fragment_train", "optimizer_step", "weight_publish",
-    "weight_apply", "tag_generate"})
+    "weight_apply", "tag_generate", "generate"})
 # Order of process tracks in the merged trace: the data flows top to bottom.
 _ROLE_ORDER = {"coordinator": 0, "rollout": 1, "trainer": 2}
 
