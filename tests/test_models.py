@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -325,3 +326,56 @@ def test_latents_that_are_not_3rr_channels_decode_through_a_fixed_projection():
     assert a.shape == (2, 3, 8, 8) and a.dtype == torch.uint8 and torch.equal(a, b)
     with pytest.raises(ValueError, match="channels=16"):
         encode_images(a, channels=16)
+
+
+# -- conventions against the diffusers pipelines ---------------------------------------------------
+def pipeline_call(family: str, model: FlowModel, cond, x0):
+    """(pipeline, its kwargs, output -> unpacked latents) for a 3-step latent-only run of ``family``."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from digenrl.models.packing import pack_2x2, unpack_2x2
+
+    sch, t = FlowMatchEulerDiscreteScheduler(shift=3.0), model.transformer
+    no_text = dict(text_encoder=None, tokenizer=None, vae=None)
+    if family == "sd3":
+        pipe = diffusers.StableDiffusion3Pipeline(transformer=t, scheduler=sch, text_encoder_2=None, tokenizer_2=None,
+                                                  text_encoder_3=None, tokenizer_3=None, **no_text)
+        return pipe, dict(prompt_embeds=cond["prompt_embeds"], pooled_prompt_embeds=cond["pooled_embeds"],
+                          latents=x0, height=128, width=128, guidance_scale=1.0), lambda out: out.images
+    if family == "flux":
+        pipe = diffusers.FluxPipeline(transformer=t, scheduler=sch, text_encoder_2=None, tokenizer_2=None, **no_text)
+        return pipe, dict(prompt_embeds=cond["prompt_embeds"], pooled_prompt_embeds=cond["pooled_embeds"],
+                          latents=pack_2x2(x0), height=128, width=128, guidance_scale=3.5), \
+            lambda out: unpack_2x2(out.images, 16, 16)
+    if family == "qwenimage":
+        pipe = diffusers.QwenImagePipeline(transformer=t, scheduler=sch, **no_text)
+        return pipe, dict(prompt_embeds=cond["prompt_embeds"], prompt_embeds_mask=cond["prompt_mask"],
+                          latents=pack_2x2(x0), height=128, width=128, true_cfg_scale=1.0), \
+            lambda out: unpack_2x2(out.images, 16, 16)
+    if family == "wan":
+        pipe = diffusers.WanPipeline(transformer=t, scheduler=sch, **no_text)
+        return pipe, dict(prompt_embeds=cond["prompt_embeds"], latents=x0, height=64, width=64, num_frames=5,
+                          guidance_scale=1.0), lambda out: out.frames
+    pipe = diffusers.HunyuanVideoPipeline(transformer=t, scheduler=sch, text_encoder_2=None, tokenizer_2=None, **no_text)
+    return pipe, dict(prompt_embeds=cond["prompt_embeds"], pooled_prompt_embeds=cond["pooled_embeds"],
+                      prompt_attention_mask=cond["prompt_mask"], latents=x0, height=64, width=64, num_frames=5,
+                      guidance_scale=6.0), lambda out: out.frames
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_euler_steps_with_adapter_velocity_reproduce_the_diffusers_pipeline(family):
+    """Timestep scaling, packing, ids, masks, guidance and the sign of v all match diffusers' own loop."""
+    model = tiny(family)
+    cond = model.encode_prompts(PROMPTS[:2])
+    x0 = latents(model, 2, seed=7)
+    pipe, kwargs, unpack = pipeline_call(family, model, cond, x0)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        expected = unpack(pipe(num_inference_steps=3, output_type="latent", **kwargs))
+        sigmas = pipe.scheduler.sigmas.tolist()
+        x = x0
+        for s, s_next in itertools.pairwise(sigmas):
+            x = x + (s_next - s) * model.velocity(x, s, cond)
+    assert len(sigmas) == 4 and not torch.allclose(x, x0)
+    assert torch.equal(x, expected)
