@@ -1,0 +1,284 @@
+"""Real ZeroMQ sockets on loopback (ipc in a temp dir, tcp on random ports), CURVE included."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from digenrl.protocol import (
+    PROTOCOL_VERSION,
+    Chunk,
+    Commit,
+    Hello,
+    Shutdown,
+    StepDone,
+    Welcome,
+    decode,
+    encode,
+    messages_equal,
+)
+from digenrl.transport.curve import (
+    Authenticator,
+    CurveClient,
+    CurveKeyError,
+    CurveServer,
+    generate_keys,
+    load_keypair,
+    load_public_key,
+)
+from digenrl.transport.errors import Closed, EndpointError, PeerLost
+from digenrl.transport.sockets import (
+    Dealer,
+    Endpoint,
+    Pub,
+    Pull,
+    Push,
+    Router,
+    Socket,
+    SocketOptions,
+    Sub,
+    is_loopback,
+)
+
+torch.set_num_threads(1)
+WAIT = 10.0  # bound on every wait; a healthy loopback answers in milliseconds
+OPTS = SocketOptions(max_frame_bytes=8 << 20, hwm=16)
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)  # closes whatever a failing test left open, then terminates
+
+
+@pytest.fixture
+def make(ctx: zmq.asyncio.Context) -> Iterator[Callable[..., Socket]]:
+    made: list[Socket] = []
+
+    def factory(cls: type[Socket], **kwargs: object) -> Socket:
+        sock = cls(ctx, options=kwargs.pop("options", OPTS), **kwargs)  # type: ignore[arg-type]
+        made.append(sock)
+        return sock
+
+    yield factory
+    for sock in made:
+        sock.close()
+
+
+@pytest.fixture(params=["ipc", "tcp"])
+def address(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "tcp":
+        yield "tcp://127.0.0.1:*"
+        return
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:  # ipc paths must stay under ~100 chars
+        yield f"ipc://{d}/s"
+
+
+def _raw(ctx: zmq.asyncio.Context, kind: int, endpoint: str) -> zmq.asyncio.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def _chunk(x_t: torch.Tensor, x_next: torch.Tensor, task_id: int = 1) -> Chunk:
+    return Chunk(task_id=task_id, step=0, fragment=0, t_index=3, sigma=0.7, sigma_next=0.6,
+                 policy_version=2, x_t=x_t, x_next=x_next, log_prob=torch.randn(x_t.shape[:1]))
+
+
+async def test_tensors_of_every_dtype_and_shape_arrive_bit_identical(make, address: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    pull = make(Pull)
+    push = make(Push)
+    push.connect(pull.bind(address))
+    big = torch.randn(2, 4, 128, 128, generator=g)  # 512 KiB: above pyzmq's copy threshold
+    sent = [
+        _chunk(big, big.to(torch.bfloat16)),
+        _chunk(torch.randn(3, 4, generator=g).half(), torch.zeros(3, 0, 2)),
+        Commit(task_id=2, step=0, fragment=0, node_id="r0", policy_version=2, prompt_ids=[4, 5],
+               rewards=[0.25, -1.0], reward_terms={"aesthetic": [0.1, 0.2]}, gen_seconds=1.5,
+               cond={"prompt_embeds": torch.randn(2, 8, 32, generator=g).bfloat16(),
+                     "mask": torch.tensor([[True, False]]),
+                     "ids": torch.arange(6, dtype=torch.int64),
+                     "tok": torch.arange(6, dtype=torch.int32)},
+               images=torch.randint(0, 256, (2, 3, 8, 8), generator=g, dtype=torch.uint8)),
+    ]
+    for msg in sent:
+        await push.send(msg)
+    for msg in sent:
+        peer, got = await asyncio.wait_for(pull.recv(), WAIT)
+        assert peer is None and messages_equal(got, msg)
+    assert push.statistics().sent == 3 and pull.statistics().received == 3
+
+
+async def test_dealer_and_router_talk_by_identity(make, address: str) -> None:
+    router = make(Router)
+    dealer = make(Dealer, identity=b"rollout-0")
+    dealer.connect(router.bind(address))
+    hello = Hello(node_id="rollout-0", role="rollout", gpu="cpu", incarnation=1, pid=42, host="h")
+    await dealer.send(hello)
+    peer, got = await asyncio.wait_for(router.recv(), WAIT)
+    assert peer == b"rollout-0" and messages_equal(got, hello)
+    welcome = Welcome(node_id="rollout-0", run_id="run", config_toml="[run]\n", rank=0,
+                      world_size=1, endpoints={"trainer/0": "tcp://127.0.0.1:1"})
+    await router.send(welcome, to=peer)
+    assert messages_equal((await asyncio.wait_for(dealer.recv(), WAIT))[1], welcome)
+
+
+async def test_router_sending_to_an_unknown_peer_raises_peer_lost(make) -> None:
+    router = make(Router)
+    router.bind("tcp://127.0.0.1:*")
+    with pytest.raises(PeerLost, match="b'ghost'"):
+        await router.send(Shutdown(reason="x"), to=b"ghost")
+    with pytest.raises(ValueError, match="needs to="):
+        await router.send(Shutdown(reason="x"))
+
+
+async def test_a_subscriber_gets_what_is_published_after_wait_subscribed(make, address) -> None:
+    pub = make(Pub)
+    sub = make(Sub)
+    sub.connect(pub.bind(address))
+    assert await asyncio.wait_for(pub.wait_subscribed(), WAIT) == b""
+    done = StepDone(step=3, version=4, metrics={"train/loss": 0.5})
+    await pub.send(done)
+    assert messages_equal((await asyncio.wait_for(sub.recv(), WAIT))[1], done)
+
+
+async def test_bad_frames_are_counted_by_reason_and_the_socket_keeps_working(make, ctx) -> None:
+    pull = make(Pull)
+    raw = _raw(ctx, zmq.PUSH, pull.bind("tcp://127.0.0.1:*"))
+    try:
+        await raw.send_multipart([b"\xc1 not msgpack"])
+        header = msgpack.unpackb(encode(_chunk(torch.zeros(2, 2), torch.zeros(2, 2)))[0])
+        header["_tensors"][0][3] = [1 << 40]  # lies about the shape
+        await raw.send_multipart([msgpack.packb(header), b"", b"", b""])
+        await raw.send_multipart(encode(Shutdown(reason="still here")))
+        _, got = await asyncio.wait_for(pull.recv(), WAIT)
+    finally:
+        raw.close(linger=0)
+    assert got == Shutdown(reason="still here")
+    stats = pull.statistics()
+    assert (stats.received, stats.bad_frames) == (1, 2)
+    assert stats.bad_by_reason == {"header": 1, "too_large": 1}
+
+
+async def test_a_peer_speaking_another_version_is_refused_with_a_clear_shutdown(make, ctx) -> None:
+    router = make(Router)
+    raw = _raw(ctx, zmq.DEALER, router.bind("tcp://127.0.0.1:*"))
+    try:
+        await raw.send_multipart([msgpack.packb({"t": "hello", "v": 7, "_tensors": []})])
+        await raw.send_multipart(encode(Shutdown(reason="after")))
+        _, got = await asyncio.wait_for(router.recv(), WAIT)  # the v7 one was dropped first
+        reply = decode(await asyncio.wait_for(raw.recv_multipart(), WAIT), max_frame_bytes=1 << 20)
+    finally:
+        raw.close(linger=0)
+    assert got == Shutdown(reason="after")
+    assert reply == Shutdown(reason="protocol version mismatch: peer speaks protocol version 7, "
+                                    f"this node speaks {PROTOCOL_VERSION}")
+    assert router.statistics().bad_by_reason == {"version": 1}
+
+
+async def test_a_closed_socket_raises_closed(make) -> None:
+    push = make(Push)
+    push.close()
+    push.close()  # idempotent
+    with pytest.raises(Closed):
+        await push.send(Shutdown(reason="x"))
+    with pytest.raises(Closed):
+        push.bind("tcp://127.0.0.1:*")
+
+
+@pytest.mark.parametrize(("endpoint", "loopback"), [
+    ("ipc:///tmp/x", True), ("inproc://a", True), ("tcp://127.0.0.1:5555", True),
+    ("tcp://127.1.2.3:*", True), ("tcp://[::1]:5", True), ("tcp://localhost:5", True),
+    ("tcp://10.0.0.2:5", False), ("tcp://*:5", False), ("tcp://0.0.0.0:5", False),
+    ("tcp://10.0.0.1;127.0.0.1:5", True), ("tcp://[2001:db8::1]:5", False),
+])
+def test_is_loopback_knows_which_addresses_stay_on_the_machine(endpoint: str, loopback) -> None:
+    assert is_loopback(endpoint) is loopback
+
+
+@pytest.mark.parametrize("bad", ["127.0.0.1:5", "udp://x:1", "tcp://nohostport", "ipc://"])
+def test_bad_endpoints_are_named_in_the_error(bad: str) -> None:
+    with pytest.raises(EndpointError, match=bad.replace("/", ".")):
+        Endpoint.parse(bad)
+
+
+def test_key_files_round_trip_and_secrets_are_private(tmp_path: Path) -> None:
+    paths = generate_keys(tmp_path / "keys")
+    pair = load_keypair(tmp_path / "keys", "client")
+    assert load_public_key(tmp_path / "keys", "client") == pair.public and len(pair.secret) == 40
+    assert stat.S_IMODE(paths["server"][1].stat().st_mode) == 0o600
+    with pytest.raises(CurveKeyError, match=r"nobody\.key_secret"):
+        load_keypair(tmp_path / "keys", "nobody")
+    with pytest.raises(CurveKeyError, match="holds no secret"):
+        # a public key file renamed as a secret one has no secret half
+        (tmp_path / "keys" / "pub.key_secret").write_bytes(paths["server"][0].read_bytes())
+        load_keypair(tmp_path / "keys", "pub")
+
+
+async def _next_event(sock: Socket, monitor: zmq.asyncio.Socket) -> dict:
+    """The first monitor event, then the monitor is detached and closed."""
+    try:
+        return parse_monitor_message(await asyncio.wait_for(monitor.recv_multipart(), WAIT))
+    finally:
+        sock.zmq_socket.disable_monitor()
+        monitor.close(linger=0)
+
+
+async def test_a_curve_server_refuses_unknown_keys_and_accepts_allowed_ones(
+        make, ctx, tmp_path: Path) -> None:
+    generate_keys(tmp_path, names=("server", "good", "bad"))
+    server = load_keypair(tmp_path, "server")
+    good, bad = load_keypair(tmp_path, "good"), load_keypair(tmp_path, "bad")
+    auth = Authenticator(ctx, allowed=[good.public])
+    serving = asyncio.ensure_future(auth.serve())
+    try:
+        pull = make(Pull, security=CurveServer(keypair=server))
+        endpoint = pull.bind("tcp://127.0.0.1:*")
+        intruder = make(Push, security=CurveClient(keypair=bad, server_public=server.public))
+        monitor = intruder.zmq_socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        intruder.connect(endpoint)
+        # Queued locally (PUSH queues before a connection exists) but never delivered.
+        await asyncio.wait_for(intruder.send(Shutdown(reason="from intruder")), WAIT)
+        event = await _next_event(intruder, monitor)
+        assert event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+        friend = make(Push, security=CurveClient(keypair=good, server_public=server.public))
+        friend.connect(endpoint)
+        for i in range(2):
+            await asyncio.wait_for(friend.send(Shutdown(reason=f"from friend {i}")), WAIT)
+        got = [(await asyncio.wait_for(pull.recv(), WAIT))[1] for _ in range(2)]
+        # PULL queues fairly across connections: the intruder's earlier message would have
+        # come first had its connection been admitted.
+        assert got == [Shutdown(reason="from friend 0"), Shutdown(reason="from friend 1")]
+        assert auth.accepted == 1 and auth.rejected >= 1
+    finally:
+        serving.cancel()
+        auth.close()
+
+
+async def test_a_curve_server_without_an_authenticator_admits_nobody(make, tmp_path) -> None:
+    generate_keys(tmp_path, names=("server", "client"))
+    server, client = load_keypair(tmp_path, "server"), load_keypair(tmp_path, "client")
+    pull = make(Pull, security=CurveServer(keypair=server))
+    push = make(Push, security=CurveClient(keypair=client, server_public=server.public))
+    monitor = push.zmq_socket.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    push.connect(pull.bind("tcp://127.0.0.1:*"))
+    event = await _next_event(push, monitor)
+    # ZAP_ENFORCE_DOMAIN: with no handler to ask, the handshake fails (libzmq's default
+    # would have admitted any client knowing the server's public key).
+    assert event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
