@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "keys":
             from digenrl.transport.curve import generate_keys
-            paths = generate_keys(Path(args.dir), names=tuple(args.names.split(",")))
-            for path in paths:
-                print(path)
+            written = generate_keys(Path(args.dir), names=tuple(args.names.split(",")))
+            for name, (public, secret) in written.items():
+                print(f"{name}: public {public}  secret {secret}")
             return 0
         if args.command == "plan":
             from digenrl.sim.plan import plan_from_args
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     raise AssertionError(args.command)
 
 
-def _build_node_parser() -> argparse.ArgumentParser:
+def build_node_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="digenrl-node", description="run one DigenRL role by hand")
     p.add_argument("--role", required=True, choices=["coordinator", "rollout", "trainer"])
     p.add_argument("--coordinator", default=None, metavar="ENDPOINT",
@@ -102,6 +102,8 @@ def _build_node_parser() -> argparse.ArgumentParser:
                    help="address to bind (coordinator: control ROUTER; trainer: data PULL)")
     p.add_argument("--gpu", default=None, help="GPU type this node declares (H100, L40S, cpu, ...)")
     p.add_argument("--node-id", default=None, help="stable node id (default role-host-pid)")
+    p.add_argument("--rank", type=int, default=None,
+                   help="trainer: informational rank hint (ranks are assigned in join order)")
     p.add_argument("--run-dir", default=None, help="run folder (coordinator writes metrics there)")
     p.add_argument("--allow-plaintext", action="store_true",
                    help="permit an unencrypted bind on a non-loopback address (warns)")
@@ -110,7 +112,7 @@ def _build_node_parser() -> argparse.ArgumentParser:
 
 
 def node_main(argv: list[str] | None = None) -> int:
-    args = _build_node_parser().parse_args(argv)
+    args = build_node_parser().parse_args(argv)
     try:
         from digenrl.actors.node import run_node
         return run_node(args)

@@ -212,7 +212,7 @@ def _node_argv_from_exec_start(exec_start: str, instance: str) -> list[str]:
 def _assert_node_cli_accepts(argv: list[str]) -> None:
     """The node's own argument parser takes these arguments (skips until the CLI exists)."""
     cli = pytest.importorskip("digenrl.cli", reason="digenrl.cli (the node CLI) is not importable")
-    parser = cli._build_node_parser()  # private on purpose: the units must track the real CLI
+    parser = cli.build_node_parser()  # private on purpose: the units must track the real CLI
     assert Path(argv[0]).name == "digenrl-node", argv
     try:
         parser.parse_args(argv[1:])

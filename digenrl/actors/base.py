@@ -19,21 +19,25 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-from digenrl.telemetry.trace import SpanRecorder
+from digenrl.telemetry.trace import SpanRecorder, busy_fraction
 
 
-@dataclass
 class BusyClock:
-    """Cumulative busy seconds of one process, from the same spans the trace records."""
+    """Busy seconds of one process, computed from the very spans the trace records."""
 
-    started: float = field(default_factory=time.monotonic)
-    busy_s: float = 0.0
+    def __init__(self, recorder: SpanRecorder) -> None:
+        self.recorder = recorder
+        self.t0 = recorder.now_ns()
 
     def stats(self) -> dict[str, float]:
-        return {"busy_s": self.busy_s, "wall_s": time.monotonic() - self.started}
+        now = self.recorder.now_ns()
+        if now <= self.t0:
+            return {"busy_s": 0.0, "wall_s": 0.0}
+        frac = busy_fraction(self.recorder.spans(), self.t0, now)
+        wall = (now - self.t0) / 1e9
+        return {"busy_s": frac * wall, "wall_s": wall}
 
 
 class Actor:
@@ -45,7 +49,7 @@ class Actor:
         self.node_id = node_id
         self.recorder = recorder
         self.log = log
-        self.busy = BusyClock()
+        self.busy = BusyClock(recorder)
         self._stop = asyncio.Event()
         self.stop_reason = ""
 
@@ -88,12 +92,8 @@ class Actor:
     @contextmanager
     def working(self, name: str, **args: Any) -> Iterator[None]:
         """A busy span: recorded in the trace and counted in the busy fraction."""
-        t0 = time.monotonic()
         with self.recorder.span(name, **args):
-            try:
-                yield
-            finally:
-                self.busy.busy_s += time.monotonic() - t0
+            yield
 
     async def in_thread(self, name: str, fn: Callable[..., Any], *a: Any, **args: Any) -> Any:
         """Run torch work off the event loop, as a busy span."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import zmq.asyncio
 
+from digenrl.actors import sockets as zs
 from digenrl.actors.base import Actor
 from digenrl.actors.coordinator import CoordinatorActor
 from digenrl.config import Config
@@ -28,7 +29,6 @@ from digenrl.telemetry.logging import get_logger
 from digenrl.telemetry.metrics import MetricsWriter
 from digenrl.telemetry.progress import Progress
 from digenrl.telemetry.trace import SpanRecorder
-from digenrl.transport import sockets as zs
 
 
 def bytes_per_trajectory(cfg: Config, latent_numel: int) -> int:
@@ -107,8 +107,8 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     log = get_logger("coordinator", "coordinator")
     ctx = zmq.asyncio.Context()
     host = cfg.cluster.host
-    control = zs.bind(ctx, "router", bind or f"tcp://{host}:*", cfg.transport, handover=True)
-    pub = zs.bind(ctx, "pub", f"tcp://{host}:*", cfg.transport)
+    control = zs.bind(ctx, "router", bind or f"tcp://{host}:*", cfg, handover=True)
+    pub = zs.bind(ctx, "pub", f"tcp://{host}:*", cfg)
     prompts = load_prompts(cfg.prompts.file)
     sched = make_scheduler(cfg, len(prompts))
     metrics = MetricsWriter(run_dir)

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 import zmq.asyncio
 
+from digenrl.actors import sockets as zs
 from digenrl.actors.base import default_node_id, incarnation
 from digenrl.config import Config, config_from_dict, load_config
 from digenrl.protocol import Hello, Shutdown, Welcome
 from digenrl.telemetry.logging import configure_logging, get_logger
 from digenrl.telemetry.trace import SpanRecorder
-from digenrl.transport import sockets as zs
 
 
 def loop_factory() -> Any:
@@ -47,11 +47,12 @@ def run_node(args: argparse.Namespace) -> int:
         raise SystemExit("digenrl-node: --coordinator ENDPOINT is required for rollout and trainer")
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return int(runner.run(_node(args.role, node_id, args.coordinator, args.gpu or "cpu", args.bind,
-                                    run_dir)))
+                                    run_dir, load_config(args.config, args.overrides))))
 
 
 async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str | None,
-                run_dir: Path | None) -> int:
+                run_dir: Path | None, boot: Config) -> int:
+    """``boot`` is the local config: transport settings (keys, limits) until Welcome brings the run's."""
     log = get_logger(role, node_id)
     ctx = zmq.asyncio.Context()
     inc = incarnation()
@@ -62,14 +63,13 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
         return s
 
     try:
-        boot = load_config(None)  # transport limits until the run's config arrives
-        control = track(zs.connect(ctx, "dealer", coordinator, boot.transport, identity=node_id.encode()))
+        control = track(zs.connect(ctx, "dealer", coordinator, boot, identity=node_id.encode()))
         data = weights = None
         host = bind or "tcp://127.0.0.1:*"
         endpoint = ""
         if role == "trainer":
-            data = track(zs.bind(ctx, "pull", host, boot.transport))
-            weights = track(zs.bind(ctx, "router", host, boot.transport))
+            data = track(zs.bind(ctx, "pull", host, boot))
+            weights = track(zs.bind(ctx, "router", host, boot))
             endpoint = f"{data.endpoint}|{weights.endpoint}"
         await control.send(Hello(node_id=node_id, role=role, gpu=gpu, incarnation=inc,
                                  pid=os.getpid(), host=endpoint or pysocket.gethostname()))
@@ -88,16 +88,16 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
         endpoints = dict(msg.endpoints)
         trainer_eps = {int(k.split("/")[1]): v.split("|")[0] for k, v in endpoints.items()
                        if k.startswith("trainer/")}
-        pushes = {r: track(zs.connect(ctx, "push", ep, cfg.transport)) for r, ep in sorted(trainer_eps.items())}
+        pushes = {r: track(zs.connect(ctx, "push", ep, cfg)) for r, ep in sorted(trainer_eps.items())}
         from digenrl.actors.peers import NodePeers
         from digenrl.models import build_model
         from digenrl.rl.rewards import build_reward
         reward_fn = build_reward(cfg.reward.terms)
         kw = dict(node_id=node_id, recorder=recorder, log=log.bind(policy_version=0))
         if role == "rollout":
-            sub = track(zs.connect(ctx, "sub", endpoints["pub"], cfg.transport))
+            sub = track(zs.connect(ctx, "sub", endpoints["pub"], cfg))
             w0 = endpoints["trainer/0"].split("|")[1]
-            wdealer = track(zs.connect(ctx, "dealer", w0, cfg.transport))
+            wdealer = track(zs.connect(ctx, "dealer", w0, cfg))
             peers = NodePeers(node_id=node_id, incarnation=inc, cfg=cfg, control=control, sub=sub,
                               pushes=pushes, weights=wdealer)
             model = await asyncio.to_thread(build_model, cfg.model, seed=cfg.run.seed)
