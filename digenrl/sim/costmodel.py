@@ -1,0 +1,278 @@
+"""Cost model: seconds per unit of work, per GPU type and model, from FLOPs and achieved TFLOP/s.
+
+Every figure cites ``/work/shared/reference/costmodel.md`` (abbreviated ``cm``) by section;
+figures computed here say "derived" with the formula. Cost is FLOP-linear (cm quick summary:
+one efficiency constant reproduces MixGRPO's five iteration times within 5%), so::
+
+    generation  (s / sample / denoising step)   = fwd_tflop * cfg_passes / gen_tflops(gpu, where)
+    training    (s / sample / trained timestep) = fwd_tflop * (3 | 4 ckpt) (+1 KL ref) (*2 CFG)
+                                                  / train_tflops(gpu)
+    reward      (s / sample)                    = reward_tflop / gen_tflops + reward_fixed_s
+    weight sync (s)                             = sync_bytes / weight_gbs + latency
+    latents     (s)                             = latent bytes / link_gbs + latency
+    switch      (s, colocated only)             = optimizer-state shard over PCIe + bf16 weights
+                                                  all-gathered over NVLink, each way
+
+Batching is not modelled: per-sample cost is constant (cm 3a notes batch-1 at 512 px under-fills
+a GPU; the achieved TFLOP/s figures below come from batch-1 measurements, so a batched engine
+would be faster, which only helps the disaggregated rollouts).
+
+Where generation runs matters. A dedicated rollout node runs an inference engine (compiled,
+no FSDP): ``gen_tflops``. Generation inside a training process (colocated baseline and TAG)
+runs eager through the FSDP-wrapped model: ``colo_gen_tflops`` (cm 3a: FLUX on H100 eager
+6.71 s vs compiled 4.30 s, a 1.56x gap; cm 4c: veRL-Omni rollout ~445 vs trainer ~150-230).
+No torch here: the coordinator's BTS predictor and the planner import this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class CostModelError(ValueError):
+    """An unknown GPU/model name or a bad calibration file; the message names the value."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    """Achieved throughputs of one GPU type (TFLOP/s) and its links (GB/s)."""
+
+    name: str
+    peak_tflops: float
+    """Dense BF16 peak (cm 7; verl flops_counter constants in cm 4b)."""
+    gen_tflops: float
+    """Achieved by a dedicated, compiled inference engine on a rollout node."""
+    colo_gen_tflops: float
+    """Achieved by eager generation inside the training process (colocated, TAG)."""
+    train_tflops: float
+    """Achieved by the GRPO trainer (fwd + bwd, activation checkpointing counted in FLOPs)."""
+    memory_gb: float
+    nvlink_gbs: float
+    """Effective intra-node bandwidth for all-reduce / all-gather."""
+    pcie_gbs: float
+    """Effective host<->device bandwidth for offloading (colocated switch)."""
+
+
+# cm 7: NVLink 900 GB/s H100/H200/H20, 400 GB/s H800, 600 GB/s A100, none on L40S (PCIe Gen4 64
+# bidir). Effective all-reduce bandwidth is taken as 370 GB/s on 900 GB/s NVLink (cm 6, "NVLink
+# ring ~370 GB/s effective"); derived for the others as 370 * nvlink / 900.
+# PCIe effective = half the per-direction peak (assumption: pageable copies; cm 7 lists peaks).
+# The 1.6x compiled/eager factor is derived from cm 3a (xDiT-FLUX H100: 6.71 s eager / 4.30 s
+# compiled = 1.56); gen_tflops = colo_gen_tflops * 1.56 where no compiled figure exists.
+_EAGER_TO_COMPILED = 6.71 / 4.30  # derived, cm 3a
+GPUS: dict[str, GpuSpec] = {g.name: g for g in (
+    # colo 300: cm 3a "H100 eager ~300" (derived 74.4 TF x 28 / 6.71 s); gen 480: cm 3a
+    # "H100 compile ~480"; train 297: cm 4c "30% H100 MFU" = 0.30 x 989.
+    GpuSpec(name="H100", peak_tflops=989.0, gen_tflops=480.0, colo_gen_tflops=300.0,
+            train_tflops=297.0, memory_gb=80.0, nvlink_gbs=370.0, pcie_gbs=32.0),
+    # cm 7: same compute and memory as H100, NVLink 400 GB/s -> 370 * 400 / 900 = 164 (derived).
+    GpuSpec(name="H800", peak_tflops=989.0, gen_tflops=480.0, colo_gen_tflops=300.0,
+            train_tflops=297.0, memory_gb=80.0, nvlink_gbs=164.0, pcie_gbs=32.0),
+    # colo 366: cm 3b LightX2V Wan I2V 480p 9.15 s/step on 1xH200 -> 3.35 PF / 9.15 s (derived);
+    # gen = 366 * 1.56 (derived); train = 0.30 x 989 (cm 4c convention).
+    GpuSpec(name="H200", peak_tflops=989.0, gen_tflops=366.0 * _EAGER_TO_COMPILED,
+            colo_gen_tflops=366.0, train_tflops=297.0, memory_gb=141.0, nvlink_gbs=370.0,
+            pcie_gbs=32.0),
+    # colo 133: cm 3a "A100 ~133" (BenchmarkFlux 15.65 s); train 0.30 x 312 = 94 (derived).
+    GpuSpec(name="A100", peak_tflops=312.0, gen_tflops=133.0 * _EAGER_TO_COMPILED,
+            colo_gen_tflops=133.0, train_tflops=94.0, memory_gb=80.0,
+            nvlink_gbs=370.0 * 600 / 900, pcie_gbs=16.0),
+    # colo 92: cm 3b/3c "H20 ~94" (Wan) and "~91" (HYV), mean; train 82: cm 4b UniRL H20
+    # "~82 TFLOP/s/GPU" (derived there).
+    GpuSpec(name="H20", peak_tflops=148.0, gen_tflops=92.0 * _EAGER_TO_COMPILED,
+            colo_gen_tflops=92.0, train_tflops=82.0, memory_gb=96.0, nvlink_gbs=370.0,
+            pcie_gbs=32.0),
+    # colo 129: cm 3a RTX 6000 Ada (L40S-class proxy) 1.74 it/s x 74.4 TF (derived);
+    # train 0.30 x 362 = 109 (derived). No NVLink: all-reduce over PCIe Gen4 (cm 7), 32 GB/s.
+    GpuSpec(name="L40S", peak_tflops=362.0, gen_tflops=129.0 * _EAGER_TO_COMPILED,
+            colo_gen_tflops=129.0, train_tflops=109.0, memory_gb=48.0, nvlink_gbs=32.0,
+            pcie_gbs=16.0),
+    # The tiny CPU model is costed in seconds (see ModelSpec.cpu_seconds); these TFLOP/s are
+    # unused placeholders so every type has the same fields. Memory copy ~20 GB/s
+    # (cpu-feasibility.md 5: numpy memcpy 21.8-45.9 GB/s).
+    GpuSpec(name="cpu", peak_tflops=1.0, gen_tflops=1.0, colo_gen_tflops=1.0, train_tflops=1.0,
+            memory_gb=16.0, nvlink_gbs=20.0, pcie_gbs=20.0),
+)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """One model at the resolution of its published GRPO recipe."""
+
+    name: str
+    fwd_tflop: float
+    """Forward FLOPs per sample per denoising step, one CFG branch."""
+    params_b: float
+    """Total parameters (billions); bf16 bytes = 2 x params."""
+    latent_bytes: int
+    """bf16 latent of one sample (cm 1)."""
+    reward_tflop: float
+    """Reward model FLOPs per sample (cm 5)."""
+    reward_fixed_s: float
+    """Per-sample reward latency not in FLOPs (VAE decode, resize)."""
+    cpu_seconds: tuple[float, float] | None = None
+    """(generation s/sample/step, training s/sample/timestep) measured on CPU, or None."""
+
+
+MODELS: dict[str, ModelSpec] = {m.name: m for m in (
+    # FLUX.1-dev 720x720 (DanceGRPO / MixGRPO setting): 37.3 TF/fwd (cm 2), 11.8 B params (cm 0),
+    # latent 259,200 B (cm 1). Reward: PickScore/HPS ViT-H 0.38 TF (cm 5) + VAE decode 0.028 s
+    # (cm 3a, SGLang trace).
+    ModelSpec(name="flux", fwd_tflop=37.3, params_b=11.8, latent_bytes=259_200,
+              reward_tflop=0.38, reward_fixed_s=0.028),
+    # Qwen-Image 512x512 (Flow-GRPO / veRL-Omni recipe): 18.6 TF/fwd (cm 2), 20.4 B (cm 0),
+    # latent 131,072 B (cm 1). Reward as FLUX (CLIP-class).
+    ModelSpec(name="qwenimage", fwd_tflop=18.6, params_b=20.4, latent_bytes=131_072,
+              reward_tflop=0.38, reward_fixed_s=0.028),
+    # Wan2.1-T2V-14B 480p 81f: 1.68 PF/fwd (cm 2), 14.0 B (cm 0), latent 4,193,280 B (cm 1).
+    # Reward: VideoAlign-class ~8 TF/video (cm 5, derived 6-10 TF); decode not in cm: 0.5 s
+    # (assumption).
+    ModelSpec(name="wan", fwd_tflop=1680.0, params_b=14.0, latent_bytes=4_193_280,
+              reward_tflop=8.0, reward_fixed_s=0.5),
+    # HunyuanVideo 480x480x53f (DanceGRPO open-source setting): 0.297 PF/fwd (cm 2), 12.8 B
+    # (cm 0), latent 1,612,800 B (cm 1). Reward as Wan.
+    ModelSpec(name="hunyuanvideo", fwd_tflop=297.0, params_b=12.8, latent_bytes=1_612_800,
+              reward_tflop=8.0, reward_fixed_s=0.5),
+    # Tiny SD3 on CPU: cpu-feasibility.md 3, e2e GRPO iteration, 1 thread, batch 8 x 10 steps:
+    # rollout 0.20-0.27 s -> 0.235 / 80 = 2.9 ms per sample-step; 2 training passes 1.12-1.30 s
+    # -> 1.21 / 160 = 7.6 ms per sample-timestep (derived). `plan --calibrate` replaces these.
+    # Latent 12x16x16 fp32 = 12,288 B (digenrl/models/sd3.py tiny config; fp32 on the wire).
+    ModelSpec(name="sd3", fwd_tflop=0.0, params_b=0.0003, latent_bytes=12_288,
+              reward_tflop=0.0, reward_fixed_s=0.0002, cpu_seconds=(0.0029, 0.0076)),
+)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """The per-step shape of the RL recipe that the costs depend on (from a Config)."""
+
+    model: str
+    num_steps: int
+    trained_steps: int
+    cfg_gen: bool
+    cfg_train: bool
+    grad_ckpt: bool
+    kl: bool
+    lora_rank: int
+    fsdp: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeCosts:
+    """Seconds per unit of work on one GPU type; what the simulator consumes."""
+
+    gen_step_s: float
+    """Dedicated rollout: one sample, one denoising step (all CFG passes)."""
+    colo_gen_step_s: float
+    """Same, generated inside a trainer process (colocated baseline, TAG)."""
+    train_step_s: float
+    """One sample, one trained timestep (fwd+bwd, checkpointing, KL reference, CFG)."""
+    reward_s: float
+    """One sample: decode + reward model."""
+    optimizer_s: float
+    """One optimizer step (AdamW over the trainable parameters' shard)."""
+    switch_s: float
+    """Colocated: one switch between generation and training states."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Network:
+    """Cluster links: cross-node latents and weights; the planner reads it from the cluster TOML."""
+
+    link_gbs: float = 45.0
+    """Latent streaming rollout -> trainer; cm 6: one 400G NIC ~45 GB/s effective."""
+    weight_gbs: float = 8.25
+    """Weight broadcast; cm 6: verl NCCL checkpoint engine 8.25 GB/s over 400G IB."""
+    latency_s: float = 0.0002
+    """Per message; cpu-feasibility.md 5: DEALER/ROUTER ping-pong p50 ~0.2 ms."""
+
+
+def trainable_bytes(model: ModelSpec, lora_rank: int) -> float:
+    """bf16 bytes of the trainable parameters: 2 x params, or LoRA ~1% per rank 64 (cm 6), derived."""
+    full = 2.0 * model.params_b * 1e9
+    return full if lora_rank <= 0 else full * 0.01 * lora_rank / 64.0
+
+
+def node_costs(gpu: str, wl: Workload, *, trainer_ranks: int = 1,
+               calibration: dict[str, Any] | None = None) -> NodeCosts:
+    """Per-unit seconds of ``wl`` on ``gpu``; a calibration (``plan --calibrate`` JSON) overrides."""
+    if gpu not in GPUS:
+        raise CostModelError(f"gpu = {gpu!r}: expected one of {', '.join(GPUS)}")
+    if wl.model not in MODELS:
+        raise CostModelError(f"model = {wl.model!r}: expected one of {', '.join(MODELS)}")
+    g, m = GPUS[gpu], MODELS[wl.model]
+    cfg_gen = 2 if wl.cfg_gen else 1
+    # cm 0: 3x fwd (fwd+bwd), 4x with checkpointing, +1 fwd reference when KL > 0, x2 with CFG.
+    train_mult = ((4 if wl.grad_ckpt else 3) + (1 if wl.kl else 0)) * (2 if wl.cfg_train else 1)
+    if m.cpu_seconds is not None or gpu == "cpu":
+        gen1, train1 = m.cpu_seconds or (0.0029, 0.0076)
+        # cpu-feasibility numbers are for 3x fwd, no CFG; scale by the same multipliers (derived).
+        gen, colo_gen = gen1 * cfg_gen, gen1 * cfg_gen
+        train = train1 * train_mult / 3.0
+        reward = m.reward_fixed_s
+    else:
+        gen = m.fwd_tflop * cfg_gen / g.gen_tflops
+        colo_gen = m.fwd_tflop * cfg_gen / g.colo_gen_tflops
+        train = m.fwd_tflop * train_mult / g.train_tflops
+        reward = m.reward_tflop / g.gen_tflops + m.reward_fixed_s
+    # AdamW touches param, grad, m, v, master (fp32): ~16 B/param read+write once at ~half HBM
+    # bandwidth; derived as 16 x trainable params / (1.5 TB/s), sharded over FSDP ranks.
+    tparams = trainable_bytes(m, wl.lora_rank) / 2.0
+    shards = trainer_ranks if wl.fsdp else 1
+    optimizer = 16.0 * tparams / shards / 1.5e12
+    # Colocated switch (derived): offload/reload the fp32 optimizer shard (12 B/param) over PCIe
+    # and all-gather bf16 weights for generation over NVLink.
+    switch = (12.0 * tparams / shards) / (g.pcie_gbs * 1e9) + trainable_bytes(m, 0) / (g.nvlink_gbs * 1e9)
+    if calibration:
+        gen = float(calibration.get("gen_step_s", gen))
+        colo_gen = float(calibration.get("colo_gen_step_s", calibration.get("gen_step_s", colo_gen)))
+        train = float(calibration.get("train_step_s", train))
+        reward = float(calibration.get("reward_s", reward))
+        optimizer = float(calibration.get("optimizer_s", optimizer))
+        switch = float(calibration.get("switch_s", switch))
+    return NodeCosts(gen_step_s=gen, colo_gen_step_s=colo_gen, train_step_s=train,
+                     reward_s=reward, optimizer_s=optimizer, switch_s=switch)
+
+
+def weight_sync_s(model: str, lora_rank: int, net: Network) -> float:
+    """Seconds for a rollout to fetch one version: trainable bf16 bytes / weight_gbs + latency."""
+    return trainable_bytes(MODELS[model], lora_rank) / (net.weight_gbs * 1e9) + net.latency_s
+
+
+def allreduce_s(model: str, lora_rank: int, ranks: int, gpu: str) -> float:
+    """Ring all-reduce of bf16 gradients: 2 (R-1)/R x bytes / NVLink effective (derived)."""
+    if ranks <= 1:
+        return 0.0
+    return 2.0 * (ranks - 1) / ranks * trainable_bytes(MODELS[model], lora_rank) / (GPUS[gpu].nvlink_gbs * 1e9)
+
+
+def chunk_bytes(model: str, wire_fp32: bool) -> int:
+    """One per-timestep chunk of one sample: x_t and x_next (+ a log-prob), derived."""
+    elem_scale = 2 if wire_fp32 and model != "sd3" else 1  # cm 1 sizes are bf16; sd3 is fp32 already
+    return 2 * MODELS[model].latent_bytes * elem_scale + 4
+
+
+def load_calibration(path: str | Path) -> dict[str, Any]:
+    """Read a ``plan --calibrate`` JSON; keys are NodeCosts fields (seconds)."""
+    p = Path(path)
+    if not p.is_file():
+        raise CostModelError(f"--cost {str(path)!r}: file does not exist")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise CostModelError(f"--cost {str(path)!r}: not valid JSON ({e})") from None
+    names = {f.name for f in dataclasses.fields(NodeCosts)}
+    costs = data.get("costs", data) if isinstance(data, dict) else None
+    if not isinstance(costs, dict):
+        raise CostModelError(f"--cost {str(path)!r}: expected a JSON object with a 'costs' table")
+    for k, v in costs.items():
+        if k not in names:
+            raise CostModelError(f"--cost {str(path)!r}: unknown key costs.{k}: expected one of "
+                                 f"{', '.join(sorted(names))}")
+        if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+            raise CostModelError(f"--cost {str(path)!r}: costs.{k} = {v!r}: expected seconds >= 0")
+    return dict(costs)
