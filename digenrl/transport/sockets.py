@@ -21,6 +21,7 @@ version with a ``Shutdown`` that says so.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
@@ -138,6 +139,10 @@ class Socket:
         self._closed = False
         sock = ctx.socket(self.KIND)
         self._sock: zmq.asyncio.Socket = sock
+        # A blocking-API view of the same socket for the non-blocking fast path: a ready
+        # message is taken without creating a future and polling (~2x faster per message).
+        self._sync = zmq.Socket.shadow(sock.underlying)
+        self._pending_sends = 0
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_frame_bytes)
         sock.setsockopt(zmq.SNDHWM, self.options.hwm)
@@ -210,21 +215,46 @@ class Socket:
         await self._send_frames(encode(msg))
 
     async def _send_frames(self, frames: list[Any], peer: bytes | None = None) -> None:
+        sock = self._live()
         try:
-            await self._live().send_multipart(frames, copy=False)
+            if self._pending_sends:  # keep order behind sends already waiting
+                raise zmq.Again()
+            self._sync.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            await asyncio.sleep(0)  # a yield, so a fast sender cannot starve other tasks
+        except zmq.Again:
+            self._pending_sends += 1
+            try:
+                await self._send_slow(sock, frames, peer)
+            finally:
+                self._pending_sends -= 1
         except zmq.ZMQError as e:
-            if e.errno == zmq.EHOSTUNREACH and peer is not None:
-                raise PeerLost(peer) from e
-            if e.errno in (zmq.ENOTSOCK, zmq.ETERM):
-                raise Closed(f"{self.name}: socket is closed") from e
-            raise
+            self._raise_send_error(e, peer)
         self._stats.sent += 1
+
+    async def _send_slow(self, sock: zmq.asyncio.Socket, frames: list[Any],
+                         peer: bytes | None) -> None:
+        try:
+            await sock.send_multipart(frames, copy=False)
+        except zmq.ZMQError as e:
+            self._raise_send_error(e, peer)
+
+    def _raise_send_error(self, e: zmq.ZMQError, peer: bytes | None) -> None:
+        if e.errno == zmq.EHOSTUNREACH and peer is not None:
+            raise PeerLost(peer) from e
+        if e.errno in (zmq.ENOTSOCK, zmq.ETERM):
+            raise Closed(f"{self.name}: socket is closed") from e
+        raise e
 
     async def recv(self) -> tuple[bytes | None, Message]:
         """The next valid message and its sender's identity (ROUTER only, else None)."""
         while True:
+            sock = self._live()
             try:
-                frames = await self._live().recv_multipart(copy=False)
+                try:
+                    frames = self._sync.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    await asyncio.sleep(0)  # a yield, so a busy stream cannot starve other tasks
+                except zmq.Again:
+                    frames = await sock.recv_multipart(copy=False)
             except zmq.ZMQError as e:
                 if e.errno in (zmq.ENOTSOCK, zmq.ETERM):
                     raise Closed(f"{self.name}: socket is closed") from e
