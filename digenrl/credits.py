@@ -203,6 +203,12 @@ class CreditLedger:
         fresh = [divmod(i, self.fragments_per_step) for i in range(self._next_fresh, total)]
         return sorted(self._requeued) + fresh if self._requeued else fresh
 
+    def pending_count(self, max_step: int) -> int:
+        """How many pending (not live, not consumed) slots have ``step <= max_step``."""
+        total = min(self.steps, max_step + 1) * self.fragments_per_step
+        fresh = max(0, total - self._next_fresh)
+        return fresh + sum(1 for s in self._requeued if s[0] <= max_step)
+
     def admit(self, node_id: str, now: float) -> Attempt:
         """Admit the lowest pending slot as a new attempt held by ``node_id``."""
         slot = self.peek()

@@ -1,0 +1,83 @@
+"""What a fragment contains, as pure functions of the run seed (torch-free, sans-I/O).
+
+A slot's content is deterministic, so a re-queued slot regenerates exactly the same
+prompts with the same noise seeds, and a restarted coordinator hands out the same work:
+
+* prompts: a shuffled-epoch cursor. Prompt positions ``s*P .. s*P+P-1`` index an endless
+  sequence of permutations of ``range(prompt_count)``; epoch ``e``'s permutation comes
+  from ``random.Random(h(seed, e))``. Every prompt is used once per epoch.
+* seeds: a stable 63-bit integer per trajectory from ``blake2b(seed, step, prompt slot, g)``.
+* timesteps: an injected ``plan_timesteps(step) -> (trained, sde)``; :func:`all_timesteps`
+  is the default (every step trained, every step SDE).
+* owners: the trainer rank of each trained timestep (TSP), a contiguous balanced split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from types import MappingProxyType
+
+PlanFn = Callable[[int], tuple[list[int], list[int]]]
+
+DEFAULT_GPU_SPEEDS: MappingProxyType[str, float] = MappingProxyType({
+    "cpu": 1.0, "H100": 1.0, "H800": 1.0, "H200": 1.15, "A100": 0.45, "H20": 0.3, "L40S": 0.5,
+})
+"""Relative generation speed per GPU type (H100 = 1), the prior before a node is measured."""
+
+
+def stable_int(*parts: int | str) -> int:
+    """A 63-bit integer hash of ``parts``, stable across processes and Python versions."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+@lru_cache(maxsize=8)
+def _epoch_order(seed: int, epoch: int, prompt_count: int) -> tuple[int, ...]:
+    order = list(range(prompt_count))
+    random.Random(stable_int("epoch", seed, epoch)).shuffle(order)
+    return tuple(order)
+
+
+def step_prompts(seed: int, step: int, prompts_per_step: int, prompt_count: int) -> list[int]:
+    """Prompt ids of step ``step`` (length ``prompts_per_step``; repeats only across epochs)."""
+    out = []
+    for pos in range(step * prompts_per_step, (step + 1) * prompts_per_step):
+        epoch, i = divmod(pos, prompt_count)
+        out.append(_epoch_order(seed, epoch, prompt_count)[i])
+    return out
+
+
+def trajectory_seed(seed: int, step: int, prompt_slot: int, g: int) -> int:
+    """Noise seed of generation ``g`` of prompt slot ``prompt_slot`` (0..P-1) in ``step``."""
+    return stable_int("traj", seed, step, prompt_slot, g)
+
+
+def all_timesteps(num_steps: int) -> PlanFn:
+    """The default plan: train every denoising step, and every step is an SDE step."""
+    steps = list(range(num_steps))
+
+    def plan(step: int) -> tuple[list[int], list[int]]:
+        return list(steps), list(steps)
+
+    return plan
+
+
+def owners_for(trained: Sequence[int], ranks: int, tsp: bool) -> tuple[int, ...]:
+    """Rank owning each trained timestep: contiguous, balanced over ``ranks`` with TSP on;
+    everything on rank 0 with TSP off (other ranks idle: no data parallelism here)."""
+    n = len(trained)
+    if not tsp or ranks == 1:
+        return (0,) * n
+    # Rank r owns positions [r*n//R, (r+1)*n//R): sizes differ by at most one.
+    return tuple(next(r for r in range(ranks) if i < (r + 1) * n // ranks) for i in range(n))
+
+
+def check_plan(step: int, trained: Sequence[int], sde: Sequence[int], num_steps: int) -> None:
+    """Reject a plan that names a timestep outside [0, T) or repeats one (a plugin bug)."""
+    for name, seq in (("trained", trained), ("sde", sde)):
+        if list(seq) != sorted(set(seq)) or any(not 0 <= t < num_steps for t in seq):
+            raise ValueError(f"plan_timesteps({step}) {name} = {list(seq)!r}: expected "
+                             f"ascending distinct indices in [0, {num_steps})")

@@ -1,0 +1,114 @@
+"""Parameters and commands of :mod:`digenrl.scheduler` (plain data, torch-free)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from digenrl.config import Config, resolve_mode
+from digenrl.sched_plan import DEFAULT_GPU_SPEEDS
+
+Role = Literal["rollout", "trainer"]
+
+
+class SchedulerError(ValueError):
+    """An event a peer or user caused is invalid; the message names the bad value."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerParams:
+    """Plain numbers the scheduler needs; build from a config with :meth:`from_config`."""
+
+    steps: int
+    prompts_per_step: int
+    group_size: int
+    fragments_per_step: int
+    staleness: int
+    trainer_ranks: int
+    tsp: bool
+    tag: Literal["bts", "always", "never"]
+    lease_s: float
+    heartbeat_timeout: float
+    byte_window: int
+    bytes_per_trajectory: int
+    num_steps_T: int
+    seed: int
+    prompt_count: int
+    max_outstanding: int = 2
+    """Uncommitted fragments a rollout node may hold (running + queued)."""
+    speeds: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_GPU_SPEEDS))
+    """Relative generation speed per GPU type; unknown types count as 1.0."""
+    switch_s: float = 1.0
+    """BTS: seconds a trainer loses switching to generation and back."""
+    ewma_alpha: float = 0.3
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "group_size", "fragments_per_step",
+                     "trainer_ranks", "num_steps_T", "prompt_count", "max_outstanding"):
+            if getattr(self, name) < 1:
+                raise SchedulerError(f"{name} = {getattr(self, name)!r}: expected >= 1")
+        for name in ("lease_s", "heartbeat_timeout"):
+            if not getattr(self, name) > 0:
+                raise SchedulerError(f"{name} = {getattr(self, name)!r}: expected > 0")
+        if self.tag not in ("bts", "always", "never"):
+            raise SchedulerError(f"tag = {self.tag!r}: expected 'bts', 'always' or 'never'")
+        if not 0 < self.ewma_alpha <= 1 or self.switch_s < 0:
+            raise SchedulerError(f"ewma_alpha = {self.ewma_alpha!r}, switch_s = {self.switch_s!r}:"
+                                 " expected 0 < alpha <= 1 and switch_s >= 0")
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, prompt_count: int,
+                    bytes_per_trajectory: int) -> SchedulerParams:
+        """Params for ``cfg`` after :func:`resolve_mode` (idempotent, so resolved input is fine)."""
+        cfg = resolve_mode(cfg)
+        rt = cfg.runtime
+        return cls(steps=cfg.run.steps, prompts_per_step=cfg.train.prompts_per_step,
+                   group_size=cfg.train.group_size, fragments_per_step=rt.fragments_per_step,
+                   staleness=rt.staleness, trainer_ranks=cfg.cluster.trainers, tsp=rt.tsp,
+                   tag=rt.tag, lease_s=rt.lease_s,
+                   heartbeat_timeout=rt.heartbeat_s * rt.heartbeat_misses,
+                   byte_window=max(1, int(rt.byte_window_mb * 2**20)),
+                   bytes_per_trajectory=bytes_per_trajectory, num_steps_T=cfg.sampler.num_steps,
+                   seed=cfg.run.seed, prompt_count=prompt_count)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AssignCmd:
+    """Generate fragment ``fragment`` of step ``step`` (task ``task_id``) on ``node_id``."""
+
+    node_id: str
+    task_id: int
+    step: int
+    fragment: int
+    prompt_ids: tuple[int, ...]
+    """One per GRPO group in the fragment."""
+    seeds: tuple[int, ...]
+    """Per trajectory, group-major: seeds[p * group_size + g]."""
+    group_size: int
+    version_floor: int
+    """Generate with a policy version >= this (fetch weights first if behind): max(0, step - K)."""
+    lease_s: float
+    trained_steps: tuple[int, ...]
+    sde_steps: tuple[int, ...]
+    owners: tuple[int, ...]
+    """owners[i] = trainer rank that trains timestep trained_steps[i] (chunks go there)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RevokeCmd:
+    """Attempt ``task_id`` held by ``node_id`` is dead (reason: node_lost, lease_expired, stale)."""
+
+    node_id: str
+    task_id: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShutdownCmd:
+    """The run is over: "done" (all steps trained) or "trainer_lost: ..."."""
+
+    reason: str
+
+
+Command = AssignCmd | RevokeCmd | ShutdownCmd

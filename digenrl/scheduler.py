@@ -1,0 +1,399 @@
+"""The coordinator's brain: who generates which fragment, when (sans-I/O).
+
+Events go in (each with an explicit ``now``), commands come out; no sockets, no clock,
+no asyncio, no torch. The coordinator actor feeds it real messages, the simulator a
+virtual clock, the property tests random programs::
+
+    node_joined / heartbeat / tick ----> liveness: lost nodes, expired leases -> RevokeCmd
+    fragment_committed (rollout) ------> ledger.commit, per-node speed EWMA
+    fragment_consumed (trainer ranks) -> ledger.consume once every owning rank reported
+    version_published (trainer) -------> ledger.publish (admission moves on)
+    tag_offer (waiting trainer) -------> TAG / BTS grant or drop
+                    every event ends with: dispatch -> AssignCmd ..., maybe ShutdownCmd
+
+Admission is the ledger's (:mod:`digenrl.credits`); this module picks the node. A rollout
+node holds up to ``max_outstanding`` uncommitted fragments (one running, one queued, so
+it never idles on a round trip). Among nodes with room, a fragment goes to the one with
+the earliest predicted completion ``now + (queued + fragment) * spt(node)``, where
+``spt`` (seconds per trajectory) is the node's measured EWMA, or before its first commit
+``ref / gpu_speed`` with ``ref`` calibrated on the measured nodes. A slow GPU thus
+gets proportionally fewer fragments.
+
+Consumption with TSP: every trainer rank that owns a trained timestep reports the
+fragment. It is consumed when all owning ranks have reported; its outcome (trained and
+per-reason discards) is the *lowest owning rank's* report (all ranks compute the same
+advantages from the same rewards; disagreements are counted), and its training time is
+the *maximum* over ranks (ranks train in parallel, the slowest one sets the pace).
+
+Once committed, a fragment belongs to the trainer: a lost rollout node or an expired
+lease discards only *uncommitted* attempts. A RevokeCmd names the attempt's holder; the
+actor delivers it there if it can and also tells the trainer ranks, which drop any
+staged chunks of that task. Losing a trainer rank ends the run (ShutdownCmd
+"trainer_lost"); it restarts from a checkpoint (:meth:`Scheduler.snapshot`).
+The scheduler never publishes versions: only the trainer steps the optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from digenrl.credits import CreditLedger
+from digenrl.sched_bts import StepForecast, ewma, helper_shortens_step
+from digenrl.sched_plan import (
+    PlanFn,
+    all_timesteps,
+    check_plan,
+    owners_for,
+    step_prompts,
+    trajectory_seed,
+)
+from digenrl.sched_types import (
+    AssignCmd,
+    Command,
+    RevokeCmd,
+    Role,
+    SchedulerError,
+    SchedulerParams,
+    ShutdownCmd,
+)
+
+SNAPSHOT_FORMAT = 1
+
+__all__ = ["AssignCmd", "Command", "RevokeCmd", "Role", "Scheduler", "SchedulerError",
+           "SchedulerParams", "ShutdownCmd"]
+
+
+@dataclass(eq=False)
+class _Node:
+    node_id: str
+    role: Role
+    gpu: str
+    rank: int | None
+    prior_speed: float
+    last_seen: float
+    spt: float | None = None  # measured seconds per generated trajectory (EWMA)
+    outstanding: list[int] = field(default_factory=list)  # uncommitted task ids, oldest first
+    lost: bool = False
+    assigned: int = 0
+    committed: int = 0
+    revoked: int = 0
+
+
+@dataclass
+class _Task:
+    ranks: frozenset[int]
+    tag: bool
+    reports: dict[int, tuple[int, dict[str, int], float]] = field(default_factory=dict)
+
+
+class Scheduler:
+    """GAP/TSP/TAG/BTS scheduling over a :class:`CreditLedger`; every event returns commands."""
+
+    def __init__(self, params: SchedulerParams, plan_timesteps: PlanFn | None = None) -> None:
+        self.params = params
+        self.ledger = CreditLedger(
+            steps=params.steps, prompts_per_step=params.prompts_per_step,
+            group_size=params.group_size, fragments_per_step=params.fragments_per_step,
+            staleness=params.staleness, byte_window=params.byte_window,
+            bytes_per_trajectory=params.bytes_per_trajectory)
+        self._plan = plan_timesteps or all_timesteps(params.num_steps_T)
+        self._plans: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
+        self._nodes: dict[str, _Node] = {}
+        self._departed: list[_Node] = []
+        self._tasks: dict[int, _Task] = {}
+        self._train_spt: float | None = None
+        self._closed: str | None = None
+        self._c: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ content
+
+    def fragment_content(self, step: int, fragment: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(prompt ids, seeds) of slot (step, fragment): fixed by the run seed."""
+        p = self.params
+        per = p.prompts_per_step // p.fragments_per_step
+        prompts = step_prompts(p.seed, step, p.prompts_per_step, p.prompt_count)
+        slots = range(fragment * per, (fragment + 1) * per)
+        seeds = tuple(trajectory_seed(p.seed, step, q, g) for q in slots for g in range(p.group_size))
+        return tuple(prompts[q] for q in slots), seeds
+
+    def step_plan(self, step: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(trained timesteps, SDE timesteps, owner rank per trained timestep) of ``step``."""
+        if step not in self._plans:
+            trained, sde = self._plan(step)
+            check_plan(step, trained, sde, self.params.num_steps_T)
+            owners = owners_for(trained, self.params.trainer_ranks, self.params.tsp)
+            self._plans[step] = (tuple(trained), tuple(sde), owners)
+        return self._plans[step]
+
+    # ------------------------------------------------------------------ node events
+
+    def node_joined(self, node_id: str, role: Role, gpu: str, now: float, rank: int | None = None,
+                    speed: float | None = None) -> list[Command]:
+        """A node said hello. A known live id re-joining counts as its old incarnation lost."""
+        if role not in ("rollout", "trainer"):
+            raise SchedulerError(f"node {node_id!r} role = {role!r}: expected 'rollout' or 'trainer'")
+        if role == "trainer" and (not isinstance(rank, int) or not 0 <= rank < self.params.trainer_ranks):
+            raise SchedulerError(f"trainer node {node_id!r} rank = {rank!r}: expected an integer "
+                                 f"in [0, {self.params.trainer_ranks})")
+        if speed is not None and not speed > 0:
+            raise SchedulerError(f"node {node_id!r} speed = {speed!r}: expected > 0")
+        if role == "trainer" and any(n.rank == rank and n.node_id != node_id
+                                     for n in self._nodes.values() if n.role == "trainer"):
+            raise SchedulerError(f"trainer node {node_id!r} rank = {rank}: already held")
+        cmds: list[Command] = []
+        if node_id in self._nodes:
+            cmds += self._lose(self._nodes[node_id], now)
+            if self._closed:
+                return cmds
+        prior = speed if speed is not None else float(self.params.speeds.get(gpu, 1.0))
+        self._nodes[node_id] = _Node(node_id, role, gpu, rank if role == "trainer" else None,
+                                     prior, now)
+        return cmds + self._after(now)
+
+    def node_lost(self, node_id: str, now: float) -> list[Command]:
+        """The transport says ``node_id`` is gone (also reached from :meth:`tick`)."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            self._c["unknown_node_events"] += 1
+            return []
+        return self._lose(node, now) + self._after(now)
+
+    def heartbeat(self, node_id: str, now: float) -> list[Command]:
+        node = self._nodes.get(node_id)
+        if node is None:
+            self._c["unknown_node_events"] += 1
+            return []
+        node.last_seen = max(node.last_seen, now)
+        return []
+
+    def tick(self, now: float) -> list[Command]:
+        """Timer: nodes silent for > heartbeat_timeout are lost; leases older than lease_s expire."""
+        cmds: list[Command] = []
+        for node in list(self._nodes.values()):
+            if now - node.last_seen > self.params.heartbeat_timeout and not self._closed:
+                cmds += self._lose(node, now)
+        for attempt in self.ledger.live_attempts():
+            if not attempt.committed and now - attempt.assigned_at > self.params.lease_s:
+                cmds += self._revoke(attempt.task_id, "lease_expired")
+        return cmds + self._after(now)
+
+    # ------------------------------------------------------------------ fragment events
+
+    def fragment_committed(self, task_id: int, node_id: str, gen_version: int, gen_seconds: float,
+                           now: float) -> list[Command]:
+        """``node_id`` finished task ``task_id`` with policy ``gen_version`` in ``gen_seconds``."""
+        if not gen_seconds >= 0 or math.isinf(gen_seconds):
+            raise SchedulerError(f"task {task_id} gen_seconds = {gen_seconds!r}: expected >= 0")
+        node = self._nodes.get(node_id)
+        if node is not None:
+            node.last_seen = max(node.last_seen, now)
+        attempt = self.ledger.attempt(task_id)
+        if attempt is not None and attempt.node_id != node_id:
+            self._c["misdirected_commits"] += 1  # fencing: only the holder may commit
+            return []
+        outcome = self.ledger.commit(task_id, gen_version, now)
+        if attempt is None or outcome == "duplicate":
+            return []
+        holder = self._holder(attempt.node_id)
+        holder.outstanding.remove(task_id)
+        if outcome == "stale":
+            self._tasks.pop(task_id, None)
+            holder.revoked += 1
+            return [RevokeCmd(node_id=node_id, task_id=task_id, reason="stale"), *self._after(now)]
+        holder.committed += 1
+        if gen_seconds > 0:
+            holder.spt = ewma(holder.spt, gen_seconds / attempt.trajectories, self.params.ewma_alpha)
+        return self._after(now)
+
+    def fragment_consumed(self, task_id: int, rank: int, trained: int, discarded: dict[str, int],
+                          train_seconds: float, now: float) -> list[Command]:
+        """Trainer rank ``rank`` trained its timesteps of task ``task_id``."""
+        attempt = self.ledger.attempt(task_id)
+        task = self._tasks.get(task_id)
+        if attempt is None or task is None:
+            self.ledger.consume(task_id, trained, discarded)  # counted there as a zombie
+            return []
+        if rank not in task.ranks:
+            raise SchedulerError(f"task {task_id} consumed by rank = {rank!r}: expected one of "
+                                 f"the owning ranks {sorted(task.ranks)}")
+        if not train_seconds >= 0 or math.isinf(train_seconds):
+            raise SchedulerError(f"task {task_id} train_seconds = {train_seconds!r}: expected >= 0")
+        if rank in task.reports:
+            self._c["duplicate_reports"] += 1
+            return []
+        task.reports[rank] = (trained, dict(discarded), train_seconds)
+        if len(task.reports) < len(task.ranks):
+            return []
+        first = task.reports[min(task.ranks)]
+        if any(r[:2] != first[:2] for r in task.reports.values()):
+            self._c["rank_disagreements"] += 1
+        self.ledger.consume(task_id, first[0], first[1])
+        del self._tasks[task_id]
+        if not attempt.committed:  # the consume overtook the commit on another path
+            holder = self._holder(attempt.node_id)
+            holder.outstanding.remove(task_id)
+            holder.committed += 1
+        slowest = max(r[2] for r in task.reports.values())
+        if slowest > 0:
+            self._train_spt = ewma(self._train_spt, slowest / attempt.trajectories,
+                                   self.params.ewma_alpha)
+        return self._after(now)
+
+    def version_published(self, version: int, now: float) -> list[Command]:
+        """The trainer finished optimizer step ``version - 1``; older/duplicate publishes are no-ops."""
+        self.ledger.publish(version)
+        return self._after(now)
+
+    def tag_offer(self, node_id: str, now: float) -> list[Command]:
+        """A trainer rank with nothing to train offers to generate. One-shot: granted now or dropped."""
+        node = self._nodes.get(node_id)
+        if node is None or node.role != "trainer":
+            raise SchedulerError(f"tag_offer from {node_id!r}: expected a joined trainer node")
+        cmds = self._after(now)  # rollout nodes with room come first
+        self._c["tag_offers"] += 1
+        node.last_seen = max(node.last_seen, now)
+        slot = self.ledger.peek()
+        if self._closed or self.params.tag == "never" or node.outstanding or slot is None:
+            self._c["tag_dropped"] += 1
+            return cmds
+        if self.params.tag == "bts" and not helper_shortens_step(self.forecast(node_id, now)):
+            self._c["tag_refused"] += 1
+            return cmds
+        self._c["tag_granted"] += 1
+        return [*cmds, self._assign(node, now, tag=True)]
+
+    # ------------------------------------------------------------------ prediction
+
+    def node_spt(self, node_id: str) -> float:
+        """Predicted seconds per generated trajectory on ``node_id`` (measured, else prior)."""
+        node = self._nodes[node_id]
+        if node.spt is not None:
+            return node.spt
+        measured = [n.spt * n.prior_speed for n in self._nodes.values() if n.spt is not None]
+        ref = sum(measured) / len(measured) if measured else 1.0
+        return ref / node.prior_speed
+
+    def forecast(self, node_id: str, now: float) -> StepForecast:
+        """BTS inputs if trainer ``node_id`` took the next admissible fragment now."""
+        led = self.ledger
+        slot = led.peek()
+        last = slot[0] if slot else led.version
+        fs = led.fragment_size
+        uncommitted = sum(1 for a in led.live_attempts() if not a.committed and a.step <= last)
+        consumed = sum(led.step_consumed(s) for s in range(led.version, last + 1))
+        rollouts = [n for n in self._nodes.values() if n.role == "rollout"]
+        return StepForecast(
+            now=now, gen_remaining=(led.pending_count(last) + uncommitted) * fs,
+            rollout_rate=sum(1.0 / self.node_spt(n.node_id) for n in rollouts),
+            train_remaining=((last - led.version + 1) * led.fragments_per_step - consumed) * fs,
+            train_spt=self._train_spt or 0.0, trainer_gen_spt=self.node_spt(node_id),
+            switch_s=self.params.switch_s, helper_traj=fs)
+
+    # ------------------------------------------------------------------ internals
+
+    def _holder(self, node_id: str) -> _Node:
+        node = self._nodes.get(node_id)
+        if node is None:  # a departed node's committed fragment being consumed
+            node = next(n for n in reversed(self._departed) if n.node_id == node_id)
+        return node
+
+    def _revoke(self, task_id: int, reason: str) -> list[Command]:
+        attempt = self.ledger.discard(task_id, reason)
+        assert attempt is not None, task_id
+        self._tasks.pop(task_id, None)
+        holder = self._holder(attempt.node_id)
+        holder.outstanding.remove(task_id)
+        holder.revoked += 1
+        return [RevokeCmd(node_id=attempt.node_id, task_id=task_id, reason=reason)]
+
+    def _lose(self, node: _Node, now: float) -> list[Command]:
+        cmds: list[Command] = []
+        for task_id in list(node.outstanding):
+            cmds += self._revoke(task_id, "node_lost")
+        node.lost = True
+        del self._nodes[node.node_id]
+        self._departed.append(node)
+        if node.role == "trainer" and not self._closed:
+            # torch.distributed cannot lose a rank: the run restarts from a checkpoint.
+            self._closed = f"trainer_lost: rank {node.rank} node {node.node_id}"
+            cmds.append(ShutdownCmd(reason=self._closed))
+        return cmds
+
+    def _assign(self, node: _Node, now: float, *, tag: bool = False) -> AssignCmd:
+        attempt = self.ledger.admit(node.node_id, now)
+        trained, sde, owners = self.step_plan(attempt.step)
+        prompts, seeds = self.fragment_content(attempt.step, attempt.fragment)
+        self._tasks[attempt.task_id] = _Task(ranks=frozenset(owners) or frozenset({0}), tag=tag)
+        node.outstanding.append(attempt.task_id)
+        node.assigned += 1
+        return AssignCmd(node_id=node.node_id, task_id=attempt.task_id, step=attempt.step,
+                         fragment=attempt.fragment, prompt_ids=prompts, seeds=seeds,
+                         group_size=self.params.group_size,
+                         version_floor=max(0, attempt.step - self.params.staleness),
+                         lease_s=self.params.lease_s, trained_steps=trained, sde_steps=sde,
+                         owners=owners)
+
+    def _after(self, now: float) -> list[Command]:
+        """Every event ends here: hand out admissible fragments, then check for the end."""
+        cmds: list[Command] = []
+        if self._closed:
+            return cmds
+        fs = self.ledger.fragment_size
+        while self.ledger.peek() is not None:
+            free = [n for n in self._nodes.values()
+                    if n.role == "rollout" and len(n.outstanding) < self.params.max_outstanding]
+            if not free:
+                break
+            best = min(free, key=lambda n: (now + (len(n.outstanding) + 1) * fs
+                                            * self.node_spt(n.node_id), n.node_id))
+            cmds.append(self._assign(best, now))
+        if self.ledger.done:
+            self._closed = "done"
+            cmds.append(ShutdownCmd(reason="done"))
+        return cmds
+
+    # ------------------------------------------------------------------ reporting
+
+    def statistics(self) -> dict[str, Any]:
+        """Ledger counts plus per-node counts, TAG decisions and fencing counters."""
+        stats = self.ledger.statistics()
+        nodes = {}
+        keyed = [(f"{n.node_id}#lost{i}", n) for i, n in enumerate(self._departed)]
+        for key, n in [*keyed, *self._nodes.items()]:
+            nodes[key] = {"role": n.role, "gpu": n.gpu, "rank": n.rank, "lost": n.lost,
+                          "assigned": n.assigned, "committed": n.committed, "revoked": n.revoked,
+                          "outstanding": len(n.outstanding), "s_per_traj": n.spt}
+        stats.update(nodes=nodes, closed=self._closed, train_s_per_traj=self._train_spt,
+                     **{k: self._c[k] for k in (
+                         "tag_offers", "tag_granted", "tag_refused", "tag_dropped",
+                         "misdirected_commits", "duplicate_reports", "rank_disagreements",
+                         "unknown_node_events")})
+        return stats
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain msgpack-able state for a checkpoint (nodes re-join after a restart)."""
+        p = self.params
+        return {"format": SNAPSHOT_FORMAT, "seed": p.seed, "prompt_count": p.prompt_count,
+                "ledger": self.ledger.snapshot(), "train_s_per_traj": self._train_spt,
+                "counters": dict(self._c)}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Load a snapshot into a scheduler with the same params and no live work.
+
+        In-flight attempts at snapshot time count as discarded ("restart") and their slots
+        are re-queued; the cursor is a function of (seed, step), so it needs no state.
+        """
+        p = self.params
+        if snap.get("format") != SNAPSHOT_FORMAT:
+            raise SchedulerError(f"snapshot format = {snap.get('format')!r}: expected {SNAPSHOT_FORMAT}")
+        if (snap["seed"], snap["prompt_count"]) != (p.seed, p.prompt_count):
+            raise SchedulerError(f"snapshot (seed, prompt_count) = ({snap['seed']}, "
+                                 f"{snap['prompt_count']}): expected ({p.seed}, {p.prompt_count})")
+        self.ledger.restore(snap["ledger"])
+        self._tasks.clear()
+        self._train_spt = snap["train_s_per_traj"]
+        self._c = Counter(snap["counters"])
+
