@@ -224,6 +224,12 @@ class Scheduler:
         if rank in task.reports:
             self._c["duplicate_reports"] += 1
             return []
+        counts = [trained, *discarded.values()]
+        if any(not isinstance(c, int) or c < 0 for c in counts) or sum(counts) != attempt.trajectories:
+            # Checked per report so one bad rank cannot wedge the fragment for the others.
+            raise SchedulerError(f"task {task_id} rank {rank}: trained = {trained!r}, discarded = "
+                                 f"{discarded!r}: expected non-negative counts summing to "
+                                 f"{attempt.trajectories}")
         task.reports[rank] = (trained, dict(discarded), train_seconds)
         if len(task.reports) < len(task.ranks):
             return []
@@ -232,6 +238,7 @@ class Scheduler:
             self._c["rank_disagreements"] += 1
         self.ledger.consume(task_id, first[0], first[1])
         del self._tasks[task_id]
+        self._c["tag_consumed"] += task.tag
         if not attempt.committed:  # the consume overtook the commit on another path
             holder = self._holder(attempt.node_id)
             holder.outstanding.remove(task_id)
@@ -368,7 +375,7 @@ class Scheduler:
                           "outstanding": len(n.outstanding), "s_per_traj": n.spt}
         stats.update(nodes=nodes, closed=self._closed, train_s_per_traj=self._train_spt,
                      **{k: self._c[k] for k in (
-                         "tag_offers", "tag_granted", "tag_refused", "tag_dropped",
+                         "tag_offers", "tag_granted", "tag_refused", "tag_dropped", "tag_consumed",
                          "misdirected_commits", "duplicate_reports", "rank_disagreements",
                          "unknown_node_events")})
         return stats

@@ -239,9 +239,11 @@ def test_fragment_is_consumed_only_when_every_owning_rank_reported():
     stats = s.statistics()
     assert (stats["trained"], stats["discarded"], stats["rank_disagreements"]) == (2, {"zero_advantage": 2}, 1)
     assert stats["train_s_per_traj"] == pytest.approx(0.5 / 4)  # the slowest rank sets the pace
+    b = s.ledger.live_attempts()[0]
     with pytest.raises(SchedulerError, match="rank = 5"):
-        b = s.ledger.live_attempts()[0]
         s.fragment_consumed(b.task_id, 5, 4, {}, 0.1, 1.0)
+    with pytest.raises(SchedulerError, match="trained = 3"):
+        s.fragment_consumed(b.task_id, 0, 3, {}, 0.1, 1.0)
 
 
 def test_losing_a_trainer_rank_shuts_the_run_down_once():
@@ -335,7 +337,7 @@ def test_colocated_mode_runs_to_completion_with_only_trainers():
     sim.run()
     stats = s.statistics()
     assert stats["version"] == 3 and stats["trained"] == 3 * cfg.batch_size
-    assert stats["tag_granted"] == 3
+    assert stats["tag_granted"] == stats["tag_consumed"] == 3
 
 
 # ----------------------------------------------------------------------------- checkpoints
