@@ -5,7 +5,7 @@ trained policy (one process, no sockets). With ``world_size > 1`` each rank gene
 share of the step's groups and trains them; gradients are all-reduced (gloo on CPU).
 
     for step in range(steps):
-        prompts, seeds = step content (stepplan, same for every mode)
+        prompts, seeds = step content (sched_plan: the same for every mode)
         records, result = generate my groups            # sample + reward
         learner.train_fragment(records, result)         # advantages, loss, backward
         learner.finish_step(all_reduce)                 # optimizer step -> version step+1
@@ -28,7 +28,7 @@ from digenrl.prompts import load_prompts
 from digenrl.rl.policy import Policy
 from digenrl.rl.rewards import build_reward
 from digenrl.rl.sde import sigma_schedule
-from digenrl.stepplan import fragment_seeds, step_prompt_ids
+from digenrl.sched_plan import step_prompts, trajectory_seed
 from digenrl.telemetry.metrics import MetricsWriter
 from digenrl.telemetry.trace import SpanRecorder
 
@@ -67,10 +67,10 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
     discarded: dict[str, int] = {}
     for step in range(cfg.run.steps):
         t0 = time.perf_counter()
-        ids = step_prompt_ids(cfg.run.seed, step, P, len(prompts))
+        ids = step_prompts(cfg.run.seed, step, P, len(prompts))
         trained, sde = plan_for_step(cfg, step)
         job = FragmentJob(model=policy.model, cfg=cfg, prompts=[prompts[ids[g]] for g in my_groups],
-                          seeds=fragment_seeds(cfg.run.seed, step, my_groups, G),
+                          seeds=[trajectory_seed(cfg.run.seed, step, q, g) for q in my_groups for g in range(G)],
                           sde_steps=sde, trained_steps=trained, reward_fn=reward_fn)
         with recorder.span("generate", step=step):
             records, result = job.run_all()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -135,12 +136,13 @@ class Learner:
 def plan_for_step(cfg: Config, step: int) -> tuple[list[int], list[int]]:
     """(trained steps, SDE steps) of ``step``; deterministic from the run seed."""
     from digenrl.rl.grpo import select_timesteps
-    from digenrl.stepplan import step_rng
+    from digenrl.sched_plan import stable_int
 
     t = cfg.train
     plan = select_timesteps(t.timesteps, cfg.sampler.num_steps, fraction=t.timestep_fraction,
                             window_size=t.window_size, window_lo=t.window_lo,
-                            window_hi=t.window_hi, rng=step_rng(cfg.run.seed, step, "timesteps"))
+                            window_hi=t.window_hi,
+                            rng=random.Random(stable_int("timesteps", cfg.run.seed, step)))
     sde = list(plan.sde) if cfg.sampler.sde_type != "ode" else []
     return list(plan.trained), sde
 

@@ -137,12 +137,18 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
         recorder.dump(run_dir / "trace" / "coordinator.jsonl")
     wall = time.perf_counter() - t0
     stats = sched.statistics()
-    acc = stats["accounting"]
+    steps_done = stats["version"]
+    # throughput from the first assignment to the last step: process start-up (imports,
+    # model build) is reported apart as startup_s, as the colocated loop's figure excludes it
+    t_a, t_b = actor.t_first_assign, actor.t_last_step
+    train_wall = (t_b - t_a) if (t_a is not None and t_b is not None and t_b > t_a) else wall
     summary = {
-        "mode": cfg.run.mode, "steps": cfg.run.steps, "wall_s": wall,
-        "samples_per_s": acc["trained_or_discarded_steps_samples"] / wall
-        if "trained_or_discarded_steps_samples" in acc else cfg.batch_size * cfg.run.steps / wall,
-        "accounting": {k: acc[k] for k in ("admitted", "trained", "discarded", "in_flight")},
+        "mode": cfg.run.mode, "steps": steps_done, "wall_s": wall,
+        "startup_s": (t_a - t0) if t_a is not None else wall,
+        "samples_per_s": cfg.batch_size * steps_done / train_wall,
+        "accounting": {k: stats[k] for k in ("admitted", "trained", "discarded", "in_flight")},
+        "scheduler": {k: v for k, v in stats.items() if k not in ("nodes",)},
+        "nodes": stats["nodes"],
         "staleness_hist": actor.staleness_hist,
         "busy": {n: (b / w if w else 0.0) for n, (b, w) in actor.busy_total.items()},
         "restarts": children.restarts if children else {},

@@ -37,7 +37,7 @@ from digenrl.protocol import (
     VersionAnnounce,
     Welcome,
 )
-from digenrl.scheduler import AssignCmd, RevokeCmd, Scheduler, ShutdownCmd
+from digenrl.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerError, ShutdownCmd
 
 
 class CoordinatorActor(Actor):
@@ -67,6 +67,9 @@ class CoordinatorActor(Actor):
         self.staleness_hist: dict[str, int] = {}
         self.t0 = time.perf_counter()
         self.step_samples = 0
+        self.rejected = 0
+        self.t_first_assign: float | None = None
+        self.t_last_step: float | None = None
 
     def background(self) -> list[Any]:
         return [self._tick_loop]
@@ -74,7 +77,12 @@ class CoordinatorActor(Actor):
     async def main(self) -> None:
         while not self.stopping:
             peer, msg = await self.control.recv()
-            await self._handle(peer, msg)
+            try:
+                await self._handle(peer, msg)
+            except SchedulerError as e:  # a peer sent something impossible: count, log, go on
+                self.rejected += 1
+                self.log.error("message rejected by the scheduler", peer=peer, msg=type(msg).__name__,
+                               error=str(e))
         # tell everyone, by both paths (PUB may drop for a slow joiner)
         await self._shutdown_all(self.stop_reason or "done")
 
@@ -85,7 +93,8 @@ class CoordinatorActor(Actor):
             await self._hello(peer, msg, now)
         elif isinstance(msg, Heartbeat):
             self._record_busy(msg)
-            await self._run(self.sched.heartbeat(msg.node_id, now))
+            if await self._ensure_joined(msg.node_id, now):
+                await self._run(self.sched.heartbeat(msg.node_id, now))
             la = self.latest_announce
             if la is not None and msg.policy_version < la.version and self.nodes.get(msg.node_id, {}).get("role") == "rollout":
                 await self.control.send(la, to=peer)  # a missed announcement, caught up
@@ -105,7 +114,19 @@ class CoordinatorActor(Actor):
         elif isinstance(msg, StepDone):
             self._step_done(msg)
         elif isinstance(msg, TagOffer):
-            await self._run(self.sched.tag_offer(msg.node_id, now))
+            if await self._ensure_joined(msg.node_id, now):
+                await self._run(self.sched.tag_offer(msg.node_id, now))
+
+    async def _ensure_joined(self, node_id: str, now: float) -> bool:
+        """A welcomed node joins the schedule with its first sign of life (its model is built)."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return False
+        if not node.get("ready"):
+            node["ready"] = True
+            await self._run(self.sched.node_joined(node_id, node["role"], node["gpu"], now,
+                                                   rank=node.get("rank")))
+        return True
 
     async def _hello(self, peer: bytes, msg: Hello, now: float) -> None:
         endpoint = msg.host  # nodes put their data endpoint in Hello.host ("" if none)
@@ -113,11 +134,10 @@ class CoordinatorActor(Actor):
             rank = len(self.trainers)
             self.trainers[rank] = {"peer": peer, "node_id": msg.node_id, "endpoint": endpoint,
                                    "gpu": msg.gpu}
-            self.nodes[msg.node_id] = {"role": "trainer", "peer": peer, "rank": rank}
+            self.nodes[msg.node_id] = {"role": "trainer", "peer": peer, "rank": rank, "gpu": msg.gpu}
             if len(self.trainers) == self.expected_trainers:
                 for r, t in self.trainers.items():
                     await self.control.send(self._welcome(t["node_id"], r, self.expected_trainers), to=t["peer"])
-                    await self._run(self.sched.node_joined(t["node_id"], "trainer", t["gpu"], now, rank=r))
                 for p, h in self.waiting_rollouts:
                     await self._hello(p, h, now)
                 self.waiting_rollouts.clear()
@@ -125,11 +145,10 @@ class CoordinatorActor(Actor):
             if len(self.trainers) < self.expected_trainers:
                 self.waiting_rollouts.append((peer, msg))
                 return
-            self.nodes[msg.node_id] = {"role": "rollout", "peer": peer}
+            self.nodes[msg.node_id] = {"role": "rollout", "peer": peer, "gpu": msg.gpu}
             await self.control.send(self._welcome(msg.node_id, 0, 0), to=peer)
             if self.latest_announce is not None:
                 await self.control.send(self.latest_announce, to=peer)
-            await self._run(self.sched.node_joined(msg.node_id, "rollout", msg.gpu, now))
 
     def _welcome(self, node_id: str, rank: int, world: int) -> Welcome:
         endpoints = {f"trainer/{r}": t["endpoint"] for r, t in self.trainers.items()}
@@ -143,6 +162,8 @@ class CoordinatorActor(Actor):
     async def _run(self, cmds: list[Any]) -> None:
         for cmd in cmds:
             if isinstance(cmd, AssignCmd):
+                if self.t_first_assign is None:
+                    self.t_first_assign = time.perf_counter()
                 node = self.nodes.get(cmd.node_id)
                 if node is None:
                     continue
@@ -151,7 +172,8 @@ class CoordinatorActor(Actor):
                     prompt_ids=list(cmd.prompt_ids), prompts=[self.prompts[i] for i in cmd.prompt_ids],
                     seeds=list(cmd.seeds), group_size=cmd.group_size, version_floor=cmd.version_floor,
                     lease_s=cmd.lease_s, sde_steps=list(cmd.sde_steps),
-                    owners={str(k): v for k, v in cmd.owners.items()}), to=node["peer"])
+                    owners={str(t): r for t, r in zip(cmd.trained_steps, cmd.owners)}),
+                    to=node["peer"])
             elif isinstance(cmd, RevokeCmd):
                 node = self.nodes.get(cmd.node_id)
                 if node is not None:
@@ -178,6 +200,7 @@ class CoordinatorActor(Actor):
 
     def _step_done(self, msg: StepDone) -> None:
         now = time.perf_counter()
+        self.t_last_step = now
         row: dict[str, Any] = {"step": msg.step, "policy_version": msg.version, **msg.metrics,
                                "wall_time": now - self.t0}
         for node, (busy, wall) in self.busy_total.items():

@@ -49,6 +49,7 @@ from digenrl.protocol import (
 )
 from digenrl.rl.policy import Policy
 from digenrl.rl.sde import sigma_schedule
+from digenrl.sched_plan import owners_for
 from digenrl.weights import split_parts
 
 
@@ -72,6 +73,7 @@ class TrainerActor(Actor):
         self.consumed_slots: dict[int, set[int]] = defaultdict(set)      # step -> fragments
         self.published: dict[int, list[dict[str, torch.Tensor]]] = {}    # version -> parts
         self.rejected_stale = 0
+        self.revoked: set[int] = set()
         self.tag_tasks: asyncio.Queue[Assign] = asyncio.Queue()
         self._offered = False
         self._step_t0 = time.perf_counter()
@@ -115,7 +117,7 @@ class TrainerActor(Actor):
             if isinstance(msg, Chunk):
                 self.staged[msg.task_id][msg.t_index] = msg
             elif isinstance(msg, Commit):
-                if msg.step < self.policy.version or msg.fragment in self.consumed_slots[msg.step]:
+                if msg.task_id in self.revoked or msg.step < self.policy.version or msg.fragment in self.consumed_slots[msg.step]:
                     self.staged.pop(msg.task_id, None)
                     continue  # a duplicate of a slot already trained (zombie or re-assigned)
                 self.pending[msg.step].append(msg)
@@ -129,6 +131,8 @@ class TrainerActor(Actor):
                 self.tag_tasks.put_nowait(msg)
                 self.wake.set()
             elif isinstance(msg, Revoke):
+                # the attempt is dead: its slot is re-queued, so never train or report it
+                self.revoked.add(msg.task_id)
                 self.staged.pop(msg.task_id, None)
             elif isinstance(msg, Shutdown):
                 self.request_stop(msg.reason)
@@ -151,6 +155,9 @@ class TrainerActor(Actor):
     # ---------------------------------------------------------------- training
     async def _consume(self, commit: Commit) -> None:
         step, K = commit.step, self.cfg.runtime.staleness
+        if commit.task_id in self.revoked or commit.fragment in self.consumed_slots[step]:
+            self.staged.pop(commit.task_id, None)
+            return
         chunks = self.staged.pop(commit.task_id, {})
         n = len(commit.rewards)
         discarded: dict[str, int] = {}
@@ -178,6 +185,9 @@ class TrainerActor(Actor):
                 save_grid(commit.images, self.run_dir / "samples" / f"step_{step:04d}_f{commit.fragment}.png",
                           nrow=self.cfg.train.group_size)
         self.consumed_slots[step].add(commit.fragment)
+        if self.rank not in owners_for(plan_for_step(self.cfg, step)[0], self.world_size,
+                                       self.cfg.runtime.tsp):
+            return  # this rank trains none of the step's timesteps: nothing to report
         await self.peers.control.send(Consumed(
             task_id=commit.task_id, step=step, fragment=commit.fragment, rank=self.rank,
             trained=trained, discarded=discarded, train_seconds=time.perf_counter() - t0))
