@@ -13,7 +13,7 @@ from digenrl.launch import launch, make_run_dir
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["run.steps=2", "train.prompts_per_step=2", "train.group_size=2",
+SMALL = ["run.steps=2", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
          "runtime.fragments_per_step=2", "sampler.num_steps=4"]
 
 
