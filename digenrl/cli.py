@@ -105,6 +105,8 @@ def build_node_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=None,
                    help="trainer: informational rank hint (ranks are assigned in join order)")
     p.add_argument("--run-dir", default=None, help="run folder (coordinator writes metrics there)")
+    p.add_argument("--prometheus-port", type=int, default=None,
+                   help="serve this node's counters and NVML readings for Prometheus (metrics extra)")
     p.add_argument("--allow-plaintext", action="store_true",
                    help="permit an unencrypted bind on a non-loopback address (warns)")
     _add_config_args(p)
