@@ -387,6 +387,8 @@ def describe_fields(cls: Any = Config, prefix: str = "") -> list[tuple[str, str,
         if dataclasses.is_dataclass(hints[f.name]):
             rows += describe_fields(hints[f.name], key + ".")
         else:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            default = f.default
+            if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
             rows.append((key, repr(default), f.metadata.get("help", "")))
     return rows

@@ -78,7 +78,7 @@ def message(tag: str) -> Callable[[type[M]], type[M]]:
             raise TypeError(f"message tag {tag!r} is reserved or registered twice")
         cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
         hints = typing.get_type_hints(cls)
-        cls.KINDS = {f.name: _kind_of(hints[f.name]) for f in dataclasses.fields(cls)}
+        cls.KINDS = {f.name: _kind_of(hints[f.name]) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         cls.TAG = tag
         _REGISTRY[tag] = cls
         return cls
@@ -261,11 +261,12 @@ def _decode(frames: Sequence[Any], max_frame_bytes: int, max_frames: int,
         name, key = (entry[0], entry[1]) if ok else (None, None)
         kind = kinds.get(name) if isinstance(name, str) else None
         where = f"{cls.__name__}.{name}"
-        if kind == "tensor" and key is None and name not in fields:
-            fields[name] = frame_to_tensor(where, *entry[2:], view,
-                                           max_frame_bytes=max_frame_bytes)
-        elif kind == "tensors" and isinstance(key, str) and key not in fields[name]:
-            fields[name][key] = frame_to_tensor(f"{where}[{key!r}]", *entry[2:], view,
+        desc: tuple[Any, Any, Any] = (entry[2], entry[3], entry[4]) if ok else (None, None, None)
+        if kind == "tensor" and key is None and isinstance(name, str) and name not in fields:
+            fields[name] = frame_to_tensor(where, *desc, view, max_frame_bytes=max_frame_bytes)
+        elif (kind == "tensors" and isinstance(name, str) and isinstance(key, str)
+              and key not in fields[name]):
+            fields[name][key] = frame_to_tensor(f"{where}[{key!r}]", *desc, view,
                                                 max_frame_bytes=max_frame_bytes)
         else:
             raise ProtocolError(f"{cls.__name__}: bad or repeated tensor entry {entry!r:.200}",
