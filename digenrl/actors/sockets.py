@@ -1,4 +1,11 @@
-"""Open the project's sockets by kind name, with the run's limits (one place for all actors)."""
+"""Open the project's sockets by kind name, with the run's limits and security (one place).
+
+Every socket opened here is registered with its context's
+:class:`~digenrl.actors.security.NodeSecurity`, which picks CurveZMQ or plain text from the
+node's ``transport`` config and the address (see that module's table), refuses plain text
+on a non-loopback address unless allowed, and counts bad frames over all of them. Passing
+``security=`` explicitly overrides the decision (tests, tools).
+"""
 
 from __future__ import annotations
 
@@ -7,33 +14,70 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from digenrl.actors.security import NodeSecurity, node_security
 from digenrl.config import Config
 from digenrl.transport.sockets import Dealer, Pub, Pull, Push, Router, Socket, SocketOptions, Sub
 
+
+class _Tracked:
+    """Mixin: tell the context's NodeSecurity when the socket closes."""
+
+    node_security: NodeSecurity
+
+    def close(self) -> None:
+        super().close()  # type: ignore[misc]
+        self.node_security.closed(self)
+
+
 KINDS: dict[str, type[Socket]] = {"router": Router, "dealer": Dealer, "pub": Pub, "sub": Sub,
                                   "push": Push, "pull": Pull}
+_TRACKED: dict[str, type[Socket]] = {
+    k: type(cls.__name__, (_Tracked, cls), {"__doc__": cls.__doc__}) for k, cls in KINDS.items()}
 
 
 def _make(ctx: zmq.asyncio.Context, kind: str, cfg: Config, *, identity: bytes | None,
-          security: Any, name: str) -> Socket:
-    return KINDS[kind](ctx, options=SocketOptions.from_config(cfg), identity=identity,
-                       security=security, name=name or kind)
+          security: Any, name: str, sec: NodeSecurity) -> Socket:
+    sock = _TRACKED[kind](ctx, options=SocketOptions.from_config(cfg), identity=identity,
+                          security=security, name=name or kind)
+    sock.node_security = sec  # type: ignore[attr-defined]
+    sec.track(sock)
+    return sock
 
 
 def bind(ctx: zmq.asyncio.Context, kind: str, endpoint: str, cfg: Config, *,
          identity: bytes | None = None, security: Any = None, handover: bool = False,
          name: str = "") -> Socket:
-    """A bound socket; ``sock.endpoint`` is the resolved address (a ``*`` port filled in)."""
-    sock = _make(ctx, kind, cfg, identity=identity, security=security, name=name)
-    if handover:  # a restarted node reusing its identity takes over the old connection
-        sock.zmq_socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    sock.endpoint = sock.bind(endpoint)  # type: ignore[attr-defined]
+    """A bound socket; ``sock.endpoint`` is the resolved address (a ``*`` port filled in).
+
+    Raises :class:`~digenrl.actors.security.PlaintextRefused` or
+    :class:`~digenrl.transport.curve.CurveKeyError` (both ValueError) when the address needs
+    CurveZMQ and it cannot be had.
+    """
+    sec = node_security(ctx, cfg.transport)
+    if security is None:
+        security = sec.for_bind(endpoint)
+    sock = _make(ctx, kind, cfg, identity=identity, security=security, name=name, sec=sec)
+    try:
+        if handover:  # a restarted node reusing its identity takes over the old connection
+            sock.zmq_socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        sock.endpoint = sock.bind(endpoint)  # type: ignore[attr-defined]
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
 def connect(ctx: zmq.asyncio.Context, kind: str, endpoint: str, cfg: Config, *,
             identity: bytes | None = None, security: Any = None, name: str = "") -> Socket:
-    sock = _make(ctx, kind, cfg, identity=identity, security=security, name=name)
-    sock.connect(endpoint)
+    """A connected socket (ZeroMQ connects in the background and retries)."""
+    sec = node_security(ctx, cfg.transport)
+    if security is None:
+        security = sec.for_connect(endpoint)
+    sock = _make(ctx, kind, cfg, identity=identity, security=security, name=name, sec=sec)
+    try:
+        sock.connect(endpoint)
+    except BaseException:
+        sock.close()
+        raise
     sock.endpoint = endpoint  # type: ignore[attr-defined]
     return sock
