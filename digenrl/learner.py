@@ -9,7 +9,6 @@ TSP ranks' disjoint timestep sets, after an all-reduce) is the full-batch gradie
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import time
@@ -161,9 +160,8 @@ def save_final(policy: Policy, run_dir: Path) -> Path:
 
 
 def step_metrics(row: dict[str, Any]) -> Any:
-    """A metrics row (flat dict, ``busy/<node>`` keys) as the typed record the writer takes."""
+    """A metrics row (flat dict, ``busy/<node>``, ``reward/<term>`` keys) as the typed record
+    the writer takes; no key is dropped (see ``StepMetrics.from_record``)."""
     from digenrl.telemetry.metrics import StepMetrics
 
-    names = {f.name for f in dataclasses.fields(StepMetrics)}
-    busy = {k.split("/", 1)[1]: float(v) for k, v in row.items() if k.startswith("busy/")}
-    return StepMetrics(**{k: v for k, v in row.items() if k in names and k != "busy"}, busy=busy)
+    return StepMetrics.from_record(row)

@@ -82,7 +82,8 @@ def make_run_dir(run_dir: Path, steps: int = 6, seed: int = 0) -> Path:
             reward_std=0.1 - 0.01 * s, loss=rng.gauss(0, 0.01), kl=1e-4 * s, clipfrac=0.01 * s,
             ratio_max_dev=1e-4 * s, grad_norm=rng.uniform(0.5, 1.5), max_staleness=min(s, 1),
             mean_staleness=0.5 if s else 0.0, zero_adv_groups=s % 2, trained=16,
-            discarded=4 * (s % 2), busy=busy_by_node(spans, *window),
+            discarded=4 * (s % 2), reward_terms={"jpeg_compressibility": mean},
+            busy=busy_by_node(spans, *window),
             gpu_util={n.node_id: 90.0 for n in trainers}, gpu_mem_used_mb={"trainer-0": 4096.0}))
     writer.close()
     for rec in rollouts + trainers:

@@ -28,8 +28,10 @@ __all__ = ["DOCS_PATH", "MetricsWriter", "MissingExtraError", "StepMetrics", "do
            "is_documented", "read_metrics", "start_prometheus"]
 
 DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
-# Dict-valued fields become one key per entry: busy={"trainer-0": .9} -> "busy/trainer-0".
-_PER_NODE = ("busy", "gpu_util", "gpu_mem_used_mb")
+# Dict-valued fields -> the key prefix of their entries: busy={"trainer-0": .9} -> "busy/trainer-0".
+_DICT_PREFIX = {"reward_terms": "reward", "busy": "busy", "gpu_util": "gpu_util",
+                "gpu_mem_used_mb": "gpu_mem_used_mb"}
+_warned: set[str] = set()  # extra keys already logged (once per process is enough)
 
 _log = structlog.get_logger(__name__)
 
@@ -40,7 +42,13 @@ class MissingExtraError(ImportError):
 
 @dataclass(frozen=True, kw_only=True)
 class StepMetrics:
-    """What one optimizer step did. Meanings and units: docs/metrics.md."""
+    """What one optimizer step did. Meanings and units: docs/metrics.md.
+
+    Dict-valued fields become one key per entry (``busy={"trainer-0": .9}`` ->
+    ``busy/trainer-0``, ``reward_terms={"aesthetic": .4}`` -> ``reward/aesthetic``).
+    ``extra`` holds keys a newer peer sent that this class does not know yet: they are
+    written as they are (never dropped) and logged once as ``undocumented_metric``.
+    """
 
     step: int
     policy_version: int
@@ -59,20 +67,54 @@ class StepMetrics:
     zero_adv_groups: int
     trained: int
     discarded: int
+    train_seconds: float = 0.0
+    rejected_stale: int = 0
+    reward_terms: dict[str, float] = field(default_factory=dict)
     busy: dict[str, float] = field(default_factory=dict)
     gpu_util: dict[str, float] = field(default_factory=dict)
     gpu_mem_used_mb: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_record(self) -> dict[str, Any]:
-        """The flat JSON-line form: scalars as they are, per-node dicts as ``name/<node>``."""
+        """The flat JSON-line form: scalars as they are, dict fields as ``prefix/<name>``."""
         record: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in _PER_NODE:
-                record.update({f"{f.name}/{node}": float(v) for node, v in sorted(value.items())})
-            else:
+            if f.name in _DICT_PREFIX:
+                prefix = _DICT_PREFIX[f.name]
+                record.update({f"{prefix}/{k}": float(v) for k, v in sorted(value.items())})
+            elif f.name != "extra":
                 record[f.name] = value
+        record.update(self.extra)
         return record
+
+    @classmethod
+    def from_record(cls, row: Mapping[str, Any]) -> StepMetrics:
+        """The inverse of :meth:`to_record`: a flat row (``busy/<node>``, ``reward/<term>``,
+        ...) as a record. Keys of no field go to ``extra`` (logged once each), so a key the
+        trainer adds is written, never silently dropped. Raises ``ValueError`` naming the
+        missing keys when a required one is absent."""
+        names = {f.name for f in dataclasses.fields(cls)} - set(_DICT_PREFIX) - {"extra"}
+        by_prefix = {p: f for f, p in _DICT_PREFIX.items()}
+        scalars: dict[str, Any] = {}
+        dicts: dict[str, dict[str, float]] = {f: {} for f in _DICT_PREFIX}
+        extra: dict[str, Any] = {}
+        for key, value in row.items():
+            prefix, sep, sub = key.partition("/")
+            if key in names:
+                scalars[key] = value
+            elif sep and sub and prefix in by_prefix:
+                dicts[by_prefix[prefix]][sub] = float(value)
+            else:
+                extra[key] = value
+                if key not in _warned:
+                    _warned.add(key)
+                    _log.warning("undocumented_metric", key=key, hint="document it in docs/metrics.md")
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        if missing := sorted(required - set(scalars)):
+            raise ValueError(f"metrics row of step {row.get('step')!r} lacks {missing}")
+        return cls(**scalars, **dicts, extra=extra)
 
 
 class MetricsWriter:
@@ -175,41 +217,9 @@ def is_documented(key: str, documented: Iterable[str]) -> bool:
 # ----------------------------------------------------------------------------- prometheus
 
 
-def _prometheus_name(key: str) -> tuple[str, dict[str, str]]:
-    name, _, node = key.partition("/")
-    return "digenrl_" + re.sub(r"[^a-zA-Z0-9_]", "_", name), ({"node": node} if node else {})
-
-
 def start_prometheus(port: int, registry_fn: Callable[[], Mapping[str, float]], *,
                      addr: str = "127.0.0.1") -> Any:
-    """Serve the latest metrics on ``http://addr:port/metrics`` for Prometheus to scrape.
+    """Serve the latest record for Prometheus; see :func:`digenrl.telemetry.prometheus.start_prometheus`."""
+    from digenrl.telemetry.prometheus import start_prometheus as _start
 
-    ``registry_fn`` returns the current record (e.g. the last ``StepMetrics.to_record()``);
-    it is called on every scrape. ``busy/<node>`` becomes ``digenrl_busy{node="..."}``.
-    Needs ``prometheus-client`` (``pip install 'digenrl[metrics]'``); raises
-    :class:`MissingExtraError` otherwise. Returns what ``start_http_server`` returns.
-    """
-    if importlib.util.find_spec("prometheus_client") is None:
-        raise MissingExtraError(
-            f"start_prometheus(port={port}) needs prometheus-client, which is not installed: "
-            "pip install 'digenrl[metrics]'")
-    import prometheus_client
-    from prometheus_client.core import GaugeMetricFamily
-
-    class _Collector:
-        def collect(self) -> Iterable[Any]:
-            families: dict[str, Any] = {}
-            for key, value in registry_fn().items():
-                if not isinstance(value, int | float) or isinstance(value, bool):
-                    continue
-                name, labels = _prometheus_name(key)
-                if name not in families:
-                    families[name] = GaugeMetricFamily(
-                        name, f"digenrl metric {key.partition('/')[0]} (docs/metrics.md)",
-                        labels=list(labels))
-                families[name].add_metric(list(labels.values()), float(value))
-            yield from families.values()
-
-    registry = prometheus_client.CollectorRegistry()
-    registry.register(_Collector())
-    return prometheus_client.start_http_server(port, addr=addr, registry=registry)
+    return _start(port, registry_fn, addr=addr)

@@ -8,7 +8,8 @@ Reads the run directory (format: docs/metrics.md) and writes into ``out_dir`` (d
 * ``timeline.png`` -- a Gantt chart of the last few steps from ``trace.json``, one row per
   process, coloured by span name; ``wait`` is hatched grey and idle time is white, so the
   bubbles are visible at a glance;
-* ``samples.png`` -- the sample grids of the first and last step side by side.
+* ``samples.png`` -- the sample grids of the first and last step side by side (a step's
+  first fragment when the trainer saved one grid per fragment).
 
 Every figure has a fixed size (:data:`PNG_SIZES`, pixels) so reports compare across runs.
 A missing input skips its figure; :func:`make_report` says which and why.
@@ -46,8 +47,10 @@ DPI = 100
 PNG_SIZES: dict[str, tuple[int, int]] = {  # (width, height) in pixels
     "reward": (900, 500), "throughput": (900, 500), "timeline": (1200, 600), "samples": (1000, 560)}
 _COLOURS = dict(zip(SPAN_NAMES, ["#1f77b4", "#aec7e8", "#2ca02c", "#ff7f0e", "#d62728",
-                                 "#9467bd", "#8c564b", "#e377c2", "#17becf", "#d9d9d9"]))
-_SAMPLE = re.compile(r"step_(\d+)\.png$")
+                                 "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
+                                 "#d9d9d9"]))
+# step_<n>.png (colocated) or step_<n>_f<fragment>.png (trainer rank 0, one per fragment)
+_SAMPLE = re.compile(r"step_(\d+)(?:_f(\d+))?\.png$")
 
 
 def _figure(name: str) -> tuple[Any, Any]:
@@ -248,8 +251,12 @@ def make_report(run_dir: Path | str, out_dir: Path | str | None = None, *,
         pngs["timeline"] = str(_plot_timeline(names, spans, last_steps, out / "timeline.png"))
     else:
         skipped["timeline"] = "no trace.json and no trace/*.jsonl"
-    samples = sorted((int(m.group(1)), p) for p in (run_dir / "samples").glob("step_*.png")
-                     if (m := _SAMPLE.search(p.name)))
+    found = sorted((int(m.group(1)), int(m.group(2) or 0), p)
+                   for p in (run_dir / "samples").glob("step_*.png") if (m := _SAMPLE.search(p.name)))
+    firsts: dict[int, Path] = {}  # each step's first fragment
+    for step, _, p in found:
+        firsts.setdefault(step, p)
+    samples = sorted(firsts.items())
     if samples:
         pngs["samples"] = str(_plot_samples(samples, out / "samples.png"))
     else:
