@@ -1,0 +1,236 @@
+"""``digenrl plan``: throughput, step time and bubbles per mode, ablations, split search, calibration.
+
+    digenrl plan --config configs/models/flux.toml --cluster configs/clusters/h800-32.toml
+    digenrl plan --config configs/models/flux.toml --cluster ... --search --timeline flux.png
+    digenrl plan --calibrate runs/colocated-x          # writes runs/colocated-x/costfit.json
+    digenrl plan --cost runs/colocated-x/costfit.json  # predicts the tiny config on this machine
+
+Modes are the scheduler configurations of DESIGN.md, with two simulator choices that make
+the baselines fair (documented in docs/benchmarks.md): colocated splits each step into one
+fragment per trainer (its SPMD data-parallel generation), and disagg-sync spreads the batch over
+all rollouts but trains only once the whole batch is in (no GAP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from digenrl.config import Config, load_config, resolve_mode
+from digenrl.sim.cluster import Cluster, load_cluster
+from digenrl.sim.costmodel import load_calibration
+from digenrl.sim.simulator import SimResult, SimSetup, simulate, trained_timesteps
+
+ABLATIONS = ("gap", "tsp", "k1", "tag")
+
+
+def _divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(1, cap))
+
+
+def mode_run(cfg: Config, mode: str, cluster: Cluster, *, trainers: int | None = None,
+             off: str | None = None, **setup_kw: Any) -> tuple[Config, SimSetup]:
+    """The (Config, SimSetup) pair one simulated mode (optionally with one mechanism off) runs."""
+    rollouts, train = cluster.split(trainers)
+    if mode == "colocated":
+        rollouts, train = [], cluster.all_gpus()
+    c = resolve_mode(cfg, mode)
+    rt = c.runtime
+    P = c.train.prompts_per_step
+    gap = mode == "digenrl"
+    if mode == "colocated":
+        rt = dataclasses.replace(rt, fragments_per_step=_divisor_at_most(P, len(train)))
+    elif mode == "disagg-sync":
+        rt = dataclasses.replace(rt, fragments_per_step=_divisor_at_most(P, len(rollouts)))
+    if off == "gap":
+        gap = False
+    elif off == "tsp":
+        rt = dataclasses.replace(rt, tsp=False)
+    elif off == "k1":
+        rt = dataclasses.replace(rt, staleness=0)
+    elif off == "tag":
+        rt = dataclasses.replace(rt, tag="never")
+    cl = dataclasses.replace(c.cluster, rollouts=len(rollouts), trainers=len(train))
+    c = dataclasses.replace(c, runtime=rt, cluster=cl)
+    return c, SimSetup(rollout_gpus=tuple(rollouts), trainer_gpus=tuple(train),
+                       network=cluster.network, gap=gap, **setup_kw)
+
+
+def _row(name: str, r: SimResult, base: float | None) -> dict[str, Any]:
+    return {"name": name, "samples_per_s": r.samples_per_s, "s_per_step": r.s_per_step,
+            "busy_rollout": r.busy_by_role.get("rollout"), "busy_trainer": r.busy_by_role.get("trainer"),
+            "bubble_s_per_step": r.bubble_s_per_step,
+            "speedup_vs_colocated": r.samples_per_s / base if base else None}
+
+
+def plan(cfg: Config, cluster: Cluster, modes: list[str], *, calibration: dict[str, Any] | None = None,
+         search: bool = False, ablate: bool = True) -> dict[str, Any]:
+    """Simulate every mode (+ ablations and split search); plain data, deterministic."""
+    kw = {"calibration": calibration, "seed": cfg.run.seed}
+    results: dict[str, SimResult] = {}
+    for m in modes:
+        results[m] = simulate(*mode_run(cfg, m, cluster, **kw))
+    base = results["colocated"].samples_per_s if "colocated" in results else None
+    out: dict[str, Any] = {"cluster": cluster.name, "gpus": cluster.size, "model": cfg.model.family,
+                           "batch": cfg.batch_size, "steps": cfg.run.steps,
+                           "trained_timesteps": len(trained_timesteps(cfg)),
+                           "modes": [_row(m, r, base) for m, r in results.items()]}
+    if ablate and "digenrl" in modes:
+        out["ablation"] = [_row(f"digenrl -{a}", simulate(*mode_run(cfg, "digenrl", cluster, off=a, **kw)), base)
+                           for a in ABLATIONS]
+    if search:
+        best: dict[str, Any] | None = None
+        tried = []
+        for t in range(1, cluster.size):
+            r = simulate(*mode_run(cfg, "digenrl", cluster, trainers=t, **kw))
+            tried.append({"trainers": t, "rollouts": cluster.size - t, "samples_per_s": r.samples_per_s})
+            if best is None or r.samples_per_s > best["samples_per_s"]:
+                best = {**tried[-1], **_row("digenrl best split", r, base)}
+        out["search"] = {"best": best, "tried": tried}
+    out["_results"] = results
+    return out
+
+
+def _fmt(x: Any, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render(report: dict[str, Any]) -> str:
+    """The human table."""
+    lines = [f"model {report['model']}  cluster {report['cluster']} ({report['gpus']} GPUs)  "
+             f"batch {report['batch']}  trained timesteps {report['trained_timesteps']}  "
+             f"simulated steps {report['steps']}", "",
+             f"{'mode':24} {'samples/s':>10} {'s/step':>10} {'busy roll':>9} {'busy train':>10} "
+             f"{'bubble s':>9} {'x coloc':>8}"]
+    rows = report["modes"] + report.get("ablation", [])
+    if report.get("search"):
+        rows = [*rows, report["search"]["best"]]
+    for r in rows:
+        lines.append(f"{r['name']:24} {r['samples_per_s']:10.4g} {r['s_per_step']:10.4g} "
+                     f"{_fmt(r['busy_rollout'], '9.2f')} {_fmt(r['busy_trainer'], '10.2f')} "
+                     f"{r['bubble_s_per_step']:9.3g} {_fmt(r['speedup_vs_colocated'], '8.2f')}")
+    if report.get("search"):
+        b = report["search"]["best"]
+        lines.append(f"best split: {b['trainers']} trainers + {b['rollouts']} rollouts")
+    return "\n".join(lines)
+
+
+def draw_timeline(results: dict[str, SimResult], path: str | Path) -> Path:
+    """Gantt of the last simulated steps of each mode (matplotlib Agg)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"generate": "tab:blue", "tag_generate": "tab:cyan", "fragment_train": "tab:orange",
+              "optimizer_step": "tab:red", "weight_apply": "tab:green"}
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 2 + 2.2 * len(results)), squeeze=False)
+    for ax, (mode, r) in zip(axes[:, 0], results.items()):
+        nodes = sorted({s[0] for s in r.timeline}, key=lambda n: (n.startswith("trainer"), n))
+        t0 = min((s[2] for s in r.timeline), default=0.0)
+        for y, node in enumerate(nodes):
+            for n, name, a, b in r.timeline:
+                if n == node:
+                    ax.barh(y, b - a, left=a - t0, color=colors.get(name, "grey"), height=0.8)
+        ax.set_yticks(range(len(nodes)), nodes, fontsize=6)
+        ax.set_title(f"{mode}: {r.samples_per_s:.3g} samples/s, {r.s_per_step:.3g} s/step", fontsize=9)
+        ax.set_xlabel("seconds")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    fig.legend(handles, list(colors), loc="upper right", fontsize=7)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def _spans(run_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for f in sorted((run_dir / "trace").glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            ev = json.loads(line)
+            if ev.get("ph") == "X":
+                out.append(ev)
+    return out
+
+
+def calibrate(run_dir: str | Path) -> dict[str, Any]:
+    """Fit per-unit seconds (NodeCosts fields) to a real run dir's trace and metrics.
+
+    Medians of: ``generate`` spans (colocated: a whole share, per sample-step; disaggregated:
+    one denoising step of a fragment, per sample), ``tag_generate``, ``fragment_train`` (per
+    sample-timestep it trained), ``reward``, ``optimizer_step``. For colocated runs the step
+    time not covered by spans becomes the switch cost (paid twice a step).
+    """
+    d = Path(run_dir)
+    if not (d / "config.toml").is_file():
+        raise ValueError(f"--calibrate {str(run_dir)!r}: no config.toml there (not a run dir)")
+    cfg = load_config(d / "config.toml")
+    spans = _spans(d)
+    if not spans:
+        raise ValueError(f"--calibrate {str(run_dir)!r}: trace/*.jsonl holds no spans")
+    T, nt = cfg.sampler.num_steps, len(trained_timesteps(cfg))
+    R = max(1, cfg.cluster.trainers)
+    colocated = cfg.run.mode == "colocated"
+    share = cfg.batch_size // (R if colocated else cfg.runtime.fragments_per_step)
+
+    def med(name: str) -> float | None:
+        v = [e["dur_ns"] / 1e9 for e in spans if e["name"] == name]
+        return statistics.median(v) if v else None
+
+    costs: dict[str, float] = {}
+    g, tg, tr, rw, opt = (med(n) for n in ("generate", "tag_generate", "fragment_train", "reward",
+                                           "optimizer_step"))
+    if g is not None:
+        costs["gen_step_s"] = g / (share * T) if colocated else g / share
+    if tg is not None:
+        costs["colo_gen_step_s"] = tg / share
+    elif colocated and g is not None:
+        costs["colo_gen_step_s"] = costs["gen_step_s"]
+    if tr is not None:
+        per_rank = share * nt if colocated else share * max(1, nt // R if cfg.runtime.tsp else nt)
+        costs["train_step_s"] = tr / per_rank
+    costs["reward_s"] = rw / share if rw is not None else 0.0
+    if opt is not None:
+        costs["optimizer_s"] = opt
+    metrics = d / "metrics.jsonl"
+    if colocated and metrics.is_file() and g is not None and tr is not None:
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        steps = [r["step_seconds"] for r in rows[1:] or rows if "step_seconds" in r]
+        if steps:
+            costs["switch_s"] = max(0.0, (statistics.median(steps) - g - tr - (opt or 0.0)) / 2)
+    return {"run_dir": str(d), "mode": cfg.run.mode, "model": cfg.model.family, "costs": costs}
+
+
+def plan_from_args(args: argparse.Namespace) -> int:
+    """Entry point of ``digenrl plan`` (wired in digenrl/cli.py)."""
+    if args.calibrate:
+        fit = calibrate(args.calibrate)
+        out = Path(args.calibrate) / "costfit.json"
+        out.write_text(json.dumps(fit, indent=2, sort_keys=True) + "\n")
+        print(json.dumps(fit, indent=2, sort_keys=True))
+        print(f"written {out}; predict with: digenrl plan --config <tiny> --cost {out}")
+        return 0
+    cfg = load_config(args.config)
+    if args.steps is not None:
+        if args.steps < 2:
+            raise ValueError(f"--steps {args.steps}: expected at least 2 (steady state needs two)")
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, steps=args.steps))
+    cluster = load_cluster(args.cluster)
+    cost = getattr(args, "cost", None)  # --cost needs a flag in cli.py; see docs/benchmarks.md
+    calibration = load_calibration(cost) if cost else None
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        resolve_mode(cfg, m)  # names the bad mode
+    report = plan(cfg, cluster, modes, calibration=calibration, search=args.search)
+    results = report.pop("_results")
+    if args.timeline:
+        print(f"timeline: {draw_timeline(results, args.timeline)}")
+    print(json.dumps(report, indent=2, sort_keys=True) if args.json else render(report))
+    return 0

@@ -1,0 +1,484 @@
+"""Discrete-event simulator: rollout GPUs, trainer ranks and the network around the REAL scheduler.
+
+The coordinator logic is :class:`digenrl.scheduler.Scheduler` itself, fed events with a virtual
+``now``; its commands (assign, revoke, shutdown) drive simulated nodes whose work takes the
+seconds of :mod:`digenrl.sim.costmodel`. Nodes behave like ``actors/rollout.py`` and
+``actors/trainer.py``::
+
+    rollout:  Assign -> (catch up to the newest announced version: fetch weights) -> generate
+              T steps x n samples -> rewards -> commit reaches every trainer rank
+    trainer:  commits of step s are trained as they arrive (GAP; without GAP only once all F
+              fragments of s are in); a rank trains n x (timesteps it owns) (TSP; without TSP
+              the fragment's samples are split data-parallel, ceil(n / R) each); when every rank
+              has consumed all F fragments: all-reduce + optimizer step -> rank 0 publishes s+1.
+              A rank with nothing to train offers itself for TAG (the scheduler decides).
+    colocated: no rollouts; trainers generate everything (TAG "always") and pay a switch cost
+              each time they change between generation and training state.
+
+Events are ordered by (time, seq) in a heap, so runs are deterministic; jitter and injected
+rollout losses draw from one seeded ``random.Random``. Heartbeats and ticks are simulated as
+one round every ``heartbeat_s`` (coarsened to the workload, see :func:`sim_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import random
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from digenrl.config import Config
+from digenrl.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerParams, ShutdownCmd
+from digenrl.sim.costmodel import (
+    GPUS,
+    MODELS,
+    Network,
+    NodeCosts,
+    Workload,
+    allreduce_s,
+    chunk_bytes,
+    node_costs,
+    trainable_bytes,
+    weight_sync_s,
+)
+
+
+class SimulationError(RuntimeError):
+    """The simulated run could not finish (deadlock or event budget); carries the statistics."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimSetup:
+    """Everything a simulation needs besides the (mode-resolved) Config."""
+
+    rollout_gpus: tuple[str, ...]
+    trainer_gpus: tuple[str, ...]
+    network: Network = field(default_factory=Network)
+    gap: bool = True
+    """Train fragments as they commit; False waits for the whole step (disagg-sync)."""
+    calibration: dict[str, Any] | None = None
+    seed: int = 0
+    jitter: float = 0.0
+    """Relative std of every work item's duration (truncated Gaussian, >= 0)."""
+    loss_rate_per_h: float = 0.0
+    """Injected rollout losses per rollout-node-hour; a lost node rejoins after ``rejoin_s``."""
+    rejoin_s: float = 60.0
+    timeline_steps: int = 3
+    """Record spans of the last N steps (0: none)."""
+    keep_timeouts: bool = False
+    """Use the config's heartbeat/lease values verbatim instead of scaling them to the work."""
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` returns; ``to_dict`` is what the planner prints as JSON."""
+
+    steps: int
+    samples_per_s: float
+    s_per_step: float
+    step_times: list[float]
+    busy: dict[str, float]
+    busy_by_role: dict[str, float]
+    bubble_s_per_step: float
+    wall_s: float
+    timeline: list[tuple[str, str, float, float]]
+    scheduler: dict[str, Any]
+    rejected_stale: int
+    losses: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def workload_from_config(cfg: Config) -> Workload:
+    """The cost-relevant shape of ``cfg`` (trained timesteps from the config, no torch)."""
+    return Workload(model=cfg.model.family, num_steps=cfg.sampler.num_steps,
+                    trained_steps=len(trained_timesteps(cfg)), cfg_gen=cfg.sampler.guidance_scale > 1,
+                    cfg_train=cfg.sampler.guidance_scale > 1, grad_ckpt=cfg.model.gradient_checkpointing,
+                    kl=cfg.train.kl_beta > 0, lora_rank=cfg.model.lora_rank, fsdp=cfg.model.fsdp)
+
+
+def trained_timesteps(cfg: Config) -> list[int]:
+    """Trained denoising steps; positions only matter for TSP balance, so they are evenly spread."""
+    t, T = cfg.train, cfg.sampler.num_steps
+    if t.timesteps == "window":
+        return list(range(t.window_lo, t.window_lo + t.window_size))
+    n = T if t.timesteps == "all" else max(1, round(T * t.timestep_fraction))
+    return sorted({i * T // n for i in range(n)})
+
+
+def sim_config(cfg: Config, setup: SimSetup, costs: NodeCosts) -> Config:
+    """Heartbeat and lease scaled to the work: a 200 s fragment needs a lease above 200 s, and
+    heartbeats every 0.5 s would cost millions of events without changing the schedule."""
+    if setup.keep_timeouts:
+        return cfg
+    n = cfg.batch_size // cfg.runtime.fragments_per_step
+    frag = n * cfg.sampler.num_steps * max(costs.gen_step_s, costs.colo_gen_step_s)
+    rt = dataclasses.replace(cfg.runtime, heartbeat_s=max(cfg.runtime.heartbeat_s, frag / 4),
+                             lease_s=max(cfg.runtime.lease_s, 4 * frag + 60))
+    return dataclasses.replace(cfg, runtime=rt)
+
+
+@dataclass
+class _Node:
+    id: str
+    role: str
+    gpu: str
+    costs: NodeCosts
+    rank: int = -1
+    alive: bool = True
+    version: int = 0
+    queue: deque[Any] = field(default_factory=deque)
+    task: Any = None
+    until: float = 0.0
+    token: int = 0           # bumps when work is aborted, so its completion event is ignored
+    state: str = "train"     # colocated switch state
+    busy: float = 0.0
+    offered: bool = False
+    working: bool = False
+
+
+class Simulator:
+    """One simulated run; call :meth:`run` once."""
+
+    def __init__(self, cfg: Config, setup: SimSetup) -> None:
+        self.setup = setup
+        self.wl = workload_from_config(cfg)
+        self.R = len(setup.trainer_gpus)
+        probe = node_costs(setup.trainer_gpus[0], self.wl, trainer_ranks=self.R,
+                           calibration=setup.calibration)
+        self.cfg = sim_config(cfg, setup, probe)
+        self.K = self.cfg.runtime.staleness
+        self.F = self.cfg.runtime.fragments_per_step
+        self.trained = trained_timesteps(self.cfg)
+        self.colocated = self.cfg.run.mode == "colocated"
+        self.rng = random.Random(setup.seed)
+        self.heap: list[tuple[float, int, str, tuple[Any, ...]]] = []
+        self.seq = 0
+        self.now = 0.0
+        per_traj = chunk_bytes(self.wl.model, self.cfg.sampler.wire_dtype == "float32") * len(self.trained)
+        params = SchedulerParams.from_config(self.cfg, prompt_count=max(1, self.cfg.train.prompts_per_step),
+                                             bytes_per_trajectory=per_traj)
+        rt = self.cfg.runtime
+        # from_config re-resolves the mode; the simulator's own choices (fragments per trainer
+        # or rollout for the baselines, ablations) are set explicitly here.
+        params = dataclasses.replace(
+            params, fragments_per_step=self.F, staleness=self.K, tsp=rt.tsp, tag=rt.tag,
+            trainer_ranks=self.R, switch_s=probe.switch_s,
+            speeds={g: GPUS["H100"].gen_tflops / spec.gen_tflops for g, spec in GPUS.items()} | {"cpu": 1.0})
+        T = self.cfg.sampler.num_steps
+        self.sched = Scheduler(params, plan_timesteps=lambda step: (self.trained, list(range(T))))
+        self.sync_s = weight_sync_s(self.wl.model, self.wl.lora_rank, setup.network)
+        ar_gpu = min(setup.trainer_gpus, key=lambda g: GPUS[g].nvlink_gbs)
+        self.ar_s = allreduce_s(self.wl.model, self.wl.lora_rank, self.R, ar_gpu)
+        if self.R > 8:  # ranks span hosts (8 GPUs each): the ring runs at the NIC's speed (cm 6)
+            grad = trainable_bytes(MODELS[self.wl.model], self.wl.lora_rank)
+            self.ar_s = max(self.ar_s, 2.0 * (self.R - 1) / self.R * grad / (setup.network.link_gbs * 1e9))
+        self.nodes: dict[str, _Node] = {}
+        self.trainers: list[_Node] = []
+        for r, g in enumerate(setup.trainer_gpus):
+            n = _Node(id=f"trainer-{r}", role="trainer", gpu=g, rank=r,
+                      costs=node_costs(g, self.wl, trainer_ranks=self.R, calibration=setup.calibration))
+            self.nodes[n.id] = n
+            self.trainers.append(n)
+        for i, g in enumerate(() if self.colocated else setup.rollout_gpus):
+            self.nodes[f"rollout-{i}"] = _Node(id=f"rollout-{i}", role="rollout", gpu=g,
+                                               costs=node_costs(g, self.wl, calibration=setup.calibration))
+        self.announced = 0
+        self.commits: dict[int, list[tuple[Any, int, int]]] = defaultdict(list)  # step -> (cmd, n, gen_v)
+        self.arrived: dict[int, int] = defaultdict(int)
+        self.consumed: dict[tuple[int, int], set[int]] = defaultdict(set)  # (rank, step) -> fragments
+        self.ready_ranks: set[int] = set()
+        self.version = 0
+        self.publish_t: list[float] = []
+        self.spans: list[tuple[str, str, float, float]] = []
+        self.rejected_stale = 0
+        self.losses = 0
+        self.done = False
+        self.idle_rounds = 0
+
+    # ------------------------------------------------------------------ event plumbing
+    def _at(self, t: float, kind: str, *args: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, args))
+
+    def _dur(self, base: float) -> float:
+        j = self.setup.jitter
+        return base if j <= 0 or base <= 0 else base * max(0.0, self.rng.gauss(1.0, j))
+
+    def _work(self, node: _Node, name: str, seconds: float, kind: str, *args: Any) -> None:
+        node.working, node.until = True, self.now + seconds
+        node.busy += seconds
+        if self.setup.timeline_steps:
+            self.spans.append((node.id, name, self.now, self.now + seconds))
+        self._at(self.now + seconds, kind, node.id, node.token, *args)
+
+    def _apply(self, cmds: list[Any]) -> None:
+        for c in cmds:
+            if isinstance(c, AssignCmd):
+                node = self.nodes.get(c.node_id)
+                if node is not None and node.alive:
+                    node.queue.append(c)
+                    node.offered = False
+                    self._kick(node)
+            elif isinstance(c, RevokeCmd):
+                node = self.nodes.get(c.node_id)
+                if node is not None:
+                    node.queue = deque(t for t in node.queue if t.task_id != c.task_id)
+                    if node.task is not None and node.task.task_id == c.task_id:
+                        node.token += 1
+                        node.busy -= node.until - self.now  # the aborted rest never ran
+                        node.task, node.working = None, False
+                        self._kick(node)
+            elif isinstance(c, ShutdownCmd):
+                self.done = True
+
+    # ------------------------------------------------------------------ run
+    def run(self, max_events: int = 50_000_000) -> SimResult:
+        for t in self.trainers:
+            self._apply(self.sched.node_joined(t.id, "trainer", t.gpu, 0.0, rank=t.rank))
+        self._apply(self.sched.version_published(0, 0.0))
+        for n in self.nodes.values():
+            if n.role == "rollout":
+                self._apply(self.sched.node_joined(n.id, "rollout", n.gpu, 0.0))
+        hb = self.cfg.runtime.heartbeat_s
+        self._at(hb, "round")
+        if self.setup.loss_rate_per_h > 0 and not self.colocated:
+            self._schedule_loss()
+        for t in self.trainers:
+            self._kick(t)
+        events = 0
+        while self.heap and not self.done and self.version < self.cfg.run.steps:
+            self.now, _, kind, args = heapq.heappop(self.heap)
+            getattr(self, "_on_" + kind)(*args)
+            events += 1
+            if events > max_events:
+                raise SimulationError(f"event budget {max_events} exhausted at t={self.now:.1f} s, "
+                                      f"version {self.version}: {self.sched.statistics()}")
+        if self.version < self.cfg.run.steps:
+            raise SimulationError(f"simulation stalled at t={self.now:.1f} s, version "
+                                  f"{self.version}/{self.cfg.run.steps}: {self.sched.statistics()}")
+        return self._result()
+
+    def _on_round(self) -> None:
+        if not self.heap and not any(n.working for n in self.nodes.values()):
+            self.idle_rounds += 1  # nothing will ever happen again but heartbeats: a deadlock
+            rt = self.cfg.runtime
+            if self.idle_rounds > rt.heartbeat_misses + rt.lease_s / rt.heartbeat_s + 2:
+                raise SimulationError(f"deadlock at t={self.now:.1f} s, version {self.version}: "
+                                      f"{self.sched.statistics()}")
+        else:
+            self.idle_rounds = 0
+        for n in self.nodes.values():
+            if n.alive:
+                self._apply(self.sched.heartbeat(n.id, self.now))
+        self._apply(self.sched.tick(self.now))
+        self._at(self.now + self.cfg.runtime.heartbeat_s, "round")
+
+    # ------------------------------------------------------------------ failures
+    def _schedule_loss(self) -> None:
+        rollouts = sum(1 for n in self.nodes.values() if n.role == "rollout")
+        rate = self.setup.loss_rate_per_h * rollouts / 3600.0
+        self._at(self.now + self.rng.expovariate(rate), "loss")
+
+    def _on_loss(self) -> None:
+        alive = sorted(n.id for n in self.nodes.values() if n.role == "rollout" and n.alive)
+        if len(alive) > 1:  # keep one rollout so the run can always finish
+            node = self.nodes[self.rng.choice(alive)]
+            node.alive, node.token = False, node.token + 1
+            if node.working:
+                node.busy -= node.until - self.now
+            node.queue.clear()
+            node.task, node.working = None, False
+            self.losses += 1
+            self._at(self.now + self.setup.rejoin_s, "rejoin", node.id)
+        self._schedule_loss()
+
+    def _on_rejoin(self, old_id: str) -> None:
+        old = self.nodes[old_id]
+        new = _Node(id=f"{old_id.split('.')[0]}.{self.losses}", role="rollout", gpu=old.gpu, costs=old.costs)
+        self.nodes[new.id] = new
+        self._apply(self.sched.node_joined(new.id, "rollout", new.gpu, self.now))
+
+    # ------------------------------------------------------------------ nodes
+    def _kick(self, node: _Node) -> None:
+        if node.working or not node.alive or self.done:
+            return
+        if node.role == "rollout":
+            self._rollout_next(node)
+        else:
+            self._trainer_next(node)
+
+    def _rollout_next(self, node: _Node) -> None:
+        while node.queue:
+            task = node.queue[0]
+            if self.announced < task.version_floor:
+                return  # wait for the announcement (an "announce" event kicks us)
+            node.queue.popleft()
+            node.task = task
+            if node.version < self.announced:  # TCSS: weights change only between trajectories
+                node.version = self.announced
+                self._work(node, "weight_apply", self.sync_s, "fetched", task)
+            else:
+                self._start_gen(node, task)
+            return
+
+    def _on_fetched(self, nid: str, token: int, task: Any) -> None:
+        node = self.nodes[nid]
+        if token == node.token:
+            node.working = False
+            self._start_gen(node, task)
+
+    def _gen_seconds(self, node: _Node, task: Any) -> float:
+        n = len(task.seeds)
+        per = node.costs.colo_gen_step_s if node.role == "trainer" else node.costs.gen_step_s
+        return self._dur(n * self.cfg.sampler.num_steps * per + n * node.costs.reward_s)
+
+    def _start_gen(self, node: _Node, task: Any) -> None:
+        node.task = task
+        gen = self._gen_seconds(node, task)
+        switch = 0.0
+        if node.role == "trainer" and self.colocated and node.state != "gen":
+            node.state, switch = "gen", node.costs.switch_s
+        name = "tag_generate" if node.role == "trainer" else "generate"
+        self._work(node, name, switch + gen, "generated", task, node.version, gen)
+
+    def _on_generated(self, nid: str, token: int, task: Any, gen_v: int, gen_s: float) -> None:
+        node = self.nodes[nid]
+        if token != node.token:
+            return
+        node.working, node.task = False, None
+        n = len(task.seeds)
+        net = self.setup.network
+        # chunks stream during generation, so only the tail (last chunk + commit) is exposed,
+        # unless the link is slower than generation.
+        total = n * chunk_bytes(self.wl.model, self.cfg.sampler.wire_dtype == "float32") * len(self.trained)
+        link = (net.link_gbs if node.role == "rollout" else GPUS[node.gpu].nvlink_gbs) * 1e9
+        arrive = max(self.now, self.now - gen_s + total / link) + net.latency_s
+        self._at(arrive, "commit", task, nid, gen_v, n, gen_s)
+        self._kick(node)
+
+    def _on_commit(self, task: Any, nid: str, gen_v: int, n: int, gen_s: float) -> None:
+        self._apply(self.sched.fragment_committed(task.task_id, nid, gen_v, gen_s, self.now))
+        if task.step < self.version:
+            return
+        self.commits[task.step].append((task, n, gen_v))
+        self.arrived[task.step] += 1
+        for t in self.trainers:
+            self._kick(t)
+
+    def _trainer_next(self, node: _Node) -> None:
+        s = self.version
+        if node.rank in self.ready_ranks:
+            return
+        pending = [c for c in self.commits.get(s, ()) if c[0].fragment not in self.consumed[(node.rank, s)]]
+        if pending and (self.setup.gap or len({c[0].fragment for c in self.commits[s]}) >= self.F):
+            task, n, gen_v = pending[0]
+            self.consumed[(node.rank, s)].add(task.fragment)
+            if not 0 <= s - gen_v <= self.K:  # the trainer's oracle: must never fire
+                self.rejected_stale += n
+                if node.rank in (set(task.owners) or {0}):
+                    self._apply(self.sched.fragment_consumed(task.task_id, node.rank, 0, {"stale": n}, 0.0, self.now))
+                self._kick(node)
+                return
+            switch = 0.0
+            if self.colocated and node.state != "train":
+                node.state, switch = "train", node.costs.switch_s
+            secs = self._dur(self._train_units(task, n, node.rank) * node.costs.train_step_s)
+            self._work(node, "fragment_train", switch + secs, "trained", task, n, secs)
+            return
+        if len(self.consumed[(node.rank, s)]) >= self.F:
+            self.ready_ranks.add(node.rank)
+            if len(self.ready_ranks) == self.R:
+                self._optimizer_step()
+            return
+        if node.queue:
+            task = node.queue.popleft()
+            self._start_gen(node, task)
+            return
+        if not node.offered and self.cfg.runtime.tag != "never":
+            node.offered = True
+            self._apply(self.sched.tag_offer(node.id, self.now))
+
+    def _train_units(self, task: Any, n: int, rank: int) -> int:
+        """Sample-timesteps this rank trains for the fragment (TSP or data-parallel)."""
+        if self.cfg.runtime.tsp and self.R > 1:
+            return n * task.owners.count(rank)
+        # TSP off: the scheduler routes every chunk to rank 0; the simulator assumes the
+        # baselines' data parallelism instead (each rank trains ceil(n / R) samples).
+        return math.ceil(n / self.R) * len(self.trained)
+
+    def _on_trained(self, nid: str, token: int, task: Any, n: int, secs: float) -> None:
+        node = self.nodes[nid]
+        node.working = False
+        if node.rank in (set(task.owners) or {0}):  # only owning ranks report (scheduler contract)
+            self._apply(self.sched.fragment_consumed(task.task_id, node.rank, n, {}, secs, self.now))
+        self._kick(node)
+
+    def _optimizer_step(self) -> None:
+        t0 = self.trainers[0]
+        secs = self.ar_s + t0.costs.optimizer_s
+        for t in self.trainers:
+            t.working = True
+            t.busy += secs
+            if self.setup.timeline_steps:
+                self.spans.append((t.id, "optimizer_step", self.now, self.now + secs))
+        self._at(self.now + secs, "stepped")
+
+    def _on_stepped(self) -> None:
+        s = self.version
+        self.version = s + 1
+        self.ready_ranks.clear()
+        self.commits.pop(s, None)
+        for t in self.trainers:
+            # a trainer re-offers for TAG once per version (the real trainer offers once per Assign)
+            t.working, t.version, t.offered = False, s + 1, False
+            self.consumed.pop((t.rank, s), None)
+        self.publish_t.append(self.now)
+        self._apply(self.sched.version_published(s + 1, self.now))
+        self._at(self.now + self.setup.network.latency_s, "announce", s + 1)
+        for t in self.trainers:
+            self._kick(t)
+
+    def _on_announce(self, version: int) -> None:
+        self.announced = max(self.announced, version)
+        for n in self.nodes.values():
+            if n.role == "rollout":
+                self._kick(n)
+
+    # ------------------------------------------------------------------ results
+    def _result(self) -> SimResult:
+        steps = len(self.publish_t)
+        times = [b - a for a, b in zip([0.0, *self.publish_t], self.publish_t)]
+        warm = min(2, steps // 4)
+        span = self.publish_t[-1] - (self.publish_t[warm - 1] if warm else 0.0)
+        s_per_step = span / (steps - warm)
+        wall = self.publish_t[-1]
+        busy = {n.id: min(1.0, n.busy / wall) for n in self.nodes.values()}
+        roles: dict[str, list[float]] = defaultdict(list)
+        for n in self.nodes.values():
+            roles[n.role].append(busy[n.id])
+        by_role = {r: sum(v) / len(v) for r, v in sorted(roles.items())}
+        bubble = (1.0 - by_role["trainer"]) * s_per_step
+        cut = self.publish_t[max(0, steps - 1 - self.setup.timeline_steps)] if self.setup.timeline_steps else wall
+        tl = [sp for sp in self.spans if sp[3] > cut]
+        return SimResult(steps=steps, samples_per_s=self.cfg.batch_size / s_per_step, s_per_step=s_per_step,
+                         step_times=times, busy=busy, busy_by_role=by_role, bubble_s_per_step=bubble,
+                         wall_s=wall, timeline=tl, scheduler=_plain(self.sched.statistics()),
+                         rejected_stale=self.rejected_stale, losses=self.losses)
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    return x
+
+
+def simulate(cfg: Config, setup: SimSetup) -> SimResult:
+    """Simulate ``cfg`` (already resolved for its mode) on ``setup``'s GPUs."""
+    return Simulator(cfg, setup).run()
