@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from digenrl.actors.generate import FragmentJob
+from digenrl.checkpoint import colocated_checkpoint, colocated_resume, crash_point
 from digenrl.config import Config
 from digenrl.images import save_grid
 from digenrl.learner import Learner, plan_for_step, save_final, step_metrics
@@ -43,8 +44,12 @@ def build_policy(cfg: Config) -> Policy:
 
 
 def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int = 1,
-                  progress: object | None = None, log: object | None = None) -> dict[str, float]:
-    """Train ``cfg.run.steps`` steps; rank 0 writes metrics.jsonl and sample grids."""
+                  progress: object | None = None, log: object | None = None,
+                  resume: bool = False) -> dict[str, float]:
+    """Train ``cfg.run.steps`` steps; rank 0 writes metrics.jsonl and sample grids.
+
+    ``resume`` continues from run_dir's checkpoint; checkpoints follow run.checkpoint_every.
+    """
     torch.set_num_threads(cfg.run.threads)
     P, G = cfg.train.prompts_per_step, cfg.train.group_size
     if P % world_size:
@@ -52,6 +57,8 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
                          "needs a multiple of the rank count")
     policy = build_policy(cfg)
     learner = Learner(policy, cfg)
+    start, done_trained, done_discarded = (colocated_resume(run_dir, policy, rank) if resume
+                                           else (0, 0, {}))
     reward_fn = build_reward(cfg.reward.terms)
     prompts = load_prompts(cfg.prompts.file)
     sigma_max = float(sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)[1])
@@ -63,9 +70,9 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
     t_start = time.perf_counter()
     busy = 0.0
     last: dict[str, float] = {}
-    trained_total = 0
-    discarded: dict[str, int] = {}
-    for step in range(cfg.run.steps):
+    trained_total = done_trained
+    discarded: dict[str, int] = dict(done_discarded)
+    for step in range(start, cfg.run.steps):
         t0 = time.perf_counter()
         ids = step_prompts(cfg.run.seed, step, P, len(prompts))
         trained, sde = plan_for_step(cfg, step)
@@ -74,6 +81,7 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
                           sde_steps=sde, trained_steps=trained, reward_fn=reward_fn)
         with recorder.span("generate", step=step):
             records, result = job.run_all()
+        crash_point("generate", step)  # TEST-ONLY fault hook (DIGENRL_TEST_CRASH)
         with recorder.span("fragment_train", step=step):
             learner.train_fragment(records=records, cond=result.cond, rewards=result.rewards,
                                    gen_version=policy.version, n_trained_total=len(trained),
@@ -101,18 +109,20 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
             writer.write(step_metrics(last))
             if progress is not None:
                 progress.update(last)  # type: ignore[attr-defined]
+        colocated_checkpoint(run_dir, policy, rank=rank, world_size=world_size, trained=trained_total,
+                             discarded=discarded, steps=cfg.run.steps, every=cfg.run.checkpoint_every)
     recorder.dump(run_dir / "trace" / f"{node}.jsonl")
     if rank == 0:
         save_final(policy, run_dir)
     if writer is not None:
         writer.close()
     total = time.perf_counter() - t_start
-    return {"samples_per_s": cfg.run.steps * P * G / total, "wall_s": total,
+    return {"samples_per_s": (cfg.run.steps - start) * P * G / total, "wall_s": total,
             "trained": trained_total, "discarded": discarded, "busy": busy / total}
 
 
 def _rank_main(argv: list[str]) -> int:
-    """Entry of one colocated rank process: RUN_DIR RANK WORLD INIT_METHOD."""
+    """Entry of one colocated rank process: RUN_DIR RANK WORLD INIT_METHOD [resume]."""
     import json
 
     from digenrl.config import load_config
@@ -121,7 +131,8 @@ def _rank_main(argv: list[str]) -> int:
     cfg = load_config(run_dir / "config.toml")
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        result = run_colocated(cfg, run_dir, rank=rank, world_size=world)
+        result = run_colocated(cfg, run_dir, rank=rank, world_size=world,
+                               resume=len(argv) > 4 and argv[4] == "resume")
         # every rank's trained/discarded counts add up to the step's batch
         counts = [None] * world
         dist.all_gather_object(counts, (result["trained"], result["discarded"]))

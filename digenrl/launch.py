@@ -70,20 +70,21 @@ def _child_env(cfg: Config) -> dict[str, str]:
     return env
 
 
-def run_colocated_ranks(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def run_colocated_ranks(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
     """One process per rank (world > 1) or this process (world 1)."""
     from digenrl.colocated import run_colocated
     from digenrl.telemetry.progress import Progress
 
     world = cfg.cluster.trainers
     if world == 1:
-        return run_colocated(cfg, run_dir, progress=Progress(cfg.run.steps))
+        return run_colocated(cfg, run_dir, progress=Progress(cfg.run.steps), resume=resume)
     init = f"tcp://127.0.0.1:{free_port()}"
     procs = []
     for rank in range(world):
         log = open(run_dir / "logs" / f"colocated-{rank}.stderr", "wb")  # noqa: SIM115 - child owns it
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "digenrl.colocated", str(run_dir), str(rank), str(world), init],
+            [sys.executable, "-m", "digenrl.colocated", str(run_dir), str(rank), str(world), init,
+             *(["resume"] if resume else [])],
             env=_child_env(cfg), stdout=log if rank else None, stderr=log))
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -91,13 +92,23 @@ def run_colocated_ranks(cfg: Config, run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "colocated-summary.json").read_text())
 
 
-def launch(cfg: Config, run_dir: Path) -> dict[str, Any]:
-    """Run ``cfg`` to the end; returns (and writes) summary.json."""
+def launch(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:
+    """Run ``cfg`` to the end; returns (and writes) summary.json.
+
+    ``resume`` continues from ``run_dir``'s checkpoint (:mod:`digenrl.checkpoint`); without
+    it a run dir that already holds a checkpoint is refused, so that no trainer loads it.
+    """
+    from digenrl.checkpoint import CheckpointError, checkpoint_root, latest_checkpoint
     from digenrl.telemetry.trace import merge_traces
 
+    if not resume and (checkpoint_root(run_dir) / "manifest.json").exists():
+        raise ConfigError(f"run dir {run_dir} holds a checkpoint: continue it with "
+                          "`digenrl launch --resume` or choose another --run-dir")
+    if resume and latest_checkpoint(run_dir) is None:
+        raise CheckpointError(f"--resume {run_dir}: no checkpoint/manifest.json there")
     t0 = time.perf_counter()
     if cfg.run.mode == "colocated":
-        result = run_colocated_ranks(cfg, run_dir)
+        result = run_colocated_ranks(cfg, run_dir, resume)
         b = cfg.batch_size * cfg.run.steps
         summary = {
             "mode": "colocated", "steps": cfg.run.steps, "wall_s": time.perf_counter() - t0,
@@ -110,7 +121,7 @@ def launch(cfg: Config, run_dir: Path) -> dict[str, Any]:
         write_json_atomic(run_dir / "summary.json", summary)
     else:
         from digenrl.actors.cluster import run_local_cluster
-        summary = run_local_cluster(cfg, run_dir)
+        summary = run_local_cluster(cfg, run_dir, resume=resume)
     merge_traces(run_dir)
     return summary
 
@@ -127,10 +138,22 @@ def launch_from_args(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         run_dir = make_run_dir(cfg, args.run_dir)
     configure_logging(log_file=run_dir / "logs" / "launcher.log")
+    if args.rollout_only or args.trainer_only:
+        from digenrl import roles_alone
+        if args.trainer_only:
+            res = roles_alone.trainer_only(cfg, Path(args.trainer_only))
+        else:
+            rec = run_dir / "recording.pt" if args.record else None
+            res = roles_alone.rollout_only(cfg, cfg.run.steps, record=rec)
+        write_json_atomic(run_dir / "roles_alone.json", res)
+        print(f"digenrl: {'trainer' if args.trainer_only else 'rollout'} alone: "
+              f"{res['samples_per_s']:.2f} samples/s, step times "
+              f"{', '.join(f'{t:.2f}' for t in res['step_seconds'])} s", flush=True)
+        return 0
     print(f"digenrl: mode={cfg.run.mode} steps={cfg.run.steps} B={cfg.batch_size} "
           f"rollouts={cfg.cluster.rollouts} trainers={cfg.cluster.trainers} run_dir={run_dir}",
           flush=True)
-    summary = launch(cfg, run_dir)
+    summary = launch(cfg, run_dir, resume=bool(args.resume))
     acc = summary["accounting"]
     print(f"digenrl: done in {summary['wall_s']:.1f}s, {summary['samples_per_s']:.2f} samples/s, "
           f"trained {acc['trained']} of {acc['admitted']} admitted "

@@ -2,9 +2,12 @@
 
 ``run_local_cluster`` is what ``digenrl launch`` uses for disagg-sync and digenrl modes: the
 coordinator runs in this process; rollout and trainer nodes are children on loopback. A child
-that dies while the run is live is restarted (a rollout's fragments are re-assigned by the
-scheduler when its heartbeats stop); the run's accounting stays exact because attempts, not
-nodes, own trajectories.
+that dies while the run is live is restarted: a rollout at once (the coordinator is told, so
+its uncommitted fragments are re-assigned without waiting for the heartbeat timeout); a
+trainer rank by rewinding the whole run to its last checkpoint (``CoordinatorActor.reset``:
+every child is killed and restarted, trainers load the checkpoint). The run's accounting
+stays exact because attempts, not nodes, own trajectories. Child pids are kept in
+``run_dir/logs/pids.json`` for operators and the fault-injection bench.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from typing import Any
 import zmq.asyncio
 
 from digenrl.actors import sockets as zs
-from digenrl.actors.base import Actor
 from digenrl.actors.coordinator import CoordinatorActor
+from digenrl.checkpoint import CheckpointError, dedupe_metrics, latest_checkpoint, trim_metrics
 from digenrl.config import Config
 from digenrl.launch import free_port, write_json_atomic
 from digenrl.prompts import load_prompts
@@ -54,10 +57,11 @@ def make_scheduler(cfg: Config, prompt_count: int) -> Scheduler:
 class Children:
     """Child node processes of a local cluster, restarted when they die during the run."""
 
-    def __init__(self, cfg: Config, run_dir: Path, coordinator: str) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, coordinator: str, max_restarts: int = 10) -> None:
         self.cfg, self.run_dir, self.coordinator = cfg, run_dir, coordinator
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.restarts: dict[str, int] = {}
+        self.max_restarts = max_restarts
         self.log = get_logger("launcher", "launcher")
 
     def specs(self) -> list[tuple[str, str]]:
@@ -72,22 +76,45 @@ class Children:
             "--node-id", node_id, "--run-dir", str(self.run_dir), "--gpu", self.cfg.cluster.gpu,
             stdout=err, stderr=err, env=env)
         err.close()
+        write_json_atomic(self.run_dir / "logs" / "pids.json",
+                          {n: p.pid for n, p in self.procs.items() if p.returncode is None})
 
-    async def supervise(self, actor: Actor) -> None:
+    async def kill_all(self) -> None:
+        for p in self.procs.values():
+            if p.returncode is None:
+                p.kill()
+        for p in self.procs.values():
+            await p.wait()
+
+    async def supervise(self, actor: CoordinatorActor) -> None:
         for node_id, role in self.specs():
             await self.start(node_id, role)
         while True:
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # poll: child exit codes are not awaitable all at once
+            if actor.stopping:
+                continue
+            if actor.restart_requested.is_set():
+                # a trainer rank was lost: every child goes (ranks may hang in a collective)
+                actor.restart_requested.clear()
+                await self.kill_all()
+                for node_id, role in self.specs():
+                    self.restarts[node_id] = self.restarts.get(node_id, 0) + 1
+                    await self.start(node_id, role)
+                continue
             for node_id, role in self.specs():
                 p = self.procs[node_id]
                 if p.returncode is None or actor.stopping:
                     continue
-                if role == "trainer":
-                    actor.request_stop(f"failed: {node_id} exited with code {p.returncode}")
-                    continue
                 self.restarts[node_id] = self.restarts.get(node_id, 0) + 1
-                self.log.warning("node died, restarting", node=node_id, code=p.returncode)
-                await self.start(node_id, role)
+                if self.restarts[node_id] > self.max_restarts:
+                    actor.request_stop(f"failed: {node_id} exited {self.restarts[node_id]} times")
+                    break
+                self.log.warning("node died", node=node_id, role=role, code=p.returncode)
+                await actor.node_exited(node_id, p.returncode)
+                if role == "rollout":
+                    await self.start(node_id, role)
+                elif not actor.restart_requested.is_set() and not actor.stopping:
+                    await self.start(node_id, role)  # not yet welcomed: nothing to rewind
 
     async def wait_all(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -100,7 +127,19 @@ class Children:
 
 
 async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spawn: bool,
-                            allow_plaintext: bool = False) -> dict[str, Any]:
+                            allow_plaintext: bool = False, resume: bool | None = None) -> dict[str, Any]:
+    """Run the coordinator (and with ``spawn`` the local children) to the end; writes summary.json.
+
+    ``resume``: True continues from run_dir's checkpoint (CheckpointError if there is none),
+    False starts fresh, None (a coordinator restarted by its supervisor) resumes if a
+    checkpoint exists.
+    """
+    ckpt = latest_checkpoint(run_dir) if resume is not False else None
+    if resume and ckpt is None:
+        raise CheckpointError(f"resume {run_dir}: no checkpoint/manifest.json there (the run "
+                              "wrote none: run.checkpoint_every = 0 checkpoints only at the end)")
+    if ckpt is not None:
+        trim_metrics(run_dir, below_step=ckpt.version)
     run_dir.mkdir(parents=True, exist_ok=True)
     for sub in ("trace", "samples", "logs"):
         (run_dir / sub).mkdir(exist_ok=True)
@@ -111,13 +150,22 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     pub = zs.bind(ctx, "pub", f"tcp://{host}:*", cfg)
     prompts = load_prompts(cfg.prompts.file)
     sched = make_scheduler(cfg, len(prompts))
+
+    def new_scheduler() -> Scheduler:  # same params (no model build), for a rewind
+        from digenrl.learner import plan_for_step
+        return Scheduler(sched.params, plan_timesteps=lambda step: plan_for_step(cfg, step))
+
     metrics = MetricsWriter(run_dir)
     recorder = SpanRecorder("coordinator", "coordinator")
     actor = CoordinatorActor(cfg=cfg, scheduler=sched, control=control, pub=pub, prompts=prompts,
                              run_dir=run_dir, dist_endpoint=f"tcp://{host}:{free_port(host)}",
                              metrics=metrics, progress=Progress(cfg.run.steps),
                              expected_trainers=cfg.cluster.trainers, node_id="coordinator",
-                             recorder=recorder, log=log)
+                             recorder=recorder, log=log,
+                             scheduler_factory=new_scheduler)
+    actor.restore_from(ckpt)
+    if ckpt is not None:
+        log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path))
     print(f"digenrl: coordinator listening on {control.endpoint}", flush=True)
     children = Children(cfg, run_dir, control.endpoint) if spawn else None
     t0 = time.perf_counter()
@@ -136,16 +184,22 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
         metrics.close()
         recorder.dump(run_dir / "trace" / "coordinator.jsonl")
     wall = time.perf_counter() - t0
-    stats = sched.statistics()
+    dedupe_metrics(run_dir)
+    stats = actor.sched.statistics()
+    F = cfg.runtime.fragments_per_step
+    consumed = sum(actor.sched.ledger.is_consumed(s, f) for s in range(cfg.run.steps) for f in range(F))
     steps_done = stats["version"]
     # throughput from the first assignment to the last step: process start-up (imports,
     # model build) is reported apart as startup_s, as the colocated loop's figure excludes it
     t_a, t_b = actor.t_first_assign, actor.t_last_step
     train_wall = (t_b - t_a) if (t_a is not None and t_b is not None and t_b > t_a) else wall
+    segment_steps = steps_done - (actor.resumed_from[-1] if actor.resumed_from else 0)
     summary = {
-        "mode": cfg.run.mode, "steps": steps_done, "wall_s": wall,
+        "mode": cfg.run.mode, "steps": steps_done, "wall_s": actor.wall_before + wall,
         "startup_s": (t_a - t0) if t_a is not None else wall,
-        "samples_per_s": cfg.batch_size * steps_done / train_wall,
+        "samples_per_s": cfg.batch_size * max(segment_steps, 0) / train_wall,
+        "slots": {"consumed": consumed, "expected": cfg.run.steps * F},
+        "recovery": actor.recovery, "resumed_from": actor.resumed_from,
         "accounting": {k: stats[k] for k in ("admitted", "trained", "discarded", "in_flight")},
         "scheduler": {k: v for k, v in stats.items() if k not in ("nodes",)},
         "nodes": stats["nodes"],
@@ -160,7 +214,8 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     return summary
 
 
-def run_local_cluster(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def run_local_cluster(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:
+    """The coordinator here, the nodes as supervised children; ``resume``: from run_dir's checkpoint."""
     from digenrl.actors.node import loop_factory
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        return runner.run(serve_coordinator(cfg, run_dir, bind=None, spawn=True))
+        return runner.run(serve_coordinator(cfg, run_dir, bind=None, spawn=True, resume=resume))

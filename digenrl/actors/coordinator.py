@@ -12,16 +12,42 @@
 
 Trainers are welcomed once all ``cluster.trainers`` ranks said Hello (they need the
 torch.distributed rendezvous); rollouts once the trainers' data endpoints are known.
+
+Failures (every one logged and counted in ``recovery``, reported in summary.json):
+
+* a rollout exits or goes silent: the scheduler revokes its uncommitted attempts (the
+  trainers drop their staged chunks), their slots are re-queued; a restarted rollout
+  re-joins under the same node id as a new incarnation.
+* a trainer rank exits, goes silent or says Hello again: torch.distributed cannot lose a
+  rank, so :meth:`reset` rewinds the run to the last checkpoint. Every node is told to
+  restart (the launcher's ``Children`` or the nodes' supervisor restarts them), the
+  scheduler is rebuilt from the checkpoint with task ids moved past every id issued so
+  far (late messages of dead processes are then fenced as zombies), and the trainers load
+  the same checkpoint and re-announce its version, which is checked.
+* the version announcement of a checkpointed version completes the checkpoint
+  (:mod:`digenrl.checkpoint`): the scheduler snapshot is taken right there, at the cut.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from digenrl.actors.base import Actor
+from digenrl.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    checkpoint_due,
+    commit_checkpoint,
+    crash_point,
+    latest_checkpoint,
+    trainer_part_ready,
+)
 from digenrl.config import Config, to_toml
 from digenrl.learner import step_metrics
 from digenrl.protocol import (
@@ -38,6 +64,7 @@ from digenrl.protocol import (
     Welcome,
 )
 from digenrl.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerError, ShutdownCmd
+from digenrl.transport.errors import PeerLost
 
 
 class CoordinatorActor(Actor):
@@ -45,7 +72,8 @@ class CoordinatorActor(Actor):
 
     def __init__(self, *, cfg: Config, scheduler: Scheduler, control: Any, pub: Any, prompts: list[str],
                  run_dir: Path, dist_endpoint: str, metrics: Any, progress: Any = None,
-                 expected_trainers: int, **kw: Any) -> None:
+                 expected_trainers: int, scheduler_factory: Callable[[], Scheduler] | None = None,
+                 max_resets: int = 3, **kw: Any) -> None:
         super().__init__(**kw)
         self.cfg = cfg
         self.sched = scheduler
@@ -70,6 +98,103 @@ class CoordinatorActor(Actor):
         self.rejected = 0
         self.t_first_assign: float | None = None
         self.t_last_step: float | None = None
+        self.scheduler_factory = scheduler_factory
+        self.max_resets = max_resets
+        self.expect_version: int | None = None  # the version restored trainers must announce
+        self.wall_before = 0.0                    # run wall time before the last resume
+        self.resumed_from: list[int] = []
+        self.recovery: dict[str, int] = {"trainer_resets": 0, "rollouts_lost": 0,
+                                         "rolled_back_admitted": 0, "late_trained": 0,
+                                         "ignored_announces": 0, "checkpoints": 0,
+                                         "checkpoints_skipped": 0}
+        self.restart_requested = asyncio.Event()  # the launcher restarts every child on it
+
+    # ------------------------------------------------------------------ checkpoints / recovery
+    def restore_from(self, ckpt: Checkpoint | None) -> None:
+        """Take the run's state from ``ckpt`` (None: the start of the run) into a fresh scheduler."""
+        self.expect_version = ckpt.version if ckpt else 0
+        if ckpt is None:
+            return
+        c = ckpt.coordinator
+        self.sched.restore(c["scheduler"])
+        self.staleness_hist = {str(k): int(v) for k, v in c.get("staleness_hist", {}).items()}
+        self.wall_before = float(c.get("wall_s", 0.0))
+        self.resumed_from = [*c.get("resumed_from", []), ckpt.version]
+        for k, v in c.get("recovery", {}).items():
+            self.recovery[k] = int(v)
+
+    def _checkpoint(self, ann: VersionAnnounce) -> None:
+        v = ann.version
+        if not checkpoint_due(v, steps=self.cfg.run.steps, every=self.cfg.run.checkpoint_every):
+            return
+        snap = self.sched.snapshot()
+        if not trainer_part_ready(self.run_dir, v) or any(s >= v for s, _ in snap["ledger"]["consumed"]):
+            # the trainer's files are elsewhere (no shared run dir) or a rank consumed work
+            # of step v before rank 0 announced v: this cut would not be consistent
+            self.recovery["checkpoints_skipped"] += 1
+            self.log.warning("checkpoint skipped", version=v)
+            return
+        self.recovery["checkpoints"] += 1
+        commit_checkpoint(self.run_dir, v, {
+            "scheduler": snap, "announce": dataclasses.asdict(ann),
+            "staleness_hist": self.staleness_hist, "resumed_from": self.resumed_from,
+            "wall_s": self.wall_before + time.perf_counter() - self.t0, "recovery": self.recovery})
+        self.log.info("checkpoint written", version=v)
+
+    async def reset(self, reason: str) -> None:
+        """A trainer rank is gone: rewind to the last checkpoint and have every node restart."""
+        if self.stopping:
+            return
+        if self.recovery["trainer_resets"] >= self.max_resets or self.scheduler_factory is None:
+            self.request_stop(f"failed: {reason} (no recovery left)")
+            return
+        self.recovery["trainer_resets"] += 1
+        self.log.error("trainer lost: rewinding to the last checkpoint", reason=reason)
+        await self._shutdown_all(f"restart: {reason}")
+        old = self.sched
+        try:
+            ckpt = latest_checkpoint(self.run_dir)
+        except CheckpointError as e:
+            self.request_stop(f"failed: {reason}; checkpoint unusable: {e}")
+            return
+        self.sched = self.scheduler_factory()
+        snap = ckpt.coordinator["scheduler"] if ckpt else self.sched.snapshot()
+        # fence: ids of attempts made since the checkpoint are never reused
+        snap = {**snap, "ledger": {**snap["ledger"],
+                                   "next_task_id": old.snapshot()["ledger"]["next_task_id"]}}
+        recovery = dict(self.recovery)
+        if ckpt is not None:
+            ckpt = dataclasses.replace(ckpt, coordinator={**ckpt.coordinator, "scheduler": snap})
+        else:
+            self.sched.restore(snap)
+            self.staleness_hist = {}
+        admitted_before, wall_before = old.statistics()["admitted"], self.wall_before
+        self.restore_from(ckpt)
+        self.recovery.update(recovery)
+        self.wall_before = wall_before  # this process's clock still runs since t0
+        self.recovery["rolled_back_admitted"] += admitted_before - self.sched.statistics()["admitted"]
+        self.nodes.clear()
+        self.trainers.clear()
+        self.waiting_rollouts.clear()
+        self.latest_announce = None
+        host = self.cfg.cluster.host
+        from digenrl.launch import free_port  # a fresh rendezvous: the old store died with rank 0
+        self.dist_endpoint = f"tcp://{host}:{free_port(host)}"
+        self.restart_requested.set()
+
+    async def node_exited(self, node_id: str, code: int | None) -> None:
+        """The launcher saw a child exit: lose it now instead of after the heartbeat timeout."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return
+        if node["role"] == "trainer":
+            await self.reset(f"{node_id} exited with code {code}")
+            return
+        self.recovery["rollouts_lost"] += 1
+        self.log.warning("rollout lost", node=node_id, code=code)
+        del self.nodes[node_id]
+        if node.get("ready"):
+            await self._run(self.sched.node_lost(node_id, time.monotonic()))
 
     def background(self) -> list[Any]:
         return [self._tick_loop]
@@ -99,23 +224,36 @@ class CoordinatorActor(Actor):
             if la is not None and msg.policy_version < la.version and self.nodes.get(msg.node_id, {}).get("role") == "rollout":
                 await self.control.send(la, to=peer)  # a missed announcement, caught up
         elif isinstance(msg, Commit):
+            crash_point("commit", msg.step)
             self.staleness_hist[str(msg.step - msg.policy_version)] = \
                 self.staleness_hist.get(str(msg.step - msg.policy_version), 0) + len(msg.rewards)
             await self._run(self.sched.fragment_committed(msg.task_id, msg.node_id, msg.policy_version,
                                                           msg.gen_seconds, now))
         elif isinstance(msg, Consumed):
+            if self.sched.ledger.attempt(msg.task_id) is None and msg.trained:
+                self.recovery["late_trained"] += msg.trained  # trained after its revoke
             await self._run(self.sched.fragment_consumed(msg.task_id, msg.rank, msg.trained,
                                                          dict(msg.discarded), msg.train_seconds, now))
         elif isinstance(msg, VersionAnnounce):
+            if self.trainers.get(0, {}).get("peer") != peer:
+                self.recovery["ignored_announces"] += 1  # a dead rank 0's late message
+                return
+            if self.expect_version is not None:
+                if msg.version != self.expect_version:
+                    self.request_stop(f"failed: trainer rank 0 announced version {msg.version} "
+                                      f"after a restore to version {self.expect_version}")
+                    return
+                self.expect_version = None
             if self.latest_announce is None or msg.version > self.latest_announce.version:
                 self.latest_announce = msg
                 await self.pub.send(msg)
-            await self._run(self.sched.version_published(msg.version, now))
+            cmds = self.sched.version_published(msg.version, now)
+            self._checkpoint(msg)
+            await self._run(cmds)
         elif isinstance(msg, StepDone):
             self._step_done(msg)
-        elif isinstance(msg, TagOffer):
-            if await self._ensure_joined(msg.node_id, now):
-                await self._run(self.sched.tag_offer(msg.node_id, now))
+        elif isinstance(msg, TagOffer) and await self._ensure_joined(msg.node_id, now):
+            await self._run(self.sched.tag_offer(msg.node_id, now))
 
     async def _ensure_joined(self, node_id: str, now: float) -> bool:
         """A welcomed node joins the schedule with its first sign of life (its model is built)."""
@@ -131,6 +269,11 @@ class CoordinatorActor(Actor):
     async def _hello(self, peer: bytes, msg: Hello, now: float) -> None:
         endpoint = msg.host  # nodes put their data endpoint in Hello.host ("" if none)
         if msg.role == "trainer":
+            if any(t["node_id"] == msg.node_id for t in self.trainers.values()) and \
+                    len(self.trainers) == self.expected_trainers:
+                await self.reset(f"{msg.node_id} said Hello again (restarted)")
+                if self.stopping:
+                    return
             rank = len(self.trainers)
             self.trainers[rank] = {"peer": peer, "node_id": msg.node_id, "endpoint": endpoint,
                                    "gpu": msg.gpu}
@@ -181,7 +324,10 @@ class CoordinatorActor(Actor):
                 for t in self.trainers.values():  # trainers drop the attempt's staged chunks
                     await self.control.send(Revoke(task_id=cmd.task_id, reason=cmd.reason), to=t["peer"])
             elif isinstance(cmd, ShutdownCmd):
-                self.request_stop(cmd.reason)
+                if cmd.reason.startswith("trainer_lost"):
+                    await self.reset(cmd.reason)
+                else:
+                    self.request_stop(cmd.reason)
 
     async def _tick_loop(self) -> None:
         while True:
@@ -191,7 +337,8 @@ class CoordinatorActor(Actor):
     async def _shutdown_all(self, reason: str) -> None:
         await self.pub.send(Shutdown(reason=reason))
         for node in self.nodes.values():
-            await self.control.send(Shutdown(reason=reason), to=node["peer"])
+            with contextlib.suppress(PeerLost):  # it already left (it heard the PUB)
+                await self.control.send(Shutdown(reason=reason), to=node["peer"])
 
     # ------------------------------------------------------------------ metrics
     def _record_busy(self, hb: Heartbeat) -> None:

@@ -11,6 +11,12 @@
 | ``in_thread(all_reduce)``   | every rank finishing the step            | the slowest rank              |
 | control ``recv()``          | Welcome, Assign (TAG), Revoke, Shutdown  | the coordinator               |
 
+Checkpoints (:mod:`digenrl.checkpoint`): every rank loads the newest checkpoint of its run
+dir before anything else (a fresh run dir has none; the launcher refuses to start a fresh
+run over one), and rank 0 announces the restored version, so rollouts re-sync through the
+normal VersionAnnounce/WeightsRequest path. Rank 0 writes its part of a due checkpoint at
+the step boundary, before announcing the version; the coordinator completes it.
+
 Step discipline: fragments of step s train into the accumulated gradient as their commits
 arrive (GAP); commits of later steps (K = 1 lets them exist) wait until step s's optimizer
 step is done, so gradients of two steps never mix. A commit whose trajectory is more than K
@@ -30,6 +36,12 @@ import torch.distributed as dist
 from digenrl.actors.base import Actor
 from digenrl.actors.generate import FragmentJob
 from digenrl.actors.peers import NodePeers
+from digenrl.checkpoint import (
+    checkpoint_due,
+    latest_checkpoint,
+    load_trainer_state,
+    save_trainer_state,
+)
 from digenrl.config import Config
 from digenrl.images import save_grid
 from digenrl.learner import Learner, plan_for_step, save_final
@@ -87,8 +99,14 @@ class TrainerActor(Actor):
         return loops
 
     async def main(self) -> None:
+        ckpt = await asyncio.to_thread(latest_checkpoint, self.run_dir)
+        if ckpt is not None:
+            counters = await self.in_thread("checkpoint_load", load_trainer_state, ckpt, self.policy)
+            self.rejected_stale = int(counters.get("rejected_stale", 0))
+            self.log = self.log.bind(policy_version=self.policy.version)
+            self.log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path))
         if self.rank == 0:
-            await self._publish(0)
+            await self._publish(self.policy.version)
         F = self.cfg.runtime.fragments_per_step
         while not self.stopping and self.policy.version < self.cfg.run.steps:
             step = self.policy.version
@@ -117,9 +135,17 @@ class TrainerActor(Actor):
             if isinstance(msg, Chunk):
                 self.staged[msg.task_id][msg.t_index] = msg
             elif isinstance(msg, Commit):
-                if msg.task_id in self.revoked or msg.step < self.policy.version or msg.fragment in self.consumed_slots[msg.step]:
+                if msg.task_id in self.revoked:
                     self.staged.pop(msg.task_id, None)
-                    continue  # a duplicate of a slot already trained (zombie or re-assigned)
+                    continue  # a revoked attempt: its slot is re-queued elsewhere
+                if msg.step < self.policy.version or msg.fragment in self.consumed_slots[msg.step]:
+                    # A re-attempt of a slot this rank already trained (its first attempt was
+                    # revoked after it reached us). Report it, or the scheduler waits forever.
+                    self.staged.pop(msg.task_id, None)
+                    self.log.warning("duplicate of a trained slot dropped", task=msg.task_id,
+                                     step=msg.step, fragment=msg.fragment)
+                    await self._report(msg, 0, {"duplicate_slot": len(msg.rewards)}, 0.0)
+                    continue
                 self.pending[msg.step].append(msg)
                 self.wake.set()
 
@@ -157,6 +183,8 @@ class TrainerActor(Actor):
         step, K = commit.step, self.cfg.runtime.staleness
         if commit.task_id in self.revoked or commit.fragment in self.consumed_slots[step]:
             self.staged.pop(commit.task_id, None)
+            if commit.task_id not in self.revoked:  # see _data_loop: report the duplicate
+                await self._report(commit, 0, {"duplicate_slot": len(commit.rewards)}, 0.0)
             return
         chunks = self.staged.pop(commit.task_id, {})
         n = len(commit.rewards)
@@ -185,12 +213,16 @@ class TrainerActor(Actor):
                 save_grid(commit.images, self.run_dir / "samples" / f"step_{step:04d}_f{commit.fragment}.png",
                           nrow=self.cfg.train.group_size)
         self.consumed_slots[step].add(commit.fragment)
-        if self.rank not in owners_for(plan_for_step(self.cfg, step)[0], self.world_size,
+        await self._report(commit, trained, discarded, time.perf_counter() - t0)
+
+    async def _report(self, commit: Commit, trained: int, discarded: dict[str, int],
+                      seconds: float) -> None:
+        if self.rank not in owners_for(plan_for_step(self.cfg, commit.step)[0], self.world_size,
                                        self.cfg.runtime.tsp):
             return  # this rank trains none of the step's timesteps: nothing to report
         await self.peers.control.send(Consumed(
-            task_id=commit.task_id, step=step, fragment=commit.fragment, rank=self.rank,
-            trained=trained, discarded=discarded, train_seconds=time.perf_counter() - t0))
+            task_id=commit.task_id, step=commit.step, fragment=commit.fragment, rank=self.rank,
+            trained=trained, discarded=discarded, train_seconds=seconds))
 
     def _train(self, records: dict[int, Any], commit: Commit, n_trained_total: int) -> None:
         self.learner.train_fragment(records=records, cond=dict(commit.cond), rewards=commit.rewards,
@@ -213,6 +245,11 @@ class TrainerActor(Actor):
                                                    metrics=metrics))
             if self.policy.version == self.cfg.run.steps:
                 await asyncio.to_thread(save_final, self.policy, self.run_dir)
+            if checkpoint_due(self.policy.version, steps=self.cfg.run.steps,
+                              every=self.cfg.run.checkpoint_every):
+                # before the announcement: the coordinator completes the checkpoint on it
+                await self.in_thread("checkpoint_save", save_trainer_state, self.run_dir,
+                                     self.policy, {"rejected_stale": self.rejected_stale})
             await self._publish(self.policy.version)
 
     async def _publish(self, version: int) -> None:

@@ -1,0 +1,283 @@
+"""Checkpoints: the trainer's and the coordinator's state at one step boundary, written atomically.
+
+Layout (one folder per checkpointed version, the newest two kept)::
+
+    run_dir/checkpoint/manifest.json            <- written last (tmp + os.replace): names the
+                                                   version and every file's size and sha256
+    run_dir/checkpoint/v000004/policy.safetensors   trainable weights (LoRA: the adapter)
+                              optimizer.pt          AdamW state (torch.save, weights_only load)
+                              trainer.json          version, torch/python RNG states, counters
+                              scheduler.json        coordinator: scheduler.snapshot(), last
+                                                    VersionAnnounce, staleness histogram, ...
+
+Two processes write one checkpoint: trainer rank 0 writes its three files when it reaches a
+checkpointed version (before announcing it), then the coordinator, on that announcement,
+writes ``scheduler.json`` and the manifest. Every file is written to a temporary name and
+renamed, and a reader trusts only what the manifest names with matching sizes and hashes,
+so a checkpoint torn by a crash at any moment is never used: the previous one is.
+
+The coordinator's snapshot is taken while it handles the announcement of version v. Rank
+0's messages arrive in order (Consumed of step v-1, StepDone, VersionAnnounce), so the
+ledger then holds exactly the steps below v as trained, and the attempts alive at that
+moment become discarded "restart" on restore (their slots are regenerated; content is a
+function of (seed, step), so nothing else needs saving). Multi-host runs need ``run_dir``
+on storage that trainer rank 0 and the coordinator share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = 1
+TRAINER_FILES = ("policy.safetensors", "optimizer.pt", "trainer.json")
+ALL_FILES = (*TRAINER_FILES, "scheduler.json")
+KEEP = 2
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk is missing, torn or does not match the run; the message says which."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A verified checkpoint: its version, folder and the two JSON documents."""
+
+    version: int
+    path: Path
+    trainer: dict[str, Any]
+    coordinator: dict[str, Any]
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoint"
+
+
+def version_dir(run_dir: Path, version: int) -> Path:
+    return checkpoint_root(run_dir) / f"v{version:06d}"
+
+
+def checkpoint_due(version: int, *, steps: int, every: int) -> bool:
+    """Is ``version`` checkpointed? Every ``every`` versions (0 = never) and the last one."""
+    return version > 0 and (version == steps or (every > 0 and version % every == 0))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _describe(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _replace_synced(tmp: Path, path: Path) -> None:
+    with tmp.open("rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to a temporary name, fsync, rename: readers see the old or the new file."""
+    tmp = _tmp(path)
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    _replace_synced(tmp, path)
+
+
+# ---------------------------------------------------------------------------- trainer side
+
+def save_trainer_state(run_dir: Path, policy: Any, counters: dict[str, Any]) -> Path:
+    """Rank 0 at a step boundary: weights, optimizer state, version, RNG states, ``counters``."""
+    from safetensors.torch import save_file
+
+    d = version_dir(run_dir, policy.version)
+    d.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict_for_sync().items()}
+    tmp = _tmp(d / "policy.safetensors")
+    save_file(sd, str(tmp), metadata={"version": str(policy.version)})
+    _replace_synced(tmp, d / "policy.safetensors")
+    tmp = _tmp(d / "optimizer.pt")
+    torch.save(policy.optimizer.state_dict(), tmp)
+    _replace_synced(tmp, d / "optimizer.pt")
+    py_state = random.getstate()
+    write_json_atomic(d / "trainer.json", {
+        "format": FORMAT, "version": policy.version, "counters": counters,
+        "rng": {"torch": torch.get_rng_state().tolist(),
+                "python": [py_state[0], list(py_state[1]), py_state[2]]},
+        "files": {n: _describe(d / n) for n in ("policy.safetensors", "optimizer.pt")}})
+    return d
+
+
+def load_trainer_state(ckpt: Checkpoint, policy: Any) -> dict[str, Any]:
+    """Load weights, optimizer state, version and RNG states into ``policy``; returns the counters."""
+    from safetensors.torch import load_file
+
+    policy.load_sync_state(load_file(str(ckpt.path / "policy.safetensors")))
+    state = torch.load(ckpt.path / "optimizer.pt", map_location="cpu", weights_only=True)
+    policy.optimizer.load_state_dict(state)
+    policy.optimizer.zero_grad(set_to_none=True)
+    policy.version = ckpt.version
+    rng = ckpt.trainer["rng"]
+    torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+    py = rng["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    return dict(ckpt.trainer.get("counters", {}))
+
+
+# ---------------------------------------------------------------------------- coordinator side
+
+def trainer_part_ready(run_dir: Path, version: int) -> bool:
+    """Has trainer rank 0 finished writing its files for ``version``?"""
+    p = version_dir(run_dir, version) / "trainer.json"
+    if not p.is_file():
+        return False
+    return int(json.loads(p.read_text()).get("version", -1)) == version
+
+
+def commit_checkpoint(run_dir: Path, version: int, coordinator: dict[str, Any]) -> Path:
+    """Write ``scheduler.json`` next to the trainer's files, then the manifest; prune old ones."""
+    d = version_dir(run_dir, version)
+    if not trainer_part_ready(run_dir, version):
+        raise CheckpointError(f"checkpoint v{version}: {d}/trainer.json is missing or of another "
+                              "version (trainer rank 0 writes it before announcing the version)")
+    write_json_atomic(d / "scheduler.json", {"format": FORMAT, "version": version, **coordinator})
+    manifest = {"format": FORMAT, "version": version, "dir": d.name,
+                "files": {n: _describe(d / n) for n in ALL_FILES}}
+    write_json_atomic(checkpoint_root(run_dir) / "manifest.json", manifest)
+    _prune(run_dir, keep_from=version)
+    return d
+
+
+def _prune(run_dir: Path, keep_from: int) -> None:
+    """Remove all but the newest KEEP committed versions (never the one just committed)."""
+    dirs = sorted(p for p in checkpoint_root(run_dir).glob("v[0-9]*") if p.is_dir())
+    older = [p for p in dirs if int(p.name[1:]) < keep_from]
+    for p in older[:max(0, len(older) - (KEEP - 1))]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: Path, *, verify: bool = True) -> Checkpoint | None:
+    """The checkpoint the manifest names, checked file by file; None if there is no manifest.
+
+    Raises :class:`CheckpointError` naming the file if the manifest's files are missing or
+    differ in size or hash (a torn or tampered checkpoint is never loaded).
+    """
+    root = checkpoint_root(run_dir)
+    mpath = root / "manifest.json"
+    if not mpath.is_file():
+        return None
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{mpath}: not valid JSON ({e})") from e
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath}: format = {manifest.get('format')!r}: expected {FORMAT}")
+    d = root / str(manifest["dir"])
+    for name, want in manifest["files"].items():
+        p = d / name
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint v{manifest['version']}: {p} is missing")
+        if p.stat().st_size != want["bytes"] or (verify and _sha256(p) != want["sha256"]):
+            raise CheckpointError(f"checkpoint v{manifest['version']}: {p} differs from the "
+                                  "manifest (size or sha256): torn or modified")
+    trainer = json.loads((d / "trainer.json").read_text())
+    coordinator = json.loads((d / "scheduler.json").read_text())
+    version = int(manifest["version"])
+    if trainer.get("version") != version or coordinator.get("version") != version:
+        raise CheckpointError(f"checkpoint {d}: trainer.json version {trainer.get('version')}, "
+                              f"scheduler.json version {coordinator.get('version')}: expected {version}")
+    return Checkpoint(version=version, path=d, trainer=trainer, coordinator=coordinator)
+
+
+def trim_metrics(run_dir: Path, below_step: int) -> None:
+    """Keep metrics.jsonl rows of steps < ``below_step`` (those after the checkpoint are redone)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", -1) < below_step]
+    tmp = _tmp(path)
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def dedupe_metrics(run_dir: Path) -> None:
+    """One row per step, the last one written (steps redone after a trainer restart)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return
+    rows: dict[int, str] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rows[int(json.loads(line).get("step", -1))] = line
+    tmp = _tmp(path)
+    tmp.write_text("".join(rows[s] + "\n" for s in sorted(rows)))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------- fault injection
+
+CRASH_ENV = "DIGENRL_TEST_CRASH"
+
+
+def crash_point(point: str, version: int) -> None:
+    """TEST-ONLY: SIGKILL this process (and its group if it leads one) at ``point:version``.
+
+    ``DIGENRL_TEST_CRASH=commit:2`` kills the coordinator when the first commit of step >= 2
+    arrives, i.e. mid-step with work in flight, as a power loss would. Unset: a no-op.
+    """
+    spec = os.environ.get(CRASH_ENV, "")
+    if not spec:
+        return
+    name, _, at = spec.partition(":")
+    if name != point or version < int(at):
+        return
+    if os.getpgid(0) == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------- colocated loop
+
+def colocated_resume(run_dir: Path, policy: Any, rank: int) -> tuple[int, int, dict[str, int]]:
+    """Load the checkpoint into ``policy`` (every rank); returns (first step, trained, discarded)
+    of this rank so far. CheckpointError if there is none."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise CheckpointError(f"resume {run_dir}: no checkpoint/manifest.json there")
+    load_trainer_state(ckpt, policy)
+    if rank == 0:
+        trim_metrics(run_dir, below_step=ckpt.version)
+    trained, discarded = ckpt.coordinator["colocated"]["ranks"][rank]
+    return ckpt.version, int(trained), {str(k): int(v) for k, v in discarded.items()}
+
+
+def colocated_checkpoint(run_dir: Path, policy: Any, *, rank: int, world_size: int,
+                         trained: int, discarded: dict[str, int], steps: int, every: int) -> None:
+    """At a due step boundary: rank 0 writes the whole checkpoint; every rank's counters go in."""
+    if not checkpoint_due(policy.version, steps=steps, every=every):
+        return
+    ranks: list[Any] = [(trained, discarded)]
+    if world_size > 1:
+        import torch.distributed as dist
+        ranks = [None] * world_size
+        dist.all_gather_object(ranks, (trained, discarded))
+    if rank == 0:
+        save_trainer_state(run_dir, policy, {})
+        commit_checkpoint(run_dir, policy.version, {"colocated": {"ranks": [list(r) for r in ranks]}})
