@@ -1,0 +1,109 @@
+"""Modes side by side on this machine: digenrl vs disagg-sync vs colocated, plus each role alone.
+
+    python bench/modes.py [--steps 12] [--config PATH] [--set key=value ...] [--only NAME ...]
+
+One invocation runs, one after another on the same (2-core) machine and the same config:
+  digenrl          1 rollout + 1 trainer process, one thread each, TAG off
+  digenrl+tag      the same with TAG on (BTS admission)
+  disagg-sync      1 rollout + 1 trainer process, one thread each
+  colocated-2thr   one process on two threads
+  colocated-2rank  two ranks (gloo), one thread each
+  rollout-alone    generation only, one thread (no trainer)
+  trainer-alone    training only on a recording, one thread (no rollout)
+For each: samples/s (first assignment to last step), steady-state seconds per step (median of
+the steps after the first two), each process's busy fraction, and the ratios the runtime
+issue targets. Results also go to bench/results/modes.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from digenrl.config import load_config, resolve_mode
+from digenrl.launch import launch, make_run_dir
+
+
+def steady_step_s(run_dir: Path) -> float:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    secs = [r["step_seconds"] for r in rows[2:]] or [r["step_seconds"] for r in rows]
+    return statistics.median(secs)
+
+
+def run_mode(name: str, mode: str, overrides: list[str], tmp: Path, config: str | None) -> dict:
+    cfg = resolve_mode(load_config(config, overrides), mode)
+    run_dir = make_run_dir(cfg, str(tmp / name))
+    summary = launch(cfg, run_dir)
+    step_s = steady_step_s(run_dir)
+    return {"samples_per_s": summary["samples_per_s"], "steady_step_s": step_s,
+            "steady_samples_per_s": cfg.batch_size / step_s, "busy": summary.get("busy", {}),
+            "tag_granted": summary.get("scheduler", {}).get("tag_granted", 0)}
+
+
+def run_alone(cfg_overrides: list[str], config: str | None, steps: int, tmp: Path) -> dict:
+    from digenrl import roles_alone
+    cfg = load_config(config, [*cfg_overrides, "run.threads=1"])
+    rec = tmp / "recording.pt"
+    r = roles_alone.rollout_only(cfg, steps, record=rec)
+    t = roles_alone.trainer_only(cfg, rec)
+    med = lambda xs: statistics.median(xs[2:] or xs)  # noqa: E731
+    return {"rollout_step_s": med(r["step_seconds"]), "trainer_step_s": med(t["step_seconds"])}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--only", nargs="*", default=None)
+    args = ap.parse_args()
+    base = [*args.overrides, f"run.steps={args.steps}"]
+    plan = {
+        "digenrl": ("digenrl", ["runtime.tag=never", "run.threads=1"]),
+        "digenrl+tag": ("digenrl", ["runtime.tag=bts", "run.threads=1"]),
+        "disagg-sync": ("disagg-sync", ["run.threads=1"]),
+        "colocated-2thr": ("colocated", ["run.threads=2", "cluster.trainers=1"]),
+        "colocated-2rank": ("colocated", ["run.threads=1", "cluster.trainers=2"]),
+    }
+    res: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for name, (mode, ov) in plan.items():
+            if args.only and name not in args.only:
+                continue
+            res[name] = run_mode(name, mode, [*base, *ov], tmp, args.config)
+            r = res[name]
+            busy = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r["busy"].items()))
+            print(f"{name:16s} {r['samples_per_s']:7.2f} samples/s  steady {r['steady_step_s']:.3f} s/step "
+                  f"({r['steady_samples_per_s']:.2f} samples/s)  busy: {busy}"
+                  + (f"  TAG fragments {r['tag_granted']}" if r["tag_granted"] else ""), flush=True)
+        if not args.only or "alone" in args.only:
+            res["alone"] = run_alone(base, args.config, args.steps, tmp)
+            a = res["alone"]
+            print(f"rollout alone    {a['rollout_step_s']:.3f} s/step;  trainer alone "
+                  f"{a['trainer_step_s']:.3f} s/step", flush=True)
+    ratios = {}
+    if "digenrl" in res and "disagg-sync" in res:
+        ratios["digenrl / disagg-sync"] = res["digenrl"]["samples_per_s"] / res["disagg-sync"]["samples_per_s"]
+    colo = [res[k]["samples_per_s"] for k in ("colocated-2thr", "colocated-2rank") if k in res]
+    if colo:
+        for k in ("digenrl", "digenrl+tag"):
+            if k in res:
+                ratios[f"{k} / best colocated"] = res[k]["samples_per_s"] / max(colo)
+    if "alone" in res and "digenrl" in res:
+        floor = max(res["alone"]["rollout_step_s"], res["alone"]["trainer_step_s"])
+        ratios["digenrl steady step / slower role alone"] = res["digenrl"]["steady_step_s"] / floor
+    for k, v in ratios.items():
+        print(f"{k:42s} {v:.3f}")
+    out = Path(__file__).parent / "results" / "modes.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"results": res, "ratios": ratios, "args": vars(args)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Each role alone, on recorded data: the pipeline's floor, and a way to debug one side.
+
+``digenrl launch --rollout-only [--record]`` generates the steps' fragments with the
+version-0 policy and no trainer (optionally saving them to ``RUN_DIR/recording.pt``);
+``digenrl launch --trainer-only RECORDING`` trains from such a recording with no rollout.
+Both use the same code as the runtime (FragmentJob, Learner), minus the sockets, and
+report seconds per step, so ``max(rollout-only, trainer-only)`` is the step time a
+perfect pipeline would reach.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from digenrl.actors.generate import FragmentJob
+from digenrl.colocated import build_policy
+from digenrl.config import Config
+from digenrl.learner import Learner, plan_for_step
+from digenrl.prompts import load_prompts
+from digenrl.rl.rewards import build_reward
+from digenrl.rl.sde import sigma_schedule
+from digenrl.sched_plan import step_prompts, trajectory_seed
+
+
+def _fragments(cfg: Config, step: int, prompt_count: int) -> list[tuple[list[int], list[int]]]:
+    P, G, F = cfg.train.prompts_per_step, cfg.train.group_size, cfg.runtime.fragments_per_step
+    ids = step_prompts(cfg.run.seed, step, P, prompt_count)
+    per = P // F
+    return [([ids[q] for q in range(f * per, (f + 1) * per)],
+             [trajectory_seed(cfg.run.seed, step, q, g) for q in range(f * per, (f + 1) * per)
+              for g in range(G)]) for f in range(F)]
+
+
+def rollout_only(cfg: Config, steps: int, record: Path | None = None) -> dict[str, Any]:
+    """Generate ``steps`` steps (all fragments) with the initial policy; seconds per step."""
+    torch.set_num_threads(cfg.run.threads)
+    policy = build_policy(cfg)
+    reward_fn = build_reward(cfg.reward.terms)
+    prompts = load_prompts(cfg.prompts.file)
+    recording: list[dict[str, Any]] = []
+    times = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        trained, sde = plan_for_step(cfg, step)
+        for ids, seeds in _fragments(cfg, step, len(prompts)):
+            job = FragmentJob(model=policy.model, cfg=cfg, prompts=[prompts[i] for i in ids],
+                              seeds=seeds, sde_steps=sde, trained_steps=trained, reward_fn=reward_fn)
+            records, result = job.run_all()
+            if record is not None:
+                recording.append({"step": step, "records": records, "cond": result.cond,
+                                  "rewards": result.rewards, "n_trained": len(trained)})
+        times.append(time.perf_counter() - t0)
+    if record is not None:
+        torch.save(recording, record)
+    return {"step_seconds": times, "samples_per_s": cfg.batch_size * steps / sum(times)}
+
+
+def trainer_only(cfg: Config, recording: Path) -> dict[str, Any]:
+    """Train on a recording (one optimizer step per recorded step); seconds per step."""
+    torch.set_num_threads(cfg.run.threads)
+    data = torch.load(recording, weights_only=False)
+    policy = build_policy(cfg)
+    learner = Learner(policy, cfg)
+    sigma_max = float(sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)[1])
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for frag in data:
+        by_step.setdefault(frag["step"], []).append(frag)
+    times = []
+    for step in sorted(by_step):
+        t0 = time.perf_counter()
+        for frag in by_step[step]:
+            learner.train_fragment(records=frag["records"], cond=frag["cond"], rewards=frag["rewards"],
+                                   gen_version=policy.version, n_trained_total=frag["n_trained"],
+                                   sigma_max=sigma_max)
+        learner.finish_step()
+        times.append(time.perf_counter() - t0)
+    return {"step_seconds": times, "samples_per_s": cfg.batch_size * len(times) / sum(times)}
