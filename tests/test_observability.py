@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from digenrl.telemetry.logging import configure_logging, get_logger
 from digenrl.telemetry.metrics import (
     MissingExtraError,
     StepMetrics,
@@ -28,6 +30,7 @@ from digenrl.telemetry.metrics import (
     is_documented,
     read_metrics,
 )
+from digenrl.telemetry.progress import Progress
 from digenrl.telemetry.prometheus import flatten_stats, serve_node_metrics, start_prometheus
 from digenrl.telemetry.report import PNG_SIZES, make_report
 from digenrl.telemetry.trace import Span, busy_fraction, read_trace
@@ -144,6 +147,45 @@ def test_node_metrics_without_prometheus_client_is_a_clear_error(monkeypatch):
 def test_a_bad_port_is_a_value_error_naming_it(port):
     with pytest.raises(ValueError, match=re.escape(repr(port))):
         serve_node_metrics(port, dict)
+
+
+# ----------------------------------------------------------------------------- terminal
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def restore_logging():
+    yield
+    configure_logging(json=True, stream=io.StringIO())
+    logging.getLogger().setLevel(logging.WARNING)
+
+
+def test_a_log_record_on_the_terminal_steps_around_the_progress_line(restore_logging):
+    screen = Terminal()  # stdout and stderr of one terminal, as a user sees them
+    configure_logging(stream=screen, level="info")
+    progress = Progress(3, screen, clock=lambda: 0.0)
+    progress.update(_row(step=0, policy_version=1))
+    get_logger("coordinator", "coordinator").info("stopping", reason="done")
+    text = screen.getvalue()
+    before, rest = text.split("\r\x1b[2K")[1:]  # drawn, then erased for the record
+    record, _, after = rest.rpartition("\n")
+    assert before.startswith("step 1/3") and "\n" not in before
+    assert "stopping" in record and "step" not in record
+    assert after == before  # the line is drawn again under the record
+
+
+def test_the_last_step_line_stays_so_the_next_print_starts_a_new_line():
+    screen = Terminal()
+    progress = Progress(2, screen, clock=lambda: 0.0)
+    for step in range(2):
+        progress.update(_row(step=step, policy_version=step + 1))
+    print("digenrl: done", file=screen)
+    assert screen.getvalue().splitlines()[-1] == "digenrl: done"
+    assert "step 2/2" in screen.getvalue().splitlines()[-2]
 
 
 # ----------------------------------------------------------------------------- real launches

@@ -27,6 +27,8 @@ from typing import Any, TextIO
 
 import structlog
 
+from digenrl.telemetry.progress import line_cleared
+
 __all__ = ["LEVELS", "configure_logging", "get_logger", "node_log_path"]
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
@@ -48,6 +50,15 @@ _SHARED: list[Any] = [
 def node_log_path(run_dir: Path | str, node_id: str) -> Path:
     """Where a node's JSON-lines log lives: ``run_dir/logs/<node_id>.log``."""
     return Path(run_dir) / "logs" / f"{node_id}.log"
+
+
+class _ConsoleHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes records for people; steps around a live progress line on the same terminal
+    (otherwise a record would be glued to the end of ``step 3/6 ... ETA 12s``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with line_cleared():
+            super().emit(record)
 
 
 def _json_formatter() -> logging.Formatter:
@@ -77,7 +88,7 @@ def configure_logging(*, json: bool | None = None, level: str = "info",
         handler.close()
     _installed.clear()
 
-    console = logging.StreamHandler(stream)
+    console = logging.StreamHandler(stream) if json else _ConsoleHandler(stream)
     if json:
         console.setFormatter(_json_formatter())
     else:

@@ -6,8 +6,11 @@
     idlest rollout-1 41%  stale≤1  ETA 1m23s
 
 On a terminal the line is redrawn in place (carriage return + erase line) and cut to the
-terminal's width; otherwise (CI, a log file, a supervisor) each step is its own line with
-no control characters at all.
+terminal's width; the last step's line is ended with a newline, so whatever the launcher
+prints next starts on a line of its own. Log records rendered for a terminal (see
+:mod:`digenrl.telemetry.logging`) step around the line with :func:`line_cleared`: it is
+erased, the record written, and the line drawn again below it. Otherwise (CI, a log file,
+a supervisor) each step is its own line with no control characters at all.
 """
 
 from __future__ import annotations
@@ -17,14 +20,34 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, TextIO
 
-__all__ = ["Progress", "format_duration", "format_step"]
+__all__ = ["Progress", "format_duration", "format_step", "line_cleared"]
 
 # C0 controls, DEL and C1 controls: never written to a non-terminal stream.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _CLEAR_LINE = "\r\x1b[2K"
+# The Progress whose line is on the terminal without its newline (one per process at most),
+# so that log handlers writing to the same terminal can step around it.
+_on_screen: list[Progress] = []
+
+
+@contextmanager
+def line_cleared() -> Iterator[None]:
+    """Erase the live progress line (if one is on screen) for the block, then redraw it."""
+    live = _on_screen[-1] if _on_screen else None
+    if live is None:
+        yield
+        return
+    live.stream.write(_CLEAR_LINE)
+    live.stream.flush()
+    try:
+        yield
+    finally:
+        live.stream.write(live.shown)
+        live.stream.flush()
 
 
 def format_duration(seconds: float) -> str:
@@ -83,6 +106,7 @@ class Progress:
         self._clock = clock
         self._start = clock()
         self._dirty = False  # a TTY line is on screen without its newline
+        self.shown = ""  # the TTY line as drawn (cut to the terminal's width)
 
     def eta_s(self, steps_done: int) -> float | None:
         """Remaining time, assuming the remaining steps take as long as the ones so far."""
@@ -99,8 +123,11 @@ class Progress:
         line = _CONTROL.sub("", line)
         if self.tty:
             width = shutil.get_terminal_size((120, 24)).columns
-            self.stream.write(_CLEAR_LINE + line[: max(width - 1, 20)])
-            self._dirty = True
+            self.shown = line[: max(width - 1, 20)]
+            self.stream.write(_CLEAR_LINE + self.shown)
+            self._set_dirty(True)
+            if isinstance(step, int) and step + 1 >= self.total_steps:
+                self.close()  # the last step: nothing will redraw it, keep it
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
@@ -112,7 +139,7 @@ class Progress:
         if self.tty and self._dirty:
             self.stream.write(_CLEAR_LINE)
         self.stream.write(text + "\n")
-        self._dirty = False
+        self._set_dirty(False)
         self.stream.flush()
 
     def close(self) -> None:
@@ -120,4 +147,12 @@ class Progress:
         if self.tty and self._dirty:
             self.stream.write("\n")
             self.stream.flush()
-        self._dirty = False
+        self._set_dirty(False)
+        self.shown = ""
+
+    def _set_dirty(self, dirty: bool) -> None:
+        self._dirty = dirty
+        if dirty and self not in _on_screen:
+            _on_screen.append(self)
+        elif not dirty and self in _on_screen:
+            _on_screen.remove(self)
