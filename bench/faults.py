@@ -1,0 +1,138 @@
+"""Fault injection: kill -9 a random node of a live run; every run must finish with exact accounting.
+
+    .venv/bin/python bench/faults.py --runs 20 --seed 0 [--out docs/faults-table.md]
+
+Each run is a real ``digenrl launch`` (tiny CPU config, 3-4 steps, checkpoint every step,
+two rollouts and one trainer) in its own process group. After a random delay the bench
+reads ``run_dir/logs/pids.json`` (the launcher keeps it current) and SIGKILLs one random
+rollout or trainer process. A run passes when the launcher exits 0 having trained every
+step and its summary.json shows no trajectory lost and no slot trained twice:
+
+* ``admitted == trained + sum(discarded) + in_flight`` with ``in_flight == 0``;
+* ``slots.consumed == slots.expected`` (steps x fragments): the ledger marks a slot consumed
+  exactly once (it asserts on a second consume), so every (step, fragment) slot of the
+  final weights was trained once;
+* metrics.jsonl has one row per step.
+
+Prints one Markdown table row per run and a final tally; timings are on a shared 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SETS = ["model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
+        "runtime.fragments_per_step=2", "sampler.num_steps=4", "run.checkpoint_every=1",
+        "runtime.heartbeat_s=0.25"]
+
+
+def one_run(i: int, rng: random.Random, root: Path, timeout: float) -> dict:
+    mode = rng.choice(["digenrl", "disagg-sync"])
+    steps = rng.choice([3, 4])
+    victim_role = rng.choice(["rollout", "trainer"])
+    delay = rng.uniform(0.0, 6.0)
+    run_dir = root / f"run{i:02d}"
+    cmd = [sys.executable, "-m", "digenrl.cli", "launch", "--mode", mode, "--steps", str(steps),
+           "--rollouts", "2", "--trainers", "1", "--run-dir", str(run_dir),
+           *[a for s in SETS for a in ("--set", s)]]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    victim, killed_at = "", None
+    pid_file, metrics = run_dir / "logs" / "pids.json", run_dir / "metrics.jsonl"
+    # a random moment: a quarter of the kills while nodes start up, the rest while training
+    early = rng.random() < 0.25
+    ready = (lambda: pid_file.exists()) if early else (lambda: metrics.exists() and metrics.stat().st_size > 0)
+    while not ready() and proc.poll() is None:
+        time.sleep(0.1)
+    try:
+        proc.wait(timeout=delay)
+    except subprocess.TimeoutExpired:
+        pids = json.loads(pid_file.read_text())
+        names = sorted(n for n in pids if n.startswith(victim_role))
+        victim = rng.choice(names)
+        try:
+            os.kill(pids[victim], signal.SIGKILL)
+            killed_at = time.monotonic() - t0
+        except ProcessLookupError:
+            victim += " (already gone)"
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+    wall = time.monotonic() - t0
+    row = {"run": i, "mode": mode, "steps": steps, "victim": victim or "(run ended first)",
+           "kill_s": killed_at, "wall_s": wall, "rc": proc.returncode}
+    summary_path = run_dir / "summary.json"
+    if proc.returncode != 0 or not summary_path.exists():
+        row.update(ok=False, why=(err or "")[-400:].replace("\n", " "))
+        return row
+    s = json.loads(summary_path.read_text())
+    acc = s["accounting"]
+    disc = sum(acc["discarded"].values())
+    rows = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    checks = {
+        "steps": s["steps"] == steps,
+        "adds_up": acc["admitted"] == acc["trained"] + disc + acc["in_flight"],
+        "in_flight_0": acc["in_flight"] == 0,
+        "slots_once": s["slots"]["consumed"] == s["slots"]["expected"],
+        "metrics": rows == list(range(steps)),
+    }
+    row.update(ok=all(checks.values()), failed=[k for k, v in checks.items() if not v],
+               admitted=acc["admitted"], trained=acc["trained"], discarded=dict(acc["discarded"]),
+               in_flight=acc["in_flight"], slots=f"{s['slots']['consumed']}/{s['slots']['expected']}",
+               recovery={k: v for k, v in s["recovery"].items() if v}, restarts=s.get("restarts", {}),
+               zombies=s["scheduler"].get("zombie_consumes", 0) + s["scheduler"].get("zombie_commits", 0))
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds a run may take after the kill")
+    ap.add_argument("--keep", default=None, help="keep run dirs under this folder")
+    ap.add_argument("--out", default=None, help="also write the table (Markdown) here")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="digenrl-faults-"))
+    root.mkdir(parents=True, exist_ok=True)
+    lines = ["| run | mode | steps | killed | at s | wall s | admitted | trained | discarded | "
+             "in flight | slots | recovery | ok |", "|" + "---|" * 13]
+    print("\n".join(lines), flush=True)
+    results = []
+    for i in range(args.runs):
+        r = one_run(i, rng, root, args.timeout)
+        results.append(r)
+        kill = f"{r['kill_s']:.1f}" if r["kill_s"] is not None else "-"
+        disc = ", ".join(f"{k} {v}" for k, v in sorted(r.get("discarded", {}).items())) or "0"
+        rec = ", ".join(f"{k} {v}" for k, v in sorted(r.get("recovery", {}).items())
+                        if k != "checkpoints") or "-"
+        ok = "yes" if r["ok"] else f"NO {r.get('failed') or r.get('why')}"
+        line = (f"| {r['run']} | {r['mode']} | {r['steps']} | {r['victim']} | {kill} | "
+                f"{r['wall_s']:.0f} | {r.get('admitted', '-')} | {r.get('trained', '-')} | {disc} | "
+                f"{r.get('in_flight', '-')} | {r.get('slots', '-')} | {rec} | {ok} |")
+        lines.append(line)
+        print(line, flush=True)
+    n_ok = sum(r["ok"] for r in results)
+    n_kill = sum(r["kill_s"] is not None for r in results)
+    tally = f"{n_ok}/{len(results)} runs passed; {n_kill} had a node killed mid-run; run dirs in {root}"
+    print(tally, flush=True)
+    if args.out:
+        Path(args.out).write_text("\n".join([*lines, "", tally, ""]))
+    return 0 if n_ok == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
