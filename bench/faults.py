@@ -39,7 +39,7 @@ def one_run(i: int, rng: random.Random, root: Path, timeout: float) -> dict:
     mode = rng.choice(["digenrl", "disagg-sync"])
     steps = rng.choice([3, 4])
     victim_role = rng.choice(["rollout", "trainer"])
-    delay = rng.uniform(0.0, 6.0)
+    delay = rng.uniform(0.0, 2.5)  # steps take ~1-3 s here: most kills land mid-run
     run_dir = root / f"run{i:02d}"
     cmd = [sys.executable, "-m", "digenrl.cli", "launch", "--mode", mode, "--steps", str(steps),
            "--rollouts", "2", "--trainers", "1", "--run-dir", str(run_dir),
@@ -89,6 +89,8 @@ def one_run(i: int, rng: random.Random, root: Path, timeout: float) -> dict:
         "slots_once": s["slots"]["consumed"] == s["slots"]["expected"],
         "metrics": rows == list(range(steps)),
     }
+    if victim and killed_at is not None and not s.get("restarts", {}).get(victim):
+        row["victim"] = f"{victim} (after the last step)"
     row.update(ok=all(checks.values()), failed=[k for k, v in checks.items() if not v],
                admitted=acc["admitted"], trained=acc["trained"], discarded=dict(acc["discarded"]),
                in_flight=acc["in_flight"], slots=f"{s['slots']['consumed']}/{s['slots']['expected']}",

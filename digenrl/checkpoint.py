@@ -236,11 +236,13 @@ def dedupe_metrics(run_dir: Path) -> None:
 CRASH_ENV = "DIGENRL_TEST_CRASH"
 
 
-def crash_point(point: str, version: int) -> None:
+def crash_point(point: str, version: int, once: Path | None = None) -> None:
     """TEST-ONLY: SIGKILL this process (and its group if it leads one) at ``point:version``.
 
     ``DIGENRL_TEST_CRASH=commit:2`` kills the coordinator when the first commit of step >= 2
-    arrives, i.e. mid-step with work in flight, as a power loss would. Unset: a no-op.
+    arrives, i.e. mid-step with work in flight, as a power loss would. With ``once`` (a
+    marker file) it fires a single time per run, so a restarted process does not crash
+    again. Unset: a no-op.
     """
     spec = os.environ.get(CRASH_ENV, "")
     if not spec:
@@ -248,6 +250,10 @@ def crash_point(point: str, version: int) -> None:
     name, _, at = spec.partition(":")
     if name != point or version < int(at):
         return
+    if once is not None:
+        if once.exists():
+            return
+        once.write_text(f"{point}:{version}\n")
     if os.getpgid(0) == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)

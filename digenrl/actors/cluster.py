@@ -187,7 +187,11 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     dedupe_metrics(run_dir)
     stats = actor.sched.statistics()
     F = cfg.runtime.fragments_per_step
-    consumed = sum(actor.sched.ledger.is_consumed(s, f) for s in range(cfg.run.steps) for f in range(F))
+    # a restored ledger keeps only slots of steps >= its version: the steps below were
+    # consumed (each slot once, the ledger asserts it) before the checkpoint was taken
+    base = actor.resumed_from[-1] if actor.resumed_from else 0
+    consumed = base * F + sum(actor.sched.ledger.is_consumed(s, f)
+                              for s in range(base, cfg.run.steps) for f in range(F))
     steps_done = stats["version"]
     # throughput from the first assignment to the last step: process start-up (imports,
     # model build) is reported apart as startup_s, as the colocated loop's figure excludes it

@@ -38,6 +38,7 @@ from digenrl.actors.generate import FragmentJob
 from digenrl.actors.peers import NodePeers
 from digenrl.checkpoint import (
     checkpoint_due,
+    crash_point,
     latest_checkpoint,
     load_trainer_state,
     save_trainer_state,
@@ -200,6 +201,7 @@ class TrainerActor(Actor):
                            gen_version=commit.policy_version, version=self.policy.version)
         else:
             records = {t: _record(c) for t, c in chunks.items()}
+            crash_point("trainer", step, once=self.run_dir / "logs" / f"crashed-{self.node_id}")
             before = self.learner.stats.trained
             zero_before = self.learner.stats.discarded.get("zero_advantage", 0)
             n_trained_total = len(plan_for_step(self.cfg, step)[0])
