@@ -117,8 +117,9 @@ def serve_node_metrics(port: int, stats_fn: Callable[[], Mapping[str, Any]], *,
                        node_id: str = "", addr: str = "0.0.0.0") -> MetricsServer:
     """Serve one node's live counters on ``http://addr:port/metrics`` until ``close()``.
 
-    ``stats_fn`` is called on every scrape (from the server's thread: it must only read)
-    and returns what the node puts in its heartbeat, for example::
+    ``stats_fn`` is called on every scrape from the server's thread, so it must not touch
+    state the event loop mutates (``BusyClock.stats()`` iterates the recorder's spans):
+    return a snapshot the loop made, such as the last heartbeat's fields, for example::
 
         {"policy_version": 3, "busy_s": 41.2, "wall_s": 60.0,
          "sockets": {"data": {"sent": 0, "received": 812, "bad_frames": 0}},
