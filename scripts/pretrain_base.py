@@ -146,7 +146,7 @@ def main() -> None:
             window = []
             print(json.dumps(log[-1]), flush=True)
         out_of_time = time.monotonic() - t0 > args.max_minutes * 60
-        if (step + 1) % args.ckpt_every == 0 or out_of_time:
+        if (step + 1) % args.ckpt_every == 0 or out_of_time or step + 1 == args.steps:
             torch.save({"net": net.state_dict(), "ema": ema.state_dict(), "opt": opt.state_dict(),
                         "step": step + 1, "log": log}, ckpt_dir / "last.pt.tmp")
             (ckpt_dir / "last.pt.tmp").replace(ckpt_dir / "last.pt")
@@ -167,8 +167,7 @@ def main() -> None:
     images = sample_grid(shipped, grid_prompts, shift=args.shift)
     Path(args.grid).parent.mkdir(parents=True, exist_ok=True)
     save_grid(images, args.grid)
-    (Path(args.grid).with_suffix(".txt")).write_text("\n".join(grid_prompts) + "\n")
-    print(f"grid {args.grid}", flush=True)
+    print(f"grid {args.grid} (row by row):\n" + "\n".join(grid_prompts), flush=True)
 
 
 if __name__ == "__main__":
