@@ -31,7 +31,7 @@ from digenrl.rl.rewards import build_reward
 from digenrl.rl.sde import sigma_schedule
 from digenrl.sched_plan import step_prompts, trajectory_seed
 from digenrl.telemetry.metrics import MetricsWriter
-from digenrl.telemetry.trace import SpanRecorder
+from digenrl.telemetry.trace import SpanRecorder, busy_fraction
 
 
 def _all_reduce(t: torch.Tensor) -> None:
@@ -68,7 +68,7 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
     per_rank = P // world_size
     my_groups = range(rank * per_rank, (rank + 1) * per_rank)
     t_start = time.perf_counter()
-    busy = 0.0
+    t0_ns = recorder.now_ns()
     last: dict[str, float] = {}
     trained_total = done_trained
     discarded: dict[str, int] = dict(done_discarded)
@@ -98,27 +98,28 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
         for k, v in learner.last_discarded.items():
             discarded[k] = discarded.get(k, 0) + v
         dt = time.perf_counter() - t0
-        busy += dt
         if rank == 0 and (step == 0 or step == cfg.run.steps - 1 or
                           (cfg.run.sample_grid_every and step % cfg.run.sample_grid_every == 0)):
             save_grid(result.images, run_dir / "samples" / f"step_{step:04d}.png", nrow=G)
         last = {"step": step, "policy_version": policy.version, **metrics,
                 "samples_per_s": P * G / dt, "step_seconds": dt,
-                "wall_time": time.perf_counter() - t_start, f"busy/{node}": 1.0}
+                "wall_time": time.perf_counter() - t_start,
+                f"busy/{node}": busy_fraction(recorder.spans(), step_t0_ns, recorder.now_ns())}
         if writer is not None:
             writer.write(step_metrics(last))
             if progress is not None:
                 progress.update(last)  # type: ignore[attr-defined]
         colocated_checkpoint(run_dir, policy, rank=rank, world_size=world_size, trained=trained_total,
                              discarded=discarded, steps=cfg.run.steps, every=cfg.run.checkpoint_every)
+    total = time.perf_counter() - t_start
+    busy = busy_fraction(recorder.spans(), t0_ns, recorder.now_ns())
     recorder.dump(run_dir / "trace" / f"{node}.jsonl")
     if rank == 0:
         save_final(policy, run_dir)
     if writer is not None:
         writer.close()
-    total = time.perf_counter() - t_start
     return {"samples_per_s": (cfg.run.steps - start) * P * G / total, "wall_s": total,
-            "trained": trained_total, "discarded": discarded, "busy": busy / total}
+            "trained": trained_total, "discarded": discarded, "busy": busy}
 
 
 def _rank_main(argv: list[str]) -> int:

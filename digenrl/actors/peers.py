@@ -129,6 +129,7 @@ class NodePeers:
         t_start = time.perf_counter()
         while True:
             t0 = time.perf_counter()
+            # one span per pull from the sampler: the denoising steps up to the next trained one
             rec = await actor.in_thread(span, next, it, None, step=task.step, task=task.task_id)
             if slow > 1.0:  # TEST-ONLY knob: emulate a slower GPU
                 await asyncio.sleep((slow - 1.0) * (time.perf_counter() - t0))

@@ -58,7 +58,7 @@ class RolloutActor(Actor):
             # trajectory boundary: apply the newest announced version (TCSS)
             await self.peers.catch_up(self, task.version_floor)
             await self.peers.generate_and_stream(self, task, self.model, self.peers.version,
-                                                 self.reward_fn, self.cfg, span="generate")
+                                                 self.reward_fn, self.cfg, span="denoise_step")
 
     async def _control_loop(self) -> None:
         while True:
