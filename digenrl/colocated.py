@@ -74,6 +74,7 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
     discarded: dict[str, int] = dict(done_discarded)
     for step in range(start, cfg.run.steps):
         t0 = time.perf_counter()
+        step_t0_ns = recorder.now_ns()
         ids = step_prompts(cfg.run.seed, step, P, len(prompts))
         trained, sde = plan_for_step(cfg, step)
         job = FragmentJob(model=policy.model, cfg=cfg, prompts=[prompts[ids[g]] for g in my_groups],
