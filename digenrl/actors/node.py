@@ -2,6 +2,13 @@
 
 The event loop (uvloop), the zmq context and logging are made here, once, and passed down.
 A node needs only the coordinator's address: Welcome brings the run's config and peers.
+
+Service-manager duties live here too (docs/deployment.md): ``READY=1`` once Welcome has
+come and the model is built, watchdog pings while the node makes progress (its control
+socket keeps moving), ``STOPPING=1`` and a graceful drain on SIGTERM, exit code 0 when the
+run finished (or was drained on SIGTERM), 1 when the coordinator stopped it for another
+reason, 3 when it was refused. Transport security is decided by the node's *own* config
+(``--config``/``--set``, ``--allow-plaintext``), never by the run config Welcome brings.
 """
 
 from __future__ import annotations
@@ -9,7 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket as pysocket
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +28,10 @@ import zmq.asyncio
 
 from digenrl.actors import sockets as zs
 from digenrl.actors.base import default_node_id, incarnation
+from digenrl.actors.security import node_security, process_counters
 from digenrl.config import Config, config_from_dict, load_config
 from digenrl.protocol import Hello, Shutdown, Welcome
+from digenrl.telemetry import sdnotify
 from digenrl.telemetry.logging import configure_logging, get_logger
 from digenrl.telemetry.trace import SpanRecorder
 
@@ -36,18 +48,115 @@ def run_node(args: argparse.Namespace) -> int:
     node_id = args.node_id or default_node_id(args.role)
     run_dir = Path(args.run_dir) if args.run_dir else None
     configure_logging(log_file=(run_dir / "logs" / f"{node_id}.log") if run_dir else None)
-    if args.role == "coordinator":
-        from digenrl.actors.cluster import serve_coordinator
-        cfg = load_config(args.config, args.overrides)
+    overrides = [*args.overrides, *(["transport.allow_plaintext=true"] if args.allow_plaintext else [])]
+    prometheus = _start_prometheus(getattr(args, "prometheus_port", None))
+    try:
+        if args.role == "coordinator":
+            from digenrl.actors.cluster import serve_coordinator
+            cfg = load_config(args.config, overrides)
+            # TODO(ops): READY/STOPPING for the coordinator need a hook in serve_coordinator
+            with asyncio.Runner(loop_factory=loop_factory()) as runner:
+                runner.run(serve_coordinator(cfg, run_dir or Path("runs") / "node-run", bind=args.bind,
+                                             spawn=False, allow_plaintext=args.allow_plaintext))
+            return 0
+        if not args.coordinator:
+            raise SystemExit("digenrl-node: --coordinator ENDPOINT is required for rollout and trainer")
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            runner.run(serve_coordinator(cfg, run_dir or Path("runs") / "node-run", bind=args.bind,
-                                         spawn=False, allow_plaintext=args.allow_plaintext))
-        return 0
-    if not args.coordinator:
-        raise SystemExit("digenrl-node: --coordinator ENDPOINT is required for rollout and trainer")
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        return int(runner.run(_node(args.role, node_id, args.coordinator, args.gpu or "cpu", args.bind,
-                                    run_dir, load_config(args.config, args.overrides))))
+            return int(runner.run(_node(args.role, node_id, args.coordinator, args.gpu or "cpu", args.bind,
+                                        run_dir, load_config(args.config, overrides))))
+    finally:
+        if prometheus is not None:
+            prometheus.shutdown()
+
+
+_NODE_STATS: dict[str, float] = {}
+"""The latest heartbeat stats of this process's node, for the Prometheus endpoint."""
+
+
+def _start_prometheus(port: int | None) -> Any:
+    """Serve the node's counters on ``port``; returns a server with ``shutdown()`` or None."""
+    if port is None:
+        return None
+    from digenrl.telemetry.metrics import MissingExtraError, start_prometheus
+    try:
+        started = start_prometheus(port, lambda: {**process_counters(), **_NODE_STATS})
+    except MissingExtraError as e:
+        raise SystemExit(f"digenrl-node: --prometheus-port: {e}") from None
+    # prometheus-client >= 0.20 returns (server, thread); older versions return None
+    return started[0] if isinstance(started, tuple) else None
+
+
+def rss_mb(field: str = "VmRSS") -> float:
+    """This process's resident memory (``VmRSS``) or its peak (``VmHWM``) in MiB; -1 if unknown."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:  # not Linux: the figure is simply absent
+        return -1.0
+    return -1.0
+
+
+class _HeartbeatStats:
+    """``actor.busy`` with the node's security counters and memory added to heartbeat stats.
+
+    Heartbeats send ``actor.busy.stats()``; wrapping it here puts the counters on the wire
+    without the actors knowing about transport security.
+    """
+
+    def __init__(self, busy: Any, extra: Callable[[], dict[str, float]]) -> None:
+        self._busy = busy
+        self._extra = extra
+
+    def stats(self) -> dict[str, float]:
+        out = {**self._busy.stats(), **self._extra()}
+        _NODE_STATS.clear()
+        _NODE_STATS.update(out)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._busy, name)
+
+
+def _slow_trainer(actor: Any, factor: float) -> None:
+    """TEST-ONLY (runtime.trainer_slowdown): sleep (factor-1)x each training op's time."""
+    inner = actor.in_thread
+
+    async def in_thread(name: str, fn: Any, *a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        out = await inner(name, fn, *a, **kw)
+        if name in ("fragment_train", "optimizer_step"):
+            await asyncio.sleep((factor - 1.0) * (time.perf_counter() - t0))
+        return out
+
+    actor.in_thread = in_thread
+
+
+def _with_watchdog(actor: Any, control: Any) -> sdnotify.Watchdog:
+    """Add the systemd watchdog to the actor's background loops (a no-op when not armed).
+
+    Alive means the control socket moved since the last ping: heartbeats go out every
+    ``heartbeat_s``, so a node whose loop is wedged or whose coordinator link is stuck stops
+    pinging and systemd restarts it.
+    """
+    wd = sdnotify.Watchdog()
+    if not wd.enabled:
+        return wd
+    last = [-1]
+
+    def alive() -> bool:
+        st = control.statistics()
+        moved = st.sent + st.received != last[0]
+        last[0] = st.sent + st.received
+        return moved
+
+    loops = actor.background
+
+    async def watchdog() -> None:
+        await wd.run(alive)
+
+    actor.background = lambda: [*loops(), watchdog]
+    return wd
 
 
 async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str | None,
@@ -116,16 +225,37 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
                                         rank=msg.rank, world_size=msg.world_size)
             actor = TrainerActor(peers=peers, cfg=cfg, policy=policy, rank=msg.rank,
                                  world_size=msg.world_size, run_dir=rdir, reward_fn=reward_fn, **kw)
-        log.info("joined", rank=msg.rank, world_size=msg.world_size)
+        sec = node_security(ctx)
+        actor.busy = _HeartbeatStats(actor.busy, lambda: {**sec.counters(), "rss_mb": rss_mb()})
+        if role == "trainer" and cfg.runtime.trainer_slowdown > 1.0:
+            _slow_trainer(actor, cfg.runtime.trainer_slowdown)
+        _with_watchdog(actor, control)
+        loop = asyncio.get_running_loop()
+
+        def on_sigterm() -> None:
+            sdnotify.stopping()
+            actor.request_stop("SIGTERM")
+            wake = getattr(actor, "wake", None)  # a trainer waiting for work re-checks stopping
+            if wake is not None:
+                wake.set()
+
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        rss_ready = rss_mb()
+        log.info("joined", rank=msg.rank, world_size=msg.world_size, rss_mb=rss_ready)
+        sdnotify.ready()
         try:
             await actor.run()
         finally:
+            loop.remove_signal_handler(signal.SIGTERM)
             recorder.dump(rdir / "trace" / f"{node_id}.jsonl")
             if role == "trainer" and msg.world_size > 1:
                 import torch.distributed as dist
                 if dist.is_initialized():
                     dist.destroy_process_group()
-        return 0
+        code = 0 if actor.stop_reason in ("done", "SIGTERM") else 1
+        log.info("node_final", exit_code=code, stop_reason=actor.stop_reason, rss_ready_mb=rss_ready,
+                 rss_peak_mb=rss_mb("VmHWM"), **sec.counters())
+        return code
     finally:
         for s in opened:
             s.close()

@@ -235,3 +235,12 @@ def node_security(ctx: zmq.Context, transport: TransportConfig | None = None) ->
             raise KeyError("this zmq context has opened no socket through digenrl.actors.sockets")
         sec = _BY_CONTEXT[ctx] = NodeSecurity(ctx, transport)
     return sec
+
+
+def process_counters() -> dict[str, int]:
+    """:meth:`NodeSecurity.counters` summed over this process's live contexts (for Prometheus)."""
+    total: dict[str, int] = {}
+    for sec in list(_BY_CONTEXT.values()):
+        for k, v in sec.counters().items():
+            total[k] = total.get(k, 0) + v
+    return total
