@@ -110,6 +110,7 @@ class TrainerActor(Actor):
             await self._publish(self.policy.version)
         F = self.cfg.runtime.fragments_per_step
         while not self.stopping and self.policy.version < self.cfg.run.steps:
+            self.wake.clear()  # before looking, so a wake set while we look (or send) is not lost
             step = self.policy.version
             ready = self.pending.pop(step, [])
             if ready:
@@ -125,7 +126,6 @@ class TrainerActor(Actor):
                 self._offered = True
                 await self.peers.control.send(TagOffer(node_id=self.node_id, rank=self.rank,
                                                        free_mb=self.peers.gpu_free_mb()))
-            self.wake.clear()
             with self.recorder.span("wait"):
                 await self.wake.wait()
         await self.wait_stopped()
