@@ -35,9 +35,10 @@ def _divisor_at_most(n: int, cap: int) -> int:
 def mode_run(cfg: Config, mode: str, cluster: Cluster, *, trainers: int | None = None,
              off: str | None = None, **setup_kw: Any) -> tuple[Config, SimSetup]:
     """The (Config, SimSetup) pair one simulated mode (optionally with one mechanism off) runs."""
-    rollouts, train = cluster.split(trainers)
     if mode == "colocated":
         rollouts, train = [], cluster.all_gpus()
+    else:
+        rollouts, train = cluster.split(trainers)
     c = resolve_mode(cfg, mode)
     rt = c.runtime
     P = c.train.prompts_per_step

@@ -199,6 +199,7 @@ class Simulator:
         self.losses = 0
         self.done = False
         self.idle_rounds = 0
+        self.incarnations = 0
 
     # ------------------------------------------------------------------ event plumbing
     def _at(self, t: float, kind: str, *args: Any) -> None:
@@ -280,7 +281,7 @@ class Simulator:
 
     # ------------------------------------------------------------------ failures
     def _schedule_loss(self) -> None:
-        rollouts = sum(1 for n in self.nodes.values() if n.role == "rollout")
+        rollouts = len(self.setup.rollout_gpus)  # lost nodes come back, so the fleet size is fixed
         rate = self.setup.loss_rate_per_h * rollouts / 3600.0
         self._at(self.now + self.rng.expovariate(rate), "loss")
 
@@ -299,7 +300,9 @@ class Simulator:
 
     def _on_rejoin(self, old_id: str) -> None:
         old = self.nodes[old_id]
-        new = _Node(id=f"{old_id.split('.')[0]}.{self.losses}", role="rollout", gpu=old.gpu, costs=old.costs)
+        self.incarnations += 1
+        new = _Node(id=f"{old_id.split('.')[0]}.{self.incarnations}", role="rollout", gpu=old.gpu,
+                    costs=old.costs)
         self.nodes[new.id] = new
         self._apply(self.sched.node_joined(new.id, "rollout", new.gpu, self.now))
 
