@@ -1,0 +1,203 @@
+"""Fuzzing running nodes: random and mutated frames at every listening socket.
+
+A real coordinator actor (in this process) and a real trainer node (a child process) take a
+storm of undecodable messages on the coordinator's ROUTER and the trainer's PULL (the PUB
+only sends). Both stay up, answer their peers afterwards, and count exactly what was sent.
+``bench/fuzz_node.py`` runs the same storm with 100,000 messages per socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+import zmq.asyncio
+
+from digenrl.actors import sockets as zs
+from digenrl.actors.coordinator import CoordinatorActor
+from digenrl.config import Config
+from digenrl.protocol import Chunk, Commit, Heartbeat, Hello, Welcome, decode, encode
+from digenrl.transport.errors import ProtocolError
+from tests.test_security import config, hello, start_coordinator, wait_until
+
+torch.set_num_threads(1)
+STORM = 20_000
+
+
+def _seeds() -> list[list[bytes]]:
+    """Valid messages of every shape a socket sees, as frames to mutate."""
+    x = torch.arange(32, dtype=torch.float32).reshape(2, 16)
+    msgs = [
+        hello("fuzz-0"),
+        Heartbeat(node_id="n", incarnation=1, policy_version=0, state="running", seq=3,
+                  gpu={"gpus": []}, stats={"busy_s": 1.0}),
+        Chunk(task_id=1, step=0, fragment=0, t_index=0, sigma=1.0, sigma_next=0.5,
+              policy_version=0, x_t=x, x_next=x + 1, log_prob=torch.zeros(2)),
+        Commit(task_id=1, step=0, fragment=0, node_id="n", policy_version=0, prompt_ids=[1],
+               rewards=[0.5, 0.25], reward_terms={"a": [1.0, 2.0]}, gen_seconds=0.1,
+               cond={"e": x}, images=torch.zeros(0, dtype=torch.uint8)),
+    ]
+    return [[bytes(f) for f in encode(m)] for m in msgs]
+
+
+def _mutate(rng: random.Random, frames: list[bytes]) -> list[bytes]:
+    out = [bytearray(f) for f in frames]
+    for _ in range(rng.randint(1, 3)):
+        i = rng.randrange(len(out))
+        op = rng.randrange(6)
+        if op == 0 and out[i]:  # flip a byte
+            j = rng.randrange(len(out[i]))
+            out[i][j] ^= rng.randint(1, 255)
+        elif op == 1:  # truncate
+            out[i] = out[i][: rng.randrange(len(out[i]) + 1)]
+        elif op == 2 and len(out) > 1:  # drop a frame
+            del out[i]
+        elif op == 3:  # duplicate a frame
+            out.insert(i, bytearray(out[i]))
+        elif op == 4:  # garbage appended
+            out[i] += rng.randbytes(rng.randint(1, 16))
+        else:  # a random frame in its place
+            out[i] = bytearray(rng.randbytes(rng.randint(0, 48)))
+    return [bytes(f) for f in out]
+
+
+def bad_messages(rng: random.Random, n: int, max_frame_bytes: int) -> Iterator[list[bytes]]:
+    """``n`` messages that the codec must refuse: half random, half mutated valid ones.
+
+    A mutation that still decodes (a flipped byte inside a string, say) is a valid message
+    and would be acted on, so it is replaced; any exception other than ProtocolError fails.
+    """
+    seeds = _seeds()
+    made = 0
+    while made < n:
+        if rng.random() < 0.5:
+            frames = [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(1, 3))]
+        else:
+            frames = _mutate(rng, rng.choice(seeds))
+        try:
+            decode(frames, max_frame_bytes=max_frame_bytes)
+        except ProtocolError:
+            made += 1
+            yield frames
+
+
+def send_storm(kind: int, endpoint: str, messages: list[list[bytes]], counted: threading.Event) -> None:
+    """Blocking sends from a plain zmq socket (run in a thread).
+
+    The connection stays open until ``counted`` is set: messages still queued at the
+    receiver when a peer disconnects are dropped by libzmq, and would never be counted.
+    """
+    ctx = zmq.Context()
+    sock = ctx.socket(kind)
+    sock.connect(endpoint)
+    for frames in messages:
+        sock.send_multipart(frames)
+    counted.wait(300)
+    sock.close(linger=0)
+    ctx.term()
+
+
+class RecordingCoordinator(CoordinatorActor):
+    """The coordinator, remembering each node's latest heartbeat stats."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.heartbeats: dict[str, Heartbeat] = {}
+
+    async def _handle(self, peer: bytes, msg: Any) -> None:
+        if isinstance(msg, Heartbeat):
+            self.heartbeats[msg.node_id] = msg
+        await super()._handle(peer, msg)
+
+
+def spawn_trainer(endpoint: str, run_dir: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log = open(run_dir / "trainer.stderr", "wb")  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(
+        [sys.executable, "-m", "digenrl.actors.node", "--role", "trainer", "--coordinator", endpoint,
+         "--node-id", "trainer-0", "--run-dir", str(run_dir)], stdout=log, stderr=log, env=env)
+
+
+async def run_storm(tmp_path: Path, n: int, cfg: Config | None = None) -> dict[str, Any]:
+    """Storm both listening sockets with ``n`` bad messages each; returns what was observed."""
+    cfg = cfg or config("runtime.heartbeat_s=0.2")
+    rng = random.Random(1234)
+    coord_msgs = list(bad_messages(rng, n, cfg.transport.max_frame_bytes))
+    trainer_msgs = list(bad_messages(rng, n, cfg.transport.max_frame_bytes))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(parents=True)
+    ctx = zmq.asyncio.Context()
+    probe_ctx = zmq.asyncio.Context()
+    base = start_coordinator(ctx, cfg, run_dir)
+    actor = RecordingCoordinator(**{k: getattr(base, k) for k in (
+        "cfg", "control", "pub", "prompts", "run_dir", "dist_endpoint", "metrics",
+        "expected_trainers", "node_id", "recorder", "log")}, scheduler=base.sched)
+    trainer = spawn_trainer(actor.control.endpoint, run_dir)
+    counted = threading.Event()
+    probe = zs.connect(probe_ctx, "dealer", actor.control.endpoint, cfg, identity=b"rollout-9")
+    try:
+        async with asyncio.TaskGroup() as tg:
+            run = tg.create_task(actor.run())
+            await wait_until(lambda: "trainer-0" in actor.heartbeats, "the trainer's first heartbeat", 120)
+            data_endpoint = actor.trainers[0]["endpoint"].split("|")[0]
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            senders = [tg.create_task(asyncio.to_thread(send_storm, zmq.DEALER, actor.control.endpoint,
+                                                        coord_msgs, counted)),
+                       tg.create_task(asyncio.to_thread(send_storm, zmq.PUSH, data_endpoint,
+                                                        trainer_msgs, counted))]
+            try:
+                await wait_until(lambda: actor.control.statistics().bad_frames >= n,
+                                 "coordinator count", 120)
+                await wait_until(lambda: actor.heartbeats["trainer-0"].stats.get("bad_frames", 0) >= n,
+                                 "trainer count", 120)
+            finally:
+                counted.set()
+            seconds = loop.time() - t0
+            await asyncio.gather(*senders)
+            seq_after_storm = actor.heartbeats["trainer-0"].seq
+            # peers are still answered: a new node's Hello gets its Welcome ...
+            await probe.send(Hello(node_id="rollout-9", role="rollout", gpu="cpu", incarnation=1,
+                                   pid=1, host="probe"))
+            _, welcome = await asyncio.wait_for(probe.recv(), 30)
+            # ... and the trainer keeps heartbeating
+            await wait_until(lambda: actor.heartbeats["trainer-0"].seq > seq_after_storm + 1,
+                             "heartbeats after the storm", 30)
+            run.cancel()
+        trainer.terminate()  # SIGTERM: a graceful drain, exit code 0
+        code = trainer.wait(60)
+        return {"coordinator_bad": actor.control.statistics().bad_frames,
+                "trainer_bad": actor.heartbeats["trainer-0"].stats["bad_frames"],
+                "welcome": welcome, "trainer_exit": code, "seconds": seconds}
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        for s in (probe, actor.control, actor.pub):
+            s.close()
+        actor.metrics.close()
+        ctx.term()
+        probe_ctx.term()
+
+
+async def test_a_storm_of_bad_frames_is_counted_exactly_and_the_nodes_keep_answering(tmp_path: Path) -> None:
+    seen = await run_storm(tmp_path, STORM)
+    assert seen["coordinator_bad"] == STORM
+    assert seen["trainer_bad"] == STORM
+    assert isinstance(seen["welcome"], Welcome) and seen["welcome"].node_id == "rollout-9"
+    assert seen["trainer_exit"] == 0
+
+
+def test_mutated_frames_never_raise_anything_but_protocol_error() -> None:
+    rng = random.Random(7)
+    refused = sum(1 for _ in bad_messages(rng, 2000, 1 << 20))
+    assert refused == 2000
