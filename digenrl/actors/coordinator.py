@@ -222,7 +222,7 @@ class CoordinatorActor(Actor):
                 await self._run(self.sched.heartbeat(msg.node_id, now))
             la = self.latest_announce
             if la is not None and msg.policy_version < la.version and self.nodes.get(msg.node_id, {}).get("role") == "rollout":
-                await self.control.send(la, to=peer)  # a missed announcement, caught up
+                await self._send(la, to=peer)  # a missed announcement, caught up
         elif isinstance(msg, Commit):
             crash_point("commit", msg.step)
             self.staleness_hist[str(msg.step - msg.policy_version)] = \
@@ -280,7 +280,7 @@ class CoordinatorActor(Actor):
             self.nodes[msg.node_id] = {"role": "trainer", "peer": peer, "rank": rank, "gpu": msg.gpu}
             if len(self.trainers) == self.expected_trainers:
                 for r, t in self.trainers.items():
-                    await self.control.send(self._welcome(t["node_id"], r, self.expected_trainers), to=t["peer"])
+                    await self._send(self._welcome(t["node_id"], r, self.expected_trainers), to=t["peer"])
                 for p, h in self.waiting_rollouts:
                     await self._hello(p, h, now)
                 self.waiting_rollouts.clear()
@@ -289,9 +289,9 @@ class CoordinatorActor(Actor):
                 self.waiting_rollouts.append((peer, msg))
                 return
             self.nodes[msg.node_id] = {"role": "rollout", "peer": peer, "gpu": msg.gpu}
-            await self.control.send(self._welcome(msg.node_id, 0, 0), to=peer)
+            await self._send(self._welcome(msg.node_id, 0, 0), to=peer)
             if self.latest_announce is not None:
-                await self.control.send(self.latest_announce, to=peer)
+                await self._send(self.latest_announce, to=peer)
 
     def _welcome(self, node_id: str, rank: int, world: int) -> Welcome:
         endpoints = {f"trainer/{r}": t["endpoint"] for r, t in self.trainers.items()}
@@ -300,6 +300,15 @@ class CoordinatorActor(Actor):
         endpoints["weights"] = self.trainers[0]["endpoint"].rsplit("|", 1)[-1] if self.trainers else ""
         return Welcome(node_id=node_id, run_id=self.run_dir.name, config_toml=to_toml(self.cfg),
                        endpoints=endpoints, rank=rank, world_size=world)
+
+    async def _send(self, msg: Any, to: bytes) -> None:
+        """Send to one node; a node that is gone is the launcher's or the heartbeats' news,
+        so a failed send is counted and logged, never fatal to the coordinator."""
+        try:
+            await self.control.send(msg, to=to)
+        except PeerLost:
+            self.recovery["send_to_lost_peer"] = self.recovery.get("send_to_lost_peer", 0) + 1
+            self.log.warning("send to a lost peer dropped", peer=to, msg=type(msg).__name__)
 
     # ------------------------------------------------------------------ scheduler commands
     async def _run(self, cmds: list[Any]) -> None:
@@ -310,7 +319,7 @@ class CoordinatorActor(Actor):
                 node = self.nodes.get(cmd.node_id)
                 if node is None:
                     continue
-                await self.control.send(Assign(
+                await self._send(Assign(
                     task_id=cmd.task_id, step=cmd.step, fragment=cmd.fragment,
                     prompt_ids=list(cmd.prompt_ids), prompts=[self.prompts[i] for i in cmd.prompt_ids],
                     seeds=list(cmd.seeds), group_size=cmd.group_size, version_floor=cmd.version_floor,
@@ -320,9 +329,9 @@ class CoordinatorActor(Actor):
             elif isinstance(cmd, RevokeCmd):
                 node = self.nodes.get(cmd.node_id)
                 if node is not None:
-                    await self.control.send(Revoke(task_id=cmd.task_id, reason=cmd.reason), to=node["peer"])
+                    await self._send(Revoke(task_id=cmd.task_id, reason=cmd.reason), to=node["peer"])
                 for t in self.trainers.values():  # trainers drop the attempt's staged chunks
-                    await self.control.send(Revoke(task_id=cmd.task_id, reason=cmd.reason), to=t["peer"])
+                    await self._send(Revoke(task_id=cmd.task_id, reason=cmd.reason), to=t["peer"])
             elif isinstance(cmd, ShutdownCmd):
                 if cmd.reason.startswith("trainer_lost"):
                     await self.reset(cmd.reason)
