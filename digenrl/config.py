@@ -123,6 +123,7 @@ class RuntimeConfig:
     heartbeat_s: float = _f(0.5, "heartbeat interval", gt=0)
     heartbeat_misses: int = _f(10, "a peer silent for this many intervals is lost", ge=1)
     slowdown: float = _f(1.0, "TEST-ONLY knob: a rollout sleeps (slowdown-1)x its work", ge=1)
+    slowdown_nodes: list[str] = _f([], "TEST-ONLY: node ids the slowdown applies to (empty = all rollouts)")
     trainer_slowdown: float = _f(1.0, "TEST-ONLY knob: a trainer rank sleeps (trainer_slowdown-1)x "
                                  "its training work (fragment train, optimizer step)", ge=1)
 

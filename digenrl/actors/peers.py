@@ -125,7 +125,9 @@ class NodePeers:
                           sde_steps=list(task.sde_steps), trained_steps=trained, reward_fn=reward_fn)
         wire = WIRE_DTYPES[cfg.sampler.wire_dtype]
         it = job.steps()
-        slow = cfg.runtime.slowdown
+        nodes = cfg.runtime.slowdown_nodes
+        slowed = self.node_id in nodes if nodes else actor.role == "rollout"
+        slow = cfg.runtime.slowdown if slowed else 1.0
         t_start = time.perf_counter()
         while True:
             t0 = time.perf_counter()
