@@ -188,9 +188,10 @@ class Simulator:
             self.nodes[f"rollout-{i}"] = _Node(id=f"rollout-{i}", role="rollout", gpu=g,
                                                costs=node_costs(g, self.wl, calibration=setup.calibration))
         self.announced = 0
-        self.commits: dict[int, list[tuple[Any, int, int]]] = defaultdict(list)  # step -> (cmd, n, gen_v)
-        self.arrived: dict[int, int] = defaultdict(int)
-        self.consumed: dict[tuple[int, int], set[int]] = defaultdict(set)  # (rank, step) -> fragments
+        # per rank: step -> committed fragments not yet trained by that rank, in arrival order
+        self.pending: list[dict[int, deque[tuple[Any, int, int]]]] = [defaultdict(deque) for _ in self.trainers]
+        self.arrived: dict[int, set[int]] = defaultdict(set)  # step -> fragments committed
+        self.consumed: dict[tuple[int, int], int] = defaultdict(int)  # (rank, step) -> fragments
         self.ready_ranks: set[int] = set()
         self.version = 0
         self.publish_t: list[float] = []
@@ -245,8 +246,11 @@ class Simulator:
         for n in self.nodes.values():
             if n.role == "rollout":
                 self._apply(self.sched.node_joined(n.id, "rollout", n.gpu, 0.0))
-        hb = self.cfg.runtime.heartbeat_s
-        self._at(hb, "round")
+        # a round (every node heartbeats, then tick) three times per liveness timeout is enough
+        # to keep live nodes alive and detects a lost one within 4/3 of the timeout
+        rt = self.cfg.runtime
+        self.round_s = rt.heartbeat_s if self.setup.keep_timeouts else rt.heartbeat_s * rt.heartbeat_misses / 3
+        self._at(self.round_s, "round")
         if self.setup.loss_rate_per_h > 0 and not self.colocated:
             self._schedule_loss()
         for t in self.trainers:
@@ -268,7 +272,7 @@ class Simulator:
         if not self.heap and not any(n.working for n in self.nodes.values()):
             self.idle_rounds += 1  # nothing will ever happen again but heartbeats: a deadlock
             rt = self.cfg.runtime
-            if self.idle_rounds > rt.heartbeat_misses + rt.lease_s / rt.heartbeat_s + 2:
+            if self.idle_rounds * self.round_s > rt.heartbeat_s * rt.heartbeat_misses + rt.lease_s + 2 * self.round_s:
                 raise SimulationError(f"deadlock at t={self.now:.1f} s, version {self.version}: "
                                       f"{self.sched.statistics()}")
         else:
@@ -277,7 +281,7 @@ class Simulator:
             if n.alive:
                 self._apply(self.sched.heartbeat(n.id, self.now))
         self._apply(self.sched.tick(self.now))
-        self._at(self.now + self.cfg.runtime.heartbeat_s, "round")
+        self._at(self.now + self.round_s, "round")
 
     # ------------------------------------------------------------------ failures
     def _schedule_loss(self) -> None:
@@ -366,10 +370,13 @@ class Simulator:
 
     def _on_commit(self, task: Any, nid: str, gen_v: int, n: int, gen_s: float) -> None:
         self._apply(self.sched.fragment_committed(task.task_id, nid, gen_v, gen_s, self.now))
-        if task.step < self.version:
-            return
-        self.commits[task.step].append((task, n, gen_v))
-        self.arrived[task.step] += 1
+        if task.step < self.version or task.fragment in self.arrived[task.step]:
+            return  # a slot already trained or staged (the real trainer drops these too)
+        self.arrived[task.step].add(task.fragment)
+        owners = set(task.owners) or {0}
+        units = [self._train_units(task, n, r) for r in range(self.R)]
+        for r, q in enumerate(self.pending):
+            q[task.step].append((task, n, gen_v, r in owners, units[r]))
         for t in self.trainers:
             self._kick(t)
 
@@ -377,23 +384,31 @@ class Simulator:
         s = self.version
         if node.rank in self.ready_ranks:
             return
-        pending = [c for c in self.commits.get(s, ()) if c[0].fragment not in self.consumed[(node.rank, s)]]
-        if pending and (self.setup.gap or len({c[0].fragment for c in self.commits[s]}) >= self.F):
-            task, n, gen_v = pending[0]
-            self.consumed[(node.rank, s)].add(task.fragment)
-            if not 0 <= s - gen_v <= self.K:  # the trainer's oracle: must never fire
-                self.rejected_stale += n
-                if node.rank in (set(task.owners) or {0}):
-                    self._apply(self.sched.fragment_consumed(task.task_id, node.rank, 0, {"stale": n}, 0.0, self.now))
-                self._kick(node)
+        pending = self.pending[node.rank].get(s)
+        if pending and (self.setup.gap or len(self.arrived[s]) >= self.F):
+            # Everything this rank can train now becomes one work item (one event, not one per
+            # fragment); with GAP commits trickle in, so that is usually a single fragment.
+            batch, units = [], 0
+            while pending:
+                task, n, gen_v, owns, u = pending.popleft()
+                self.consumed[(node.rank, s)] += 1
+                if not 0 <= s - gen_v <= self.K:  # the trainer's oracle: must never fire
+                    self.rejected_stale += n
+                    if owns:
+                        self._apply(self.sched.fragment_consumed(task.task_id, node.rank, 0, {"stale": n}, 0.0, self.now))
+                    continue
+                if u == 0 and not owns:
+                    continue  # TSP gave this rank none of the fragment's timesteps
+                batch.append((task, n, owns))
+                units += u
+            if batch:
+                switch = 0.0
+                if self.colocated and node.state != "train":
+                    node.state, switch = "train", node.costs.switch_s
+                secs = self._dur(units * node.costs.train_step_s)
+                self._work(node, "fragment_train", switch + secs, "trained", batch, secs)
                 return
-            switch = 0.0
-            if self.colocated and node.state != "train":
-                node.state, switch = "train", node.costs.switch_s
-            secs = self._dur(self._train_units(task, n, node.rank) * node.costs.train_step_s)
-            self._work(node, "fragment_train", switch + secs, "trained", task, n, secs)
-            return
-        if len(self.consumed[(node.rank, s)]) >= self.F:
+        if self.consumed[(node.rank, s)] >= self.F:
             self.ready_ranks.add(node.rank)
             if len(self.ready_ranks) == self.R:
                 self._optimizer_step()
@@ -414,11 +429,12 @@ class Simulator:
         # baselines' data parallelism instead (each rank trains ceil(n / R) samples).
         return math.ceil(n / self.R) * len(self.trained)
 
-    def _on_trained(self, nid: str, token: int, task: Any, n: int, secs: float) -> None:
+    def _on_trained(self, nid: str, token: int, batch: list[tuple[Any, int, bool]], secs: float) -> None:
         node = self.nodes[nid]
         node.working = False
-        if node.rank in (set(task.owners) or {0}):  # only owning ranks report (scheduler contract)
-            self._apply(self.sched.fragment_consumed(task.task_id, node.rank, n, {}, secs, self.now))
+        for task, n, owns in batch:
+            if owns:  # only owning ranks report (scheduler contract)
+                self._apply(self.sched.fragment_consumed(task.task_id, node.rank, n, {}, secs / len(batch), self.now))
         self._kick(node)
 
     def _optimizer_step(self) -> None:
@@ -435,7 +451,9 @@ class Simulator:
         s = self.version
         self.version = s + 1
         self.ready_ranks.clear()
-        self.commits.pop(s, None)
+        self.arrived.pop(s, None)
+        for q in self.pending:
+            q.pop(s, None)
         for t in self.trainers:
             # a trainer re-offers for TAG once per version (the real trainer offers once per Assign)
             t.working, t.version, t.offered = False, s + 1, False
