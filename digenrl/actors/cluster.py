@@ -105,16 +105,16 @@ class Children:
                 p = self.procs[node_id]
                 if p.returncode is None or actor.stopping:
                     continue
-                self.restarts[node_id] = self.restarts.get(node_id, 0) + 1
-                if self.restarts[node_id] > self.max_restarts:
-                    actor.request_stop(f"failed: {node_id} exited {self.restarts[node_id]} times")
+                n = self.restarts.get(node_id, 0) + 1
+                if n > self.max_restarts:
+                    actor.request_stop(f"failed: {node_id} exited {n} times")
                     break
                 self.log.warning("node died", node=node_id, role=role, code=p.returncode)
                 await actor.node_exited(node_id, p.returncode)
-                if role == "rollout":
-                    await self.start(node_id, role)
-                elif not actor.restart_requested.is_set() and not actor.stopping:
-                    await self.start(node_id, role)  # not yet welcomed: nothing to rewind
+                if actor.restart_requested.is_set() or actor.stopping:
+                    break  # a rewind: every child restarts above, on the next poll
+                self.restarts[node_id] = n
+                await self.start(node_id, role)
 
     async def wait_all(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
