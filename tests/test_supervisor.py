@@ -1,0 +1,100 @@
+"""The shipped supervisord config runs a local cluster and restarts a rollout killed mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from digenrl.config import load_config, resolve_mode, to_toml
+from digenrl.launch import free_port
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SMALL = ["run.steps=4", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
+         "runtime.fragments_per_step=2", "sampler.num_steps=4", "runtime.heartbeat_s=0.2",
+         "runtime.slowdown=2", "runtime.tag=\"never\""]
+
+
+def supervisor_conf(state: Path) -> Path:
+    """ops/supervisor/digenrl.conf with test timings: a node up 1 s counts as started (the
+    tiny run ends sooner than the shipped 10 s, which supervisord would take for a failed
+    start and restart), a 15 s stop timeout, and minfds=1024 (sandboxes cap the fd limit at
+    the shipped 65536, which supervisord refuses)."""
+    text = (REPO / "ops" / "supervisor" / "digenrl.conf").read_text()
+    for shipped in ("startsecs=10", "stopwaitsecs=120", "minfds=65536"):
+        assert shipped in text, shipped
+    path = state / "supervisord.conf"
+    path.write_text(text.replace("startsecs=10", "startsecs=1").replace("stopwaitsecs=120", "stopwaitsecs=15")
+                    .replace("minfds=65536", "minfds=1024"))
+    return path
+
+
+def ctl(conf: Path, env: dict[str, str], *args: str) -> str:
+    """supervisorctl's output (it reads the same %(ENV_...)s as supervisord)."""
+    out = subprocess.run([str(BIN / "supervisorctl"), "-c", str(conf), *args], capture_output=True,
+                         text=True, timeout=30, env=env)
+    return out.stdout.strip()
+
+
+def wait_for(cond, what: str, timeout: float) -> None:
+    """Poll an external process manager; the timeout only bounds a broken run."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.skipif(shutil.which("supervisord", path=str(BIN)) is None, reason="supervisor not installed")
+def test_supervisord_restarts_a_killed_rollout_and_the_run_finishes(tmp_path: Path) -> None:
+    state, run_dir = tmp_path / "state", tmp_path / "run"
+    state.mkdir()
+    cfg_path = tmp_path / "run.toml"
+    cfg_path.write_text(to_toml(resolve_mode(load_config(None, SMALL), "digenrl")))
+    endpoint = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
+               DIGENRL_STATE_DIR=str(state), DIGENRL_COORDINATOR=endpoint,
+               DIGENRL_COORDINATOR_BIND=endpoint, DIGENRL_TRAINER_BIND="tcp://127.0.0.1:*",
+               DIGENRL_GPU="cpu", DIGENRL_CONFIG=str(cfg_path), DIGENRL_RUN_DIR=str(run_dir),
+               DIGENRL_NODE_ARGS="", DIGENRL_LOCAL_COORDINATOR="1", DIGENRL_LOCAL_TRAINERS="1",
+               DIGENRL_LOCAL_ROLLOUTS="1")
+    conf = supervisor_conf(state)
+    sup = subprocess.Popen([str(BIN / "supervisord"), "-n", "-c", str(conf)], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rollout = "digenrl:digenrl-rollout-0"
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        wait_for(lambda: metrics.is_file() and metrics.read_text().strip(), "the first step", 90)
+        old_pid = int(ctl(conf, env, "pid", rollout))
+        os.kill(old_pid, signal.SIGKILL)
+        wait_for(lambda: ctl(conf, env, "pid", rollout) not in ("0", str(old_pid), ""), "the restart", 30)
+        wait_for(lambda: "EXITED" in ctl(conf, env, "status", "digenrl:digenrl-coordinator"),
+                 "the coordinator to exit", 90)
+        status = ctl(conf, env, "status")
+        assert "FATAL" not in status and "BACKOFF" not in status, status
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["steps"] == 4 and summary["stop_reason"] == "done"
+        acc = summary["accounting"]
+        assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) + acc["in_flight"]
+        assert acc["in_flight"] == 0
+        assert any("#lost" in k for k in summary["nodes"]), summary["nodes"]
+        # exit 0 at the end of the run: supervisord (autorestart=unexpected) leaves them down
+        wait_for(lambda: "RUNNING" not in ctl(conf, env, "status"), "every node to exit", 30)
+        assert ctl(conf, env, "status").count("EXITED") == 3, ctl(conf, env, "status")
+    finally:
+        sup.send_signal(signal.SIGTERM)  # supervisord stops what is left, then exits
+        try:
+            sup.wait(60)
+        except subprocess.TimeoutExpired:
+            sup.kill()
+            sup.wait()
