@@ -87,10 +87,12 @@ def plan(cfg: Config, cluster: Cluster, modes: list[str], *, calibration: dict[s
         best: dict[str, Any] | None = None
         tried = []
         for t in range(1, cluster.size):
-            r = simulate(*mode_run(cfg, "digenrl", cluster, trainers=t, **kw))
-            tried.append({"trainers": t, "rollouts": cluster.size - t, "samples_per_s": r.samples_per_s})
-            if best is None or r.samples_per_s > best["samples_per_s"]:
-                best = {**tried[-1], **_row("digenrl best split", r, base)}
+            for off in (None, "tsp"):
+                r = simulate(*mode_run(cfg, "digenrl", cluster, trainers=t, off=off, **kw))
+                tried.append({"trainers": t, "rollouts": cluster.size - t, "tsp": off is None,
+                              "samples_per_s": r.samples_per_s})
+                if best is None or r.samples_per_s > best["samples_per_s"]:
+                    best = {**tried[-1], **_row("digenrl best split", r, base)}
         out["search"] = {"best": best, "tried": tried}
     out["_results"] = results
     return out
@@ -116,7 +118,8 @@ def render(report: dict[str, Any]) -> str:
                      f"{r['bubble_s_per_step']:9.3g} {_fmt(r['speedup_vs_colocated'], '8.2f')}")
     if report.get("search"):
         b = report["search"]["best"]
-        lines.append(f"best split: {b['trainers']} trainers + {b['rollouts']} rollouts")
+        lines.append(f"best split: {b['trainers']} trainers + {b['rollouts']} rollouts, "
+                     f"TSP {'on' if b['tsp'] else 'off (data parallel)'}")
     return "\n".join(lines)
 
 

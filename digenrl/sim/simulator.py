@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
 import random
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -388,7 +387,7 @@ class Simulator:
         if pending and (self.setup.gap or len(self.arrived[s]) >= self.F):
             # Everything this rank can train now becomes one work item (one event, not one per
             # fragment); with GAP commits trickle in, so that is usually a single fragment.
-            batch, units = [], 0
+            batch, units = [], 0.0
             while pending:
                 task, n, gen_v, owns, u = pending.popleft()
                 self.consumed[(node.rank, s)] += 1
@@ -421,13 +420,14 @@ class Simulator:
             node.offered = True
             self._apply(self.sched.tag_offer(node.id, self.now))
 
-    def _train_units(self, task: Any, n: int, rank: int) -> int:
+    def _train_units(self, task: Any, n: int, rank: int) -> float:
         """Sample-timesteps this rank trains for the fragment (TSP or data-parallel)."""
         if self.cfg.runtime.tsp and self.R > 1:
             return n * task.owners.count(rank)
         # TSP off: the scheduler routes every chunk to rank 0; the simulator assumes the
-        # baselines' data parallelism instead (each rank trains ceil(n / R) samples).
-        return math.ceil(n / self.R) * len(self.trained)
+        # baselines' data parallelism instead (each rank trains n / R of the samples; ideal
+        # FSDP micro-batching over the whole step, so no rounding per fragment).
+        return n / self.R * len(self.trained)
 
     def _on_trained(self, nid: str, token: int, batch: list[tuple[Any, int, bool]], secs: float) -> None:
         node = self.nodes[nid]
