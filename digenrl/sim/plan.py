@@ -167,7 +167,8 @@ def _spans(run_dir: Path) -> list[dict[str, Any]]:
 def calibrate(run_dir: str | Path) -> dict[str, Any]:
     """Fit per-unit seconds (NodeCosts fields) to a real run dir's trace and metrics.
 
-    Medians of: ``generate`` spans (colocated: a whole share, per sample-step; disaggregated:
+    Medians of: ``generate`` spans (or, for rollouts, all ``denoise_step`` time over
+    fragments x samples x T) (colocated: a whole share, per sample-step; disaggregated:
     one denoising step of a fragment, per sample), ``tag_generate``, ``fragment_train`` (per
     sample-timestep it trained), ``reward``, ``optimizer_step``. For colocated runs the step
     time not covered by spans becomes the switch cost (paid twice a step).
@@ -191,8 +192,12 @@ def calibrate(run_dir: str | Path) -> dict[str, Any]:
     costs: dict[str, float] = {}
     g, tg, tr, rw, opt = (med(n) for n in ("generate", "tag_generate", "fragment_train", "reward",
                                            "optimizer_step"))
+    denoise = [e["dur_ns"] / 1e9 for e in spans if e["name"] == "denoise_step"]
+    n_frag = sum(1 for e in spans if e["name"] == "reward")
     if g is not None:
         costs["gen_step_s"] = g / (share * T) if colocated else g / share
+    elif denoise and n_frag:  # rollouts span each denoising call; spread them over the T steps
+        costs["gen_step_s"] = sum(denoise) / (n_frag * share * T)
     if tg is not None:
         costs["colo_gen_step_s"] = tg / share
     elif colocated and g is not None:
