@@ -65,14 +65,22 @@ def all_timesteps(num_steps: int) -> PlanFn:
     return plan
 
 
-def owners_for(trained: Sequence[int], ranks: int, tsp: bool) -> tuple[int, ...]:
-    """Rank owning each trained timestep: contiguous, balanced over ``ranks`` with TSP on;
-    everything on rank 0 with TSP off (other ranks idle: no data parallelism here)."""
+def owners_for(trained: Sequence[int], ranks: int, tsp: bool, fragment: int = 0) -> tuple[int, ...]:
+    """Rank owning each trained timestep of fragment ``fragment`` (TSP x data parallelism).
+
+    TSP spreads a fragment's trained timesteps over a group of ``g = min(ranks, n)`` ranks
+    (contiguous, balanced); when there are more ranks than trained timesteps, the ranks form
+    ``ranks // g`` such groups and fragments go round-robin over them (data parallelism over
+    fragments), so extra ranks are not idle. With TSP off every group is one rank: fragment
+    ``f`` is trained whole by rank ``f % ranks``.
+    """
     n = len(trained)
-    if not tsp or ranks == 1:
+    if ranks <= 1 or n == 0:
         return (0,) * n
-    # Rank r owns positions [r*n//R, (r+1)*n//R): sizes differ by at most one.
-    return tuple(next(r for r in range(ranks) if i < (r + 1) * n // ranks) for i in range(n))
+    g = min(ranks, n) if tsp else 1
+    base = (fragment % (ranks // g)) * g
+    # within the group, member m owns positions [m*n//g, (m+1)*n//g): sizes differ by at most one
+    return tuple(base + next(m for m in range(g) if i < (m + 1) * n // g) for i in range(n))
 
 
 def check_plan(step: int, trained: Sequence[int], sde: Sequence[int], num_steps: int) -> None:

@@ -331,7 +331,8 @@ class Scheduler:
 
     def _assign(self, node: _Node, now: float, *, tag: bool = False) -> AssignCmd:
         attempt = self.ledger.admit(node.node_id, now)
-        trained, sde, owners = self.step_plan(attempt.step)
+        trained, sde, _ = self.step_plan(attempt.step)
+        owners = owners_for(trained, self.params.trainer_ranks, self.params.tsp, attempt.fragment)
         prompts, seeds = self.fragment_content(attempt.step, attempt.fragment)
         self._tasks[attempt.task_id] = _Task(ranks=frozenset(owners) or frozenset({0}), tag=tag)
         node.outstanding.append(attempt.task_id)

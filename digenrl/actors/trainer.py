@@ -114,6 +114,7 @@ class TrainerActor(Actor):
             step = self.policy.version
             ready = self.pending.pop(step, [])
             if ready:
+                self._offered = False  # worked: offer again next time we wait (offers are one-shot)
                 for commit in ready:
                     await self._consume(commit)
                 if len(self.consumed_slots[step]) == F:
@@ -220,8 +221,8 @@ class TrainerActor(Actor):
     async def _report(self, commit: Commit, trained: int, discarded: dict[str, int],
                       seconds: float) -> None:
         if self.rank not in owners_for(plan_for_step(self.cfg, commit.step)[0], self.world_size,
-                                       self.cfg.runtime.tsp):
-            return  # this rank trains none of the step's timesteps: nothing to report
+                                       self.cfg.runtime.tsp, commit.fragment):
+            return  # this rank trains none of the fragment's timesteps: nothing to report
         await self.peers.control.send(Consumed(
             task_id=commit.task_id, step=commit.step, fragment=commit.fragment, rank=self.rank,
             trained=trained, discarded=discarded, train_seconds=seconds))
