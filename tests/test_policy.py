@@ -61,7 +61,7 @@ class TinyFlow:
 def _cfg(*extra: str):
     return load_config(overrides=[f"sampler.num_steps={T}", f"train.prompts_per_step={P}",
                                   f"train.group_size={G}", "runtime.fragments_per_step=1",
-                                  "train.clip_range=0.2", *extra])
+                                  "train.clip_range=0.2", "train.timesteps=all", *extra])
 
 
 def _batch(model, cfg, seeds=None):

@@ -69,6 +69,9 @@ def _json_formatter() -> logging.Formatter:
                     structlog.processors.JSONRenderer(sort_keys=False)])
 
 
+_LIBRARY_LOGGERS = ("diffusers", "transformers", "peft", "accelerate")
+
+
 def configure_logging(*, json: bool | None = None, level: str = "info",
                       log_file: Path | str | None = None, stream: TextIO | None = None) -> None:
     """Configure structlog and stdlib logging for this process (call once, at the entry point).
@@ -106,6 +109,13 @@ def configure_logging(*, json: bool | None = None, level: str = "info",
     for handler in _installed:
         root.addHandler(handler)
     root.setLevel(LEVELS[level])
+    # libraries that install their own handler and stop propagation (diffusers and
+    # transformers do, once their logging module is used) would bypass our format
+    for name in _LIBRARY_LOGGERS:
+        lib = logging.getLogger(name)
+        for handler in list(lib.handlers):
+            lib.removeHandler(handler)
+        lib.propagate = True
 
     structlog.configure(
         processors=[structlog.stdlib.filter_by_level, *_SHARED,

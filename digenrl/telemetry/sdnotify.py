@@ -70,7 +70,11 @@ def notify(state: str, *, environ: Mapping[str, str] | None = None) -> bool:
         raise NotifyError(f"sd_notify state {state!r} is not KEY=VALUE")
     address = _address(target)
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-        sock.sendto(state.encode("utf-8"), address)
+        try:
+            # never block the event loop on a service manager that is not reading
+            sock.sendto(state.encode("utf-8"), socket.MSG_DONTWAIT, address)
+        except BlockingIOError:
+            return False  # its queue is full: this notice is dropped, the next one may pass
     return True
 
 

@@ -277,8 +277,11 @@ class Socket:
         stats = self._stats
         stats.bad_frames += 1
         stats.bad_by_reason[error.reason] = stats.bad_by_reason.get(error.reason, 0) + 1
-        log.warning("bad_frames_dropped", socket=self.name, peer=_peer_name(peer, frames),
-                    reason=error.reason, error=str(error))
+        # rate-limited: a hostile peer must not be able to flood the logs (counters stay exact)
+        n = stats.bad_frames
+        if n <= 10 or (n & (n - 1)) == 0:
+            log.warning("bad_frames_dropped", socket=self.name, peer=_peer_name(peer, frames),
+                        reason=error.reason, error=str(error), total_bad_frames=n)
 
 
 def _peer_name(peer: bytes | None, frames: list[zmq.Frame]) -> str:
