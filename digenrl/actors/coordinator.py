@@ -223,6 +223,10 @@ class CoordinatorActor(Actor):
             la = self.latest_announce
             if la is not None and msg.policy_version < la.version and self.nodes.get(msg.node_id, {}).get("role") == "rollout":
                 await self._send(la, to=peer)  # a missed announcement, caught up
+            else:  # an answer to every beat: the node's proof that the coordinator is alive
+                await self._send(Heartbeat(node_id=self.node_id, incarnation=0,
+                                           policy_version=la.version if la else 0, state="running",
+                                           seq=msg.seq, gpu={}, stats={}), to=peer)
         elif isinstance(msg, Commit):
             crash_point("commit", msg.step)
             self.staleness_hist[str(msg.step - msg.policy_version)] = \

@@ -54,11 +54,27 @@ class NodePeers:
         self._gpu_reading: dict[str, Any] = {}
         self._seq = itertools.count()
         self.weights_lock = asyncio.Lock()
+        self.last_heard = time.monotonic()  # any control message from the coordinator
 
     # ------------------------------------------------------------------ heartbeats
     def heartbeat_loop(self, actor: Any) -> Any:
+        """Beat every ``heartbeat_s``; stop the node if the coordinator stays silent.
+
+        The coordinator answers every beat, so ``heartbeat_misses`` intervals without any
+        control message mean it is gone (crashed, partitioned): the node stops with reason
+        ``coordinator_lost`` and exits non-zero, for its supervisor to restart it against
+        the restarted coordinator, which resumes from its checkpoint.
+        """
         async def heartbeat() -> None:
+            timeout = self.cfg.runtime.heartbeat_s * self.cfg.runtime.heartbeat_misses
+            self.last_heard = time.monotonic()  # the model build before this is not silence
             while True:
+                if time.monotonic() - self.last_heard > timeout and not actor.stopping:
+                    actor.log.error("coordinator lost", silent_s=round(time.monotonic() - self.last_heard, 1))
+                    actor.request_stop("coordinator_lost")
+                    wake = getattr(actor, "wake", None)
+                    if wake is not None:
+                        wake.set()
                 self._gpu_reading = await self.gpu.read_async()
                 await self.control.send(Heartbeat(
                     node_id=self.node_id, incarnation=self.incarnation,
@@ -76,6 +92,7 @@ class NodePeers:
 
     # ------------------------------------------------------------------ versions (TCSS)
     def on_control(self, msg: Any) -> None:
+        self.last_heard = time.monotonic()
         if isinstance(msg, VersionAnnounce):
             self.on_announce(msg)
 
