@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from digenrl.actors.generate import FragmentJob
 from digenrl.checkpoint import colocated_checkpoint, colocated_resume, crash_point
-from digenrl.config import Config
+from digenrl.config import Config, ConfigError
 from digenrl.images import save_grid
 from digenrl.learner import Learner, plan_for_step, save_final, step_metrics
 from digenrl.models import build_model
@@ -39,6 +39,9 @@ def _all_reduce(t: torch.Tensor) -> None:
 
 
 def build_policy(cfg: Config) -> Policy:
+    if cfg.model.fsdp:
+        raise ConfigError("model.fsdp = true: FSDP2 sharding is not implemented in the runtime yet "
+                          "(the planner models it); use LoRA (model.lora_rank) to fit a large model")
     model = build_model(cfg.model, seed=cfg.run.seed)
     return Policy(model, cfg.train, cfg.sampler)
 
