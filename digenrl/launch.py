@@ -92,6 +92,13 @@ def run_colocated_ranks(cfg: Config, run_dir: Path, resume: bool = False) -> dic
     return json.loads((run_dir / "colocated-summary.json").read_text())
 
 
+def check_runtime_support(cfg: Config) -> None:
+    """Refuse, before any process starts, what the runtime cannot do yet."""
+    if cfg.model.fsdp:
+        raise ConfigError("model.fsdp = true: FSDP2 sharding is not implemented in the runtime yet "
+                          "(the planner models it); use LoRA (model.lora_rank) to fit a large model")
+
+
 def launch(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to the end; returns (and writes) summary.json.
 
@@ -100,6 +107,8 @@ def launch(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any
     """
     from digenrl.checkpoint import CheckpointError, checkpoint_root, latest_checkpoint
     from digenrl.telemetry.trace import merge_traces
+
+    check_runtime_support(cfg)
 
     if not resume and (checkpoint_root(run_dir) / "manifest.json").exists():
         raise ConfigError(f"run dir {run_dir} holds a checkpoint: continue it with "
