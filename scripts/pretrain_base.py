@@ -13,7 +13,11 @@ Training (one page, as the algorithm reads):
   gets saved (sharper samples than the raw weights after a short run).
 
 Checkpoints (EMA + optimizer) go to ``--ckpt-dir`` every ``--ckpt-every`` steps; ``--resume``
-continues from the latest one. At the end the EMA transformer is written with
+continues from the latest one. A continuation run can restart the schedule where it resumes:
+``--restart-schedule`` counts warm-up and cosine from the resumed step (to ``--steps``, with the
+given ``--lr``/``--warmup``), and ``--schedule-by-time`` measures the cosine's progress as
+elapsed / ``--max-minutes`` instead of by steps, so the decay ends when the time budget does
+(useful on a shared machine whose step time varies 3x). At the end the EMA transformer is written with
 ``save_pretrained`` into ``--out`` and a 4x4 sample grid (8 ODE steps, shift 3) to ``--grid``.
 """
 
@@ -65,10 +69,12 @@ def save_grid(images: torch.Tensor, path: str | Path, cols: int = 4, scale: int 
     pil.resize((pil.width * scale, pil.height * scale), Image.NEAREST).save(path)
 
 
-def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
+def lr_at(step: int, total: int, warmup: int, peak: float, progress: float | None = None) -> float:
+    """Linear warm-up, then cosine to 5% of ``peak``; ``progress`` in [0, 1] overrides the step count."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
+    if progress is None:
+        progress = (step - warmup) / max(1, total - warmup)
     return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -89,6 +95,10 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=250)
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--restart-schedule", action="store_true",
+                    help="on --resume: warm-up + cosine start at the resumed step (continuation)")
+    ap.add_argument("--schedule-by-time", action="store_true",
+                    help="cosine progress = elapsed / --max-minutes (decay ends with the budget)")
     ap.add_argument("--out", default="digenrl/data/base-sd3-tiny")
     ap.add_argument("--grid", default="docs/base-samples.png")
     args = ap.parse_args()
@@ -119,6 +129,7 @@ def main() -> None:
     prompts_all = all_prompts()
     t0, window = time.monotonic(), []
     step = start
+    sched0 = start if args.restart_schedule else 0
     for step in range(start, args.steps):
         images, prompts = make_batch(data_rng, args.batch, prompts_all)
         x0 = encode_images(images, channels)
@@ -130,7 +141,10 @@ def main() -> None:
         pred = model.velocity(x_sigma, sigma, model.encode_prompts(prompts))
         loss = torch.nn.functional.mse_loss(pred, noise - x0)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.warmup, args.lr)
+            progress = None
+            if args.schedule_by_time and step - sched0 >= args.warmup:
+                progress = (time.monotonic() - t0) / (args.max_minutes * 60)
+            group["lr"] = lr_at(step - sched0, args.steps - sched0, args.warmup, args.lr, progress)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -142,7 +156,8 @@ def main() -> None:
         window.append(loss.item())
         if (step + 1) % args.log_every == 0:
             elapsed = time.monotonic() - t0
-            log.append({"step": step + 1, "loss": sum(window) / len(window), "elapsed_s": round(elapsed, 1)})
+            log.append({"step": step + 1, "loss": sum(window) / len(window), "elapsed_s": round(elapsed, 1),
+                        "lr": opt.param_groups[0]["lr"]})
             window = []
             print(json.dumps(log[-1]), flush=True)
         out_of_time = time.monotonic() - t0 > args.max_minutes * 60
