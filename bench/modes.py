@@ -1,6 +1,7 @@
 """Modes side by side on this machine: digenrl vs disagg-sync vs colocated, plus each role alone.
 
-    python bench/modes.py [--steps 12] [--config PATH] [--set key=value ...] [--only NAME ...]
+    python bench/modes.py [--steps 12] [--repeats 3] [--config PATH] [--set key=value ...]
+                          [--only NAME ...]
 
 One invocation runs, one after another on the same (2-core) machine and the same config:
   digenrl          1 rollout + 1 trainer process, one thread each, TAG off
@@ -12,7 +13,10 @@ One invocation runs, one after another on the same (2-core) machine and the same
   trainer-alone    training only on a recording, one thread (no rollout)
 For each: samples/s (first assignment to last step), steady-state seconds per step (median of
 the steps after the first two), each process's busy fraction, and the ratios the runtime
-issue targets. Results also go to bench/results/modes.json.
+issue targets. The machine is shared and noisy, so the variants run interleaved
+(A B C ... A B C ...) ``--repeats`` times and the medians are reported.
+``--set`` overrides apply to every variant, after the variant's own settings.
+Results also go to bench/results/modes.json.
 """
 
 from __future__ import annotations
@@ -60,8 +64,9 @@ def main() -> int:
     ap.add_argument("--config", default=None)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    base = [*args.overrides, f"run.steps={args.steps}"]
+    base = [f"run.steps={args.steps}"]
     plan = {
         "digenrl": ("digenrl", ["runtime.tag=never", "run.threads=1"]),
         "digenrl+tag": ("digenrl", ["runtime.tag=bts", "run.threads=1"]),
@@ -69,20 +74,31 @@ def main() -> int:
         "colocated-2thr": ("colocated", ["run.threads=2", "cluster.trainers=1"]),
         "colocated-2rank": ("colocated", ["run.threads=1", "cluster.trainers=2"]),
     }
-    res: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        for name, (mode, ov) in plan.items():
-            if args.only and name not in args.only:
-                continue
-            res[name] = run_mode(name, mode, [*base, *ov], tmp, args.config)
-            r = res[name]
-            busy = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r["busy"].items()))
-            print(f"{name:16s} {r['samples_per_s']:7.2f} samples/s  steady {r['steady_step_s']:.3f} s/step "
-                  f"({r['steady_samples_per_s']:.2f} samples/s)  busy: {busy}"
-                  + (f"  TAG fragments {r['tag_granted']}" if r["tag_granted"] else ""), flush=True)
+        for rep in range(args.repeats):
+            for name, (mode, ov) in plan.items():
+                if args.only and name not in args.only:
+                    continue
+                r = run_mode(f"{name}-{rep}", mode, [*base, *ov, *args.overrides], tmp, args.config)
+                runs.setdefault(name, []).append(r)
+                busy = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r["busy"].items()))
+                print(f"[{rep}] {name:16s} {r['samples_per_s']:7.2f} samples/s  steady "
+                      f"{r['steady_step_s']:.3f} s/step  busy: {busy}"
+                      + (f"  TAG fragments {r['tag_granted']}" if r["tag_granted"] else ""), flush=True)
+        res: dict[str, dict] = {}
+        for name, rs in runs.items():
+            med = {k: statistics.median(r[k] for r in rs)
+                   for k in ("samples_per_s", "steady_step_s", "steady_samples_per_s", "tag_granted")}
+            med["busy"] = {n: statistics.median(r["busy"].get(n, 0.0) for r in rs) for n in rs[0]["busy"]}
+            med["all_samples_per_s"] = [r["samples_per_s"] for r in rs]
+            res[name] = med
+            busy = ", ".join(f"{k} {v:.0%}" for k, v in sorted(med["busy"].items()))
+            print(f"median {name:16s} {med['samples_per_s']:7.2f} samples/s  steady "
+                  f"{med['steady_step_s']:.3f} s/step  busy: {busy}", flush=True)
         if not args.only or "alone" in args.only:
-            res["alone"] = run_alone(base, args.config, args.steps, tmp)
+            res["alone"] = run_alone([*base, *args.overrides], args.config, args.steps, tmp)
             a = res["alone"]
             print(f"rollout alone    {a['rollout_step_s']:.3f} s/step;  trainer alone "
                   f"{a['trainer_step_s']:.3f} s/step", flush=True)

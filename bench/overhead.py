@@ -5,7 +5,9 @@
 Both loops run in this process, alternating (A B A B ...), on the default config with one
 torch thread; each prints samples/s, and the ratio colocated / plain is the figure of merit
 (target >= 0.95). The plain loop is written out here on purpose: model forward, SDE step,
-reward, advantages, clipped loss, backward, AdamW, nothing else.
+reward, advantages, clipped loss, backward, AdamW, nothing else. It does the same work as
+the framework: the same prompts and per-trajectory seeds (sched_plan), the same trained
+window and ODE/SDE steps (learner.plan_for_step), the same loss normalisation.
 """
 
 from __future__ import annotations
@@ -21,16 +23,17 @@ import torch
 
 from digenrl.colocated import run_colocated
 from digenrl.config import load_config, resolve_mode
+from digenrl.learner import plan_for_step
 from digenrl.models import build_model
 from digenrl.models.base import cond_repeat
 from digenrl.prompts import load_prompts
 from digenrl.rl.rewards import build_reward
 from digenrl.rl.sde import sde_step, sigma_schedule
+from digenrl.sched_plan import step_prompts, trajectory_seed
 
 
 def plain_loop(cfg, steps: int) -> float:
     """Straight-line Flow-GRPO; returns samples/s."""
-    torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, seed=cfg.run.seed)
     params = list(model.trainable_parameters())
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=cfg.train.adam_betas,
@@ -40,32 +43,37 @@ def plain_loop(cfg, steps: int) -> float:
     P, G, T = cfg.train.prompts_per_step, cfg.train.group_size, cfg.sampler.num_steps
     s = cfg.sampler
     sig = sigma_schedule(T, s.shift).tolist()
-    gen = torch.Generator().manual_seed(0)
+    eps = cfg.train.clip_range
     t0 = time.perf_counter()
     for step in range(steps):
-        batch = [prompts[(step * P + i) % len(prompts)] for i in range(P)]
+        ids = step_prompts(cfg.run.seed, step, P, len(prompts))
+        batch = [prompts[i] for i in ids]
+        trained, sde = plan_for_step(cfg, step)
+        gens = [torch.Generator().manual_seed(trajectory_seed(cfg.run.seed, step, q, g))
+                for q in range(P) for g in range(G)]
         cond = cond_repeat(model.encode_prompts(batch), G)
-        x = torch.randn((P * G, *model.latent_shape), generator=gen)
-        traj = []
+        x = torch.stack([torch.randn(model.latent_shape, generator=g) for g in gens])
+        traj = {}
         with torch.no_grad():
             for i in range(T):
                 v = model.velocity(x, torch.full((P * G,), sig[i]), cond)
-                out = sde_step(s.sde_type, x, v, sig[i], sig[i + 1], noise_level=s.noise_level,
-                               eta=s.eta, sigma_max=sig[1], generator=gen)
-                traj.append((x, out.x_next, out.log_prob, sig[i], sig[i + 1]))
+                kind = s.sde_type if i in sde else "ode"
+                out = sde_step(kind, x, v, sig[i], sig[i + 1], noise_level=s.noise_level,
+                               eta=s.eta, sigma_max=sig[1], generator=gens)
+                if i in trained:
+                    traj[i] = (x, out.x_next, out.log_prob)
                 x = out.x_next
         r, _ = reward(model.decode(x), [p for p in batch for _ in range(G)])
-        rg = r.view(P, G)
+        rg = r.view(P, G).double()
         adv = ((rg - rg.mean(1, keepdim=True)) / (rg.std(1, unbiased=False, keepdim=True) + 1e-4))
-        adv = adv.clamp(-cfg.train.adv_clip, cfg.train.adv_clip).flatten()
-        for x_t, x_next, logp_old, a, b in traj:
-            v = model.velocity(x_t, torch.full((P * G,), a), cond)
-            out = sde_step(s.sde_type, x_t, v, a, b, noise_level=s.noise_level, eta=s.eta,
-                           sigma_max=sig[1], x_next=x_next)
+        adv = adv.clamp(-cfg.train.adv_clip, cfg.train.adv_clip).flatten().float()
+        for i, (x_t, x_next, logp_old) in traj.items():
+            v = model.velocity(x_t, torch.full((P * G,), sig[i]), cond)
+            out = sde_step(s.sde_type, x_t, v, sig[i], sig[i + 1], noise_level=s.noise_level,
+                           eta=s.eta, sigma_max=sig[1], x_next=x_next)
             ratio = torch.exp(out.log_prob - logp_old)
-            eps = cfg.train.clip_range
-            loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps)).mean() / T
-            loss.backward()
+            loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps)).sum()
+            (loss / (P * G * len(trained))).backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)

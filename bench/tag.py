@@ -4,7 +4,9 @@
 
 Three configurations of the default model, each run with runtime.tag=bts and =never:
   gen-bound     generation dominates (16 denoising steps, 1 trained step): BTS should grant TAG
-  default       the default config (balanced roles); also compared with colocated (2 ranks)
+  default       the default config (one fragment per step: a helper would take the whole
+                step, so BTS should refuse); also compared with colocated (2 ranks)
+  default-f4    the default with 4 fragments per step (room for a helper)
   train-bound   training dominates (all 8 steps trained): BTS should refuse TAG
 Prints samples/s, the trainer's busy fraction, TAG fragments granted/refused, and ratios.
 Results also go to bench/results/tag.json.
@@ -22,9 +24,10 @@ from digenrl.config import load_config, resolve_mode
 from digenrl.launch import launch, make_run_dir
 
 CONFIGS = {
-    "gen-bound": ["sampler.num_steps=16", "train.window_size=1"],
+    "gen-bound": ["sampler.num_steps=16", "train.window_size=1", "runtime.fragments_per_step=4"],
     "default": [],
-    "train-bound": ["train.timesteps=all"],
+    "default-f4": ["runtime.fragments_per_step=4"],
+    "train-bound": ["train.timesteps=all", "runtime.fragments_per_step=4"],
 }
 
 
@@ -53,7 +56,7 @@ def main() -> int:
             base = [*args.overrides, *cov, f"run.steps={args.steps}", "run.threads=1"]
             res = {tag: run(f"{cname}-{tag}", "digenrl", [*base, f"runtime.tag={tag}"], tmp)
                    for tag in ("never", "bts")}
-            if cname == "default":
+            if cname.startswith("default"):
                 res["colocated-2rank"] = run(f"{cname}-colo", "colocated", [*base, "cluster.trainers=2"], tmp)
             out[cname] = res
             for k, r in res.items():

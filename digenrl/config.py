@@ -117,6 +117,8 @@ class RuntimeConfig:
     tsp: bool = _f(True, "TSP: spread trained timesteps over trainer ranks")
     tag: Literal["bts", "always", "never"] = _f(
         "bts", "trainer-assisted generation: bts (only when predicted to shorten the step)")
+    tag_switch_s: float = _f(0.01, "BTS: seconds a trainer loses switching to generation and back "
+                             "(same process and weights here: near 0; GPU offload: seconds)", ge=0)
     tag_min_free_mb: int = _f(0, "TAG needs this much free GPU memory (NVML); 0 = no check", ge=0)
     byte_window_mb: float = _f(256.0, "latent bytes in flight to trainers before rollouts block", gt=0)
     lease_s: float = _f(120.0, "a fragment not committed within this is re-assigned", gt=0)

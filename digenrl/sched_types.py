@@ -70,7 +70,7 @@ class SchedulerParams:
                    heartbeat_timeout=rt.heartbeat_s * rt.heartbeat_misses,
                    byte_window=max(1, int(rt.byte_window_mb * 2**20)),
                    bytes_per_trajectory=bytes_per_trajectory, num_steps_T=cfg.sampler.num_steps,
-                   seed=cfg.run.seed, prompt_count=prompt_count)
+                   seed=cfg.run.seed, prompt_count=prompt_count, switch_s=rt.tag_switch_s)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -131,7 +131,7 @@ class MetricsWriter:
         self._tb = None
         if tensorboard:
             if importlib.util.find_spec("tensorboard") is None:
-                _log.info("tensorboard_unavailable", hint="pip install 'digenrl[metrics]'",
+                _log.debug("tensorboard_unavailable", hint="pip install 'digenrl[metrics]'",
                           path=str(self.path))
             else:
                 from torch.utils.tensorboard import SummaryWriter
