@@ -96,6 +96,7 @@ class CoordinatorActor(Actor):
         self.t0 = time.perf_counter()
         self.step_samples = 0
         self.rejected = 0
+        self.tag_offers_early = 0
         self.t_first_assign: float | None = None
         self.t_last_step: float | None = None
         self.scheduler_factory = scheduler_factory
@@ -257,6 +258,12 @@ class CoordinatorActor(Actor):
         elif isinstance(msg, StepDone):
             self._step_done(msg)
         elif isinstance(msg, TagOffer) and await self._ensure_joined(msg.node_id, now):
+            ready = sum(1 for n in self.nodes.values() if n["role"] == "rollout" and n.get("ready"))
+            if ready < self.cfg.cluster.rollouts:
+                # still starting up: BTS would see no rollout capacity at all and hand the
+                # trainer whole steps that the rollouts, about to join, do faster
+                self.tag_offers_early += 1
+                return
             await self._run(self.sched.tag_offer(msg.node_id, now))
 
     async def _ensure_joined(self, node_id: str, now: float) -> bool:
