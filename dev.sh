@@ -27,6 +27,8 @@ setup() {
   fi
   local stamp="$VENV/.digenrl-installed"
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    # editable installs need setuptools >= 64 (PEP 660); a fresh 3.11 venv may have older
+    "$PY" -m pip install -q "setuptools>=68"
     "$PY" -m pip install -q --no-build-isolation -e ".[test]"
     touch "$stamp"
   fi
