@@ -65,20 +65,29 @@ def all_timesteps(num_steps: int) -> PlanFn:
     return plan
 
 
-def owners_for(trained: Sequence[int], ranks: int, tsp: bool, fragment: int = 0) -> tuple[int, ...]:
+def owners_for(trained: Sequence[int], ranks: int, tsp: bool, fragment: int = 0,
+               fragments: int = 1) -> tuple[int, ...]:
     """Rank owning each trained timestep of fragment ``fragment`` (TSP x data parallelism).
 
-    TSP spreads a fragment's trained timesteps over a group of ``g = min(ranks, n)`` ranks
-    (contiguous, balanced); when there are more ranks than trained timesteps, the ranks form
-    ``ranks // g`` such groups and fragments go round-robin over them (data parallelism over
-    fragments), so extra ranks are not idle. With TSP off every group is one rank: fragment
-    ``f`` is trained whole by rank ``f % ranks``.
+    The ranks form ``D`` groups of ``g``: within a group, TSP spreads the fragment's ``n``
+    trained timesteps (contiguous, balanced); fragments go round-robin over the groups (data
+    parallelism over fragments). ``g`` minimises the step's training time in timestep-units,
+    ``ceil(fragments / D) * ceil(n / g)`` with ``D = min(ranks // g, fragments)`` (more groups
+    than fragments would idle), preferring the wider group on ties (per-timestep streaming starts training
+    sooner). With TSP off every group is one rank: fragment ``f`` trains whole on rank
+    ``f % ranks``.
     """
     n = len(trained)
     if ranks <= 1 or n == 0:
         return (0,) * n
-    g = min(ranks, n) if tsp else 1
-    base = (fragment % (ranks // g)) * g
+    fragments = max(1, fragments)
+    if tsp:
+        g = min(range(1, min(ranks, n) + 1),
+                key=lambda w: (-(-fragments // min(ranks // w, fragments)) * -(-n // w), -w))
+    else:
+        g = 1
+    groups = min(ranks // g, fragments) if tsp else ranks
+    base = (fragment % groups) * g
     # within the group, member m owns positions [m*n//g, (m+1)*n//g): sizes differ by at most one
     return tuple(base + next(m for m in range(g) if i < (m + 1) * n // g) for i in range(n))
 

@@ -332,7 +332,8 @@ class Scheduler:
     def _assign(self, node: _Node, now: float, *, tag: bool = False) -> AssignCmd:
         attempt = self.ledger.admit(node.node_id, now)
         trained, sde, _ = self.step_plan(attempt.step)
-        owners = owners_for(trained, self.params.trainer_ranks, self.params.tsp, attempt.fragment)
+        owners = owners_for(trained, self.params.trainer_ranks, self.params.tsp, attempt.fragment,
+                            self.params.fragments_per_step)
         prompts, seeds = self.fragment_content(attempt.step, attempt.fragment)
         self._tasks[attempt.task_id] = _Task(ranks=frozenset(owners) or frozenset({0}), tag=tag)
         node.outstanding.append(attempt.task_id)

@@ -95,7 +95,7 @@ def test_random_rollout_losses_keep_staleness_bound_and_exact_accounting():
 
 
 def test_more_rollouts_never_slow_a_generation_bound_run_down():
-    cfg = _cfg(8, "runtime.tag=never")
+    cfg = _cfg(8, "runtime.tag=never", "runtime.fragments_per_step=4")
     costs = {**COSTS, "train_step_s": 0.001}
     rates = []
     for n in (1, 2, 4):

@@ -221,7 +221,8 @@ class TrainerActor(Actor):
     async def _report(self, commit: Commit, trained: int, discarded: dict[str, int],
                       seconds: float) -> None:
         if self.rank not in owners_for(plan_for_step(self.cfg, commit.step)[0], self.world_size,
-                                       self.cfg.runtime.tsp, commit.fragment):
+                                       self.cfg.runtime.tsp, commit.fragment,
+                                       self.cfg.runtime.fragments_per_step):
             return  # this rank trains none of the fragment's timesteps: nothing to report
         await self.peers.control.send(Consumed(
             task_id=commit.task_id, step=commit.step, fragment=commit.fragment, rank=self.rank,
