@@ -31,11 +31,11 @@ def supervisor_conf(state: Path) -> Path:
     start and restart), a 15 s stop timeout, and minfds=1024 (sandboxes cap the fd limit at
     the shipped 65536, which supervisord refuses)."""
     text = (REPO / "ops" / "supervisor" / "digenrl.conf").read_text()
-    for shipped in ("startsecs=10", "stopwaitsecs=120", "minfds=65536"):
+    for shipped in ("startsecs=10", "stopwaitsecs=120", "minfds=4096"):
         assert shipped in text, shipped
     path = state / "supervisord.conf"
     path.write_text(text.replace("startsecs=10", "startsecs=1").replace("stopwaitsecs=120", "stopwaitsecs=15")
-                    .replace("minfds=65536", "minfds=1024"))
+                    .replace("minfds=4096", "minfds=1024"))
     return path
 
 
