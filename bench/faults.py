@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/faults.py --runs 20 --seed 0 [--out docs/faults-table.md]
 
-Each run is a real ``digenrl launch`` (tiny CPU config, 3-4 steps, checkpoint every step,
+Each run is a real ``digenrl launch`` (tiny CPU config, 6-8 steps, checkpoint every step,
 two rollouts and one trainer) in its own process group. After a random delay the bench
 reads ``run_dir/logs/pids.json`` (the launcher keeps it current) and SIGKILLs one random
 rollout or trainer process. A run passes when the launcher exits 0 having trained every
@@ -37,9 +37,10 @@ SETS = ["model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2
 
 def one_run(i: int, rng: random.Random, root: Path, timeout: float) -> dict:
     mode = rng.choice(["digenrl", "disagg-sync"])
-    steps = rng.choice([3, 4])
+    steps = rng.choice([6, 8])
     victim_role = rng.choice(["rollout", "trainer"])
-    delay = rng.uniform(0.0, 2.5)  # steps take ~1-3 s here: most kills land mid-run
+    # steps take 0.3-3 s here (idle vs loaded machine): after step 0, kill within ~a second
+    delay = rng.uniform(0.0, 1.0)
     run_dir = root / f"run{i:02d}"
     cmd = [sys.executable, "-m", "digenrl.cli", "launch", "--mode", mode, "--steps", str(steps),
            "--rollouts", "2", "--trainers", "1", "--run-dir", str(run_dir),
