@@ -352,12 +352,19 @@ class Scheduler:
             return cmds
         fs = self.ledger.fragment_size
         while self.ledger.peek() is not None:
-            free = [n for n in self._nodes.values()
-                    if n.role == "rollout" and len(n.outstanding) < self.params.max_outstanding]
-            if not free:
+            live = [n for n in self._nodes.values() if n.role == "rollout" and not n.lost]
+            if not live:
                 break
-            best = min(free, key=lambda n: (now + (len(n.outstanding) + 1) * fs
-                                            * self.node_spt(n.node_id), n.node_id))
+            # the node that would finish this fragment first, counting its queue; if that
+            # is a node with no room, hold the fragment for it rather than give it to a
+            # slower node that would finish later (the step would wait on that tail); on a
+            # tie the node with room takes it
+            best = min(live, key=lambda n: (now + (len(n.outstanding) + 1) * fs
+                                            * self.node_spt(n.node_id),
+                                            len(n.outstanding) >= self.params.max_outstanding,
+                                            n.node_id))
+            if len(best.outstanding) >= self.params.max_outstanding:
+                break
             cmds.append(self._assign(best, now))
         if self.ledger.done:
             self._closed = "done"
