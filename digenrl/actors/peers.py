@@ -54,23 +54,25 @@ class NodePeers:
         self._gpu_reading: dict[str, Any] = {}
         self._seq = itertools.count()
         self.weights_lock = asyncio.Lock()
-        self.last_heard = time.monotonic()  # any control message from the coordinator
+        self.unanswered = 0  # beats sent since the coordinator's last control message
 
     # ------------------------------------------------------------------ heartbeats
     def heartbeat_loop(self, actor: Any) -> Any:
-        """Beat every ``heartbeat_s``; stop the node if the coordinator stays silent.
+        """Beat every ``heartbeat_s``; stop the node if the coordinator stops answering.
 
-        The coordinator answers every beat, so ``heartbeat_misses`` intervals without any
-        control message mean it is gone (crashed, partitioned): the node stops with reason
-        ``coordinator_lost`` and exits non-zero, for its supervisor to restart it against
-        the restarted coordinator, which resumes from its checkpoint.
+        The coordinator answers every beat, so ``heartbeat_misses`` beats in a row with no
+        control message in between mean it is gone (crashed, partitioned): the node stops
+        with reason ``coordinator_lost`` and exits non-zero, for its supervisor to restart it
+        against the restarted coordinator, which resumes from its checkpoint. Counting
+        unanswered *beats* rather than seconds means a node whose own loop was starved (a
+        GIL-heavy forward in a worker thread) does not mistake its own delay for silence.
         """
         async def heartbeat() -> None:
-            timeout = self.cfg.runtime.heartbeat_s * self.cfg.runtime.heartbeat_misses
-            self.last_heard = time.monotonic()  # the model build before this is not silence
+            misses = self.cfg.runtime.heartbeat_misses
+            self.unanswered = 0
             while True:
-                if time.monotonic() - self.last_heard > timeout and not actor.stopping:
-                    actor.log.error("coordinator lost", silent_s=round(time.monotonic() - self.last_heard, 1))
+                if self.unanswered > misses and not actor.stopping:
+                    actor.log.error("coordinator lost", unanswered_beats=self.unanswered)
                     actor.request_stop("coordinator_lost")
                     wake = getattr(actor, "wake", None)
                     if wake is not None:
@@ -82,6 +84,7 @@ class NodePeers:
                     else self.version,
                     state="stopping" if actor.stopping else "running", seq=next(self._seq),
                     gpu=self._gpu_reading, stats=actor.busy.stats()))
+                self.unanswered += 1
                 await asyncio.sleep(self.cfg.runtime.heartbeat_s)
         return heartbeat
 
@@ -92,7 +95,7 @@ class NodePeers:
 
     # ------------------------------------------------------------------ versions (TCSS)
     def on_control(self, msg: Any) -> None:
-        self.last_heard = time.monotonic()
+        self.unanswered = 0
         if isinstance(msg, VersionAnnounce):
             self.on_announce(msg)
 
