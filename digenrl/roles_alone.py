@@ -23,16 +23,16 @@ from digenrl.learner import Learner, plan_for_step
 from digenrl.prompts import load_prompts
 from digenrl.rl.rewards import build_reward
 from digenrl.rl.sde import sigma_schedule
-from digenrl.sched_plan import step_prompts, trajectory_seed
+from digenrl.sched_plan import fragment_content
 
 
-def _fragments(cfg: Config, step: int, prompt_count: int) -> list[tuple[list[int], list[int]]]:
-    P, G, F = cfg.train.prompts_per_step, cfg.train.group_size, cfg.runtime.fragments_per_step
-    ids = step_prompts(cfg.run.seed, step, P, prompt_count)
-    per = P // F
-    return [([ids[q] for q in range(f * per, (f + 1) * per)],
-             [trajectory_seed(cfg.run.seed, step, q, g) for q in range(f * per, (f + 1) * per)
-              for g in range(G)]) for f in range(F)]
+def _fragments(cfg: Config, step: int, prompt_count: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The step's fragments exactly as the scheduler cuts them."""
+    t = cfg.train
+    return [fragment_content(cfg.run.seed, step, f, prompts_per_step=t.prompts_per_step,
+                             fragments_per_step=cfg.runtime.fragments_per_step,
+                             group_size=t.group_size, prompt_count=prompt_count)
+            for f in range(cfg.runtime.fragments_per_step)]
 
 
 def rollout_only(cfg: Config, steps: int, record: Path | None = None) -> dict[str, Any]:

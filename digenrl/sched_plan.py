@@ -55,6 +55,17 @@ def trajectory_seed(seed: int, step: int, prompt_slot: int, g: int) -> int:
     return stable_int("traj", seed, step, prompt_slot, g)
 
 
+def fragment_content(seed: int, step: int, fragment: int, *, prompts_per_step: int,
+                     fragments_per_step: int, group_size: int,
+                     prompt_count: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(prompt ids, seeds) of slot (step, fragment); seeds group-major (``seeds[p*G + g]``)."""
+    per = prompts_per_step // fragments_per_step
+    prompts = step_prompts(seed, step, prompts_per_step, prompt_count)
+    slots = range(fragment * per, (fragment + 1) * per)
+    seeds = tuple(trajectory_seed(seed, step, q, g) for q in slots for g in range(group_size))
+    return tuple(prompts[q] for q in slots), seeds
+
+
 def all_timesteps(num_steps: int) -> PlanFn:
     """The default plan: train every denoising step, and every step is an SDE step."""
     steps = list(range(num_steps))

@@ -46,9 +46,8 @@ from digenrl.sched_plan import (
     PlanFn,
     all_timesteps,
     check_plan,
+    fragment_content,
     owners_for,
-    step_prompts,
-    trajectory_seed,
 )
 from digenrl.sched_types import (
     AssignCmd,
@@ -113,11 +112,9 @@ class Scheduler:
     def fragment_content(self, step: int, fragment: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(prompt ids, seeds) of slot (step, fragment): fixed by the run seed."""
         p = self.params
-        per = p.prompts_per_step // p.fragments_per_step
-        prompts = step_prompts(p.seed, step, p.prompts_per_step, p.prompt_count)
-        slots = range(fragment * per, (fragment + 1) * per)
-        seeds = tuple(trajectory_seed(p.seed, step, q, g) for q in slots for g in range(p.group_size))
-        return tuple(prompts[q] for q in slots), seeds
+        return fragment_content(p.seed, step, fragment, prompts_per_step=p.prompts_per_step,
+                                fragments_per_step=p.fragments_per_step, group_size=p.group_size,
+                                prompt_count=p.prompt_count)
 
     def step_plan(self, step: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(trained timesteps, SDE timesteps, owner rank per trained timestep) of ``step``."""

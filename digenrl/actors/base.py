@@ -91,7 +91,8 @@ class Actor:
     # -- work accounting ------------------------------------------------------------------
     @contextmanager
     def working(self, name: str, **args: Any) -> Iterator[None]:
-        """A busy span: recorded in the trace and counted in the busy fraction."""
+        """A work span in the trace; it counts as busy if its name is in trace.BUSY_SPANS
+        (``send_chunk`` and ``weight_fetch`` are I/O and do not)."""
         with self.recorder.span(name, **args):
             yield
 
