@@ -102,18 +102,26 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 # ---------------------------------------------------------------------------- trainer side
 
-def save_trainer_state(run_dir: Path, policy: Any, counters: dict[str, Any]) -> Path:
-    """Rank 0 at a step boundary: weights, optimizer state, version, RNG states, ``counters``."""
+def save_trainer_state(run_dir: Path, policy: Any, counters: dict[str, Any], *,
+                       write: bool = True) -> Path:
+    """Rank 0 at a step boundary: weights, optimizer state, version, RNG states, ``counters``.
+
+    A sharded (FSDP) policy gathers its state first, a collective: every trainer rank calls
+    this, and only the one with ``write`` (rank 0) writes.
+    """
     from safetensors.torch import save_file
 
     d = version_dir(run_dir, policy.version)
-    d.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict_for_sync().items()}
+    optimizer_state = policy.optimizer_state()
+    if not write:
+        return d
+    d.mkdir(parents=True, exist_ok=True)
     tmp = _tmp(d / "policy.safetensors")
     save_file(sd, str(tmp), metadata={"version": str(policy.version)})
     _replace_synced(tmp, d / "policy.safetensors")
     tmp = _tmp(d / "optimizer.pt")
-    torch.save(policy.optimizer.state_dict(), tmp)
+    torch.save(optimizer_state, tmp)
     _replace_synced(tmp, d / "optimizer.pt")
     py_state = random.getstate()
     write_json_atomic(d / "trainer.json", {
@@ -130,7 +138,7 @@ def load_trainer_state(ckpt: Checkpoint, policy: Any) -> dict[str, Any]:
 
     policy.load_sync_state(load_file(str(ckpt.path / "policy.safetensors")))
     state = torch.load(ckpt.path / "optimizer.pt", map_location="cpu", weights_only=True)
-    policy.optimizer.load_state_dict(state)
+    policy.load_optimizer_state(state)
     policy.optimizer.zero_grad(set_to_none=True)
     policy.version = ckpt.version
     rng = ckpt.trainer["rng"]
@@ -284,6 +292,9 @@ def colocated_checkpoint(run_dir: Path, policy: Any, *, rank: int, world_size: i
         import torch.distributed as dist
         ranks = [None] * world_size
         dist.all_gather_object(ranks, (trained, discarded))
-    if rank == 0:
+    if getattr(policy, "sharded", False):
+        save_trainer_state(run_dir, policy, {}, write=rank == 0)  # a collective: every rank gathers
+    elif rank == 0:
         save_trainer_state(run_dir, policy, {})
+    if rank == 0:
         commit_checkpoint(run_dir, policy.version, {"colocated": {"ranks": [list(r) for r in ranks]}})

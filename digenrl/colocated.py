@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from digenrl.actors.generate import FragmentJob
 from digenrl.checkpoint import colocated_checkpoint, colocated_resume, crash_point
-from digenrl.config import Config, ConfigError
+from digenrl.config import Config
 from digenrl.images import save_grid
 from digenrl.learner import Learner, plan_for_step, save_final, step_metrics
 from digenrl.models import build_model
@@ -38,12 +38,11 @@ def _all_reduce(t: torch.Tensor) -> None:
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
 
-def build_policy(cfg: Config) -> Policy:
-    if cfg.model.fsdp:
-        raise ConfigError("model.fsdp = true: FSDP2 sharding is not implemented in the runtime yet "
-                          "(the planner models it); use LoRA (model.lora_rank) to fit a large model")
+def build_policy(cfg: Config, world_size: int = 1) -> Policy:
+    """The trainer's policy; with ``model.fsdp`` and several ranks (process group initialised)
+    its transformer is sharded over them (FSDP2). One rank has nothing to shard."""
     model = build_model(cfg.model, seed=cfg.run.seed)
-    return Policy(model, cfg.train, cfg.sampler)
+    return Policy(model, cfg.train, cfg.sampler, shard=cfg.model.fsdp and world_size > 1)
 
 
 def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int = 1,
@@ -58,7 +57,7 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
     if P % world_size:
         raise ValueError(f"train.prompts_per_step = {P}: colocated mode with {world_size} ranks "
                          "needs a multiple of the rank count")
-    policy = build_policy(cfg)
+    policy = build_policy(cfg, world_size)
     learner = Learner(policy, cfg)
     start, done_trained, done_discarded = (colocated_resume(run_dir, policy, rank) if resume
                                            else (0, 0, {}))
@@ -91,7 +90,7 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
                                    gen_version=policy.version, n_trained_total=len(trained),
                                    sigma_max=sigma_max, reward_terms=result.reward_terms)
         with recorder.span("optimizer_step", step=step):
-            metrics = learner.finish_step(_all_reduce if world_size > 1 else None)
+            metrics = learner.finish_step(_all_reduce if world_size > 1 else None, pad_to=len(trained))
         if world_size > 1:
             # rewards of every rank for the step's reward statistics
             r = torch.tensor([metrics["reward_mean"], metrics["reward_std"] ** 2], dtype=torch.float64)
@@ -118,8 +117,8 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
     total = time.perf_counter() - t_start
     busy = busy_fraction(recorder.spans(), t0_ns, recorder.now_ns())
     recorder.dump(run_dir / "trace" / f"{node}.jsonl")
-    if rank == 0:
-        save_final(policy, run_dir)
+    if rank == 0 or policy.sharded:
+        save_final(policy, run_dir, write=rank == 0)  # sharded: every rank joins the gather
     if writer is not None:
         writer.close()
     return {"samples_per_s": (cfg.run.steps - start) * P * G / total, "wall_s": total,

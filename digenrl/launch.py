@@ -93,10 +93,11 @@ def run_colocated_ranks(cfg: Config, run_dir: Path, resume: bool = False) -> dic
 
 
 def check_runtime_support(cfg: Config) -> None:
-    """Refuse, before any process starts, what the runtime cannot do yet."""
-    if cfg.model.fsdp:
-        raise ConfigError("model.fsdp = true: FSDP2 sharding is not implemented in the runtime yet "
-                          "(the planner models it); use LoRA (model.lora_rank) to fit a large model")
+    """Refuse, before any process starts, what the runtime cannot do."""
+    if cfg.model.fsdp and cfg.runtime.tag == "always" and cfg.run.mode != "colocated":
+        raise ConfigError("model.fsdp = true with runtime.tag = 'always': a sharded trainer rank "
+                          "cannot generate alone (its passes are collectives over all ranks); "
+                          "use runtime.tag = 'bts' or 'never'")
 
 
 def launch(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:

@@ -41,6 +41,7 @@ class StepStats:
     discarded: dict[str, int] = field(default_factory=dict)
     zero_adv_groups: int = 0
     train_seconds: float = 0.0
+    passes: int = 0  # forward/backward passes run (sharded ranks keep these equal)
 
 
 class Learner:
@@ -58,8 +59,15 @@ class Learner:
 
     def train_fragment(self, *, records: Mapping[int, object], cond: Cond, rewards: Sequence[float],
                        gen_version: int, n_trained_total: int, sigma_max: float,
-                       reward_terms: Mapping[str, Sequence[float]] | None = None) -> dict[str, float]:
-        """Accumulate one fragment's gradient. ``records`` are this rank's trained steps only."""
+                       reward_terms: Mapping[str, Sequence[float]] | None = None,
+                       passes: int | None = None) -> dict[str, float]:
+        """Accumulate one fragment's gradient. ``records`` are this rank's trained steps only.
+
+        ``passes``: the forward/backward passes this rank owes the fragment (its trained
+        timesteps of it, by the plan; default ``len(records)``). A sharded policy runs exactly
+        that many, padding with idle passes where the fragment trains less (zero advantages,
+        a missing chunk), so the ranks' collectives stay paired.
+        """
         t0 = time.perf_counter()
         g = self.cfg.train.group_size
         n = len(rewards)
@@ -88,16 +96,43 @@ class Learner:
             st.clipfrac_num += float(out.get("clipfrac", 0.0)) * len(records)
             st.ratio_max_dev = max(st.ratio_max_dev, float(out.get("ratio_max_dev", 0.0)))
             st.n_loss += len(records)
+            st.passes += len(records)
+        ran = len(records) if n_keep and records else 0
+        owed = len(records) if passes is None else passes
+        if self.policy.sharded:
+            if ran > owed:
+                raise RuntimeError(f"fragment trained {ran} timesteps but the plan gives this rank "
+                                   f"{owed}: sharded ranks would fall out of lockstep")
+            self.idle(owed - ran)
         st.train_seconds += time.perf_counter() - t0
         return out
 
     def discard(self, n: int, reason: str) -> None:
         self.stats.discarded[reason] = self.stats.discarded.get(reason, 0) + n
 
-    def finish_step(self, all_reduce: Callable[[torch.Tensor], None] | None = None) -> dict[str, float]:
-        """All-reduce (sum) the accumulated gradients over ranks, step the optimizer."""
+    def idle(self, passes: int) -> None:
+        """Sharded only: ``passes`` passes that move no gradient (see Policy.idle_pass)."""
+        if not self.policy.sharded:
+            return
+        for _ in range(passes):
+            self.policy.idle_pass()
+        self.stats.passes += passes
+
+    def finish_step(self, all_reduce: Callable[[torch.Tensor], None] | None = None, *,
+                    pad_to: int | None = None) -> dict[str, float]:
+        """All-reduce (sum) the accumulated gradients over ranks, step the optimizer.
+
+        Sharded: the gradients are already summed (reduce-scattered pass by pass); first pad
+        with idle passes to ``pad_to``, the step's pass count on the busiest rank.
+        """
         t0 = time.perf_counter()
-        if all_reduce is not None:
+        if self.policy.sharded:
+            if pad_to is not None:
+                if self.stats.passes > pad_to:
+                    raise RuntimeError(f"this rank ran {self.stats.passes} passes, more than the "
+                                       f"step's {pad_to}: sharded ranks fell out of lockstep")
+                self.idle(pad_to - self.stats.passes)
+        elif all_reduce is not None:
             params = [p for p in self.policy.model.trainable_parameters()]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g_.reshape(-1) for g_ in grads])
@@ -146,13 +181,18 @@ def plan_for_step(cfg: Config, step: int) -> tuple[list[int], list[int]]:
     return list(plan.trained), sde
 
 
-def save_final(policy: Policy, run_dir: Path) -> Path:
-    """The trained weights (LoRA: adapter only) as run_dir/final/policy.safetensors, atomically."""
+def save_final(policy: Policy, run_dir: Path, *, write: bool = True) -> Path:
+    """The trained weights (LoRA: adapter only) as run_dir/final/policy.safetensors, atomically.
+
+    Sharded: a collective (every rank gathers), only the caller with ``write`` writes.
+    """
     from safetensors.torch import save_file
 
     out = run_dir / "final"
-    out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict_for_sync().items()}
+    if not write:
+        return out / "policy.safetensors"
+    out.mkdir(parents=True, exist_ok=True)
     tmp = out / "policy.safetensors.tmp"
     save_file(sd, str(tmp), metadata={"version": str(policy.version)})
     tmp.replace(out / "policy.safetensors")

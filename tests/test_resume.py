@@ -42,8 +42,8 @@ def _launch(*args: str, crash: str = "") -> subprocess.CompletedProcess[str]:
                           timeout=300, check=False)
 
 
-def _fresh_args(mode: str, run_dir: Path) -> list[str]:
-    return ["--mode", mode, "--run-dir", str(run_dir), *[a for s in SETS for a in ("--set", s)]]
+def _fresh_args(mode: str, run_dir: Path, sets: list[str] = SETS) -> list[str]:
+    return ["--mode", mode, "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
 
 
 def _final(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -51,11 +51,15 @@ def _final(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "final" / "policy.safetensors")
 
 
-def _interrupt_and_resume(tmp_path: Path, mode: str, crash: str,
-                          versions: tuple[int, ...]) -> tuple[Path, dict]:
+def _interrupt_and_resume(tmp_path: Path, mode: str, crash: str, versions: tuple[int, ...],
+                          sets: list[str] = SETS, killed: str = "") -> tuple[Path, dict]:
+    """``killed``: the launcher survives its killed children and says so (multi-rank colocated)."""
     cut = tmp_path / f"{mode}-cut"
-    r = _launch(*_fresh_args(mode, cut), crash=crash)
-    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    r = _launch(*_fresh_args(mode, cut, sets), crash=crash)
+    if killed:
+        assert r.returncode == 1 and killed in r.stderr, r.stderr[-2000:]
+    else:
+        assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     assert not (cut / "final").exists()
     assert latest_checkpoint(cut).version in versions
     r = _launch("--resume", str(cut))

@@ -219,10 +219,10 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
             from digenrl.colocated import build_policy
             peers = NodePeers(node_id=node_id, incarnation=inc, cfg=cfg, control=control,
                               pushes=pushes, data=data, weights=weights)
-            policy = await asyncio.to_thread(build_policy, cfg)
-            if msg.world_size > 1:
+            if msg.world_size > 1:  # before the policy: FSDP shards over this group
                 await asyncio.to_thread(dist.init_process_group, "gloo", init_method=endpoints["dist"],
                                         rank=msg.rank, world_size=msg.world_size)
+            policy = await asyncio.to_thread(build_policy, cfg, msg.world_size)
             actor = TrainerActor(peers=peers, cfg=cfg, policy=policy, rank=msg.rank,
                                  world_size=msg.world_size, run_dir=rdir, reward_fn=reward_fn, **kw)
         sec = node_security(ctx)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from functools import partial
 from typing import Any
 
 import torch
@@ -62,6 +63,7 @@ from digenrl.protocol import (
 )
 from digenrl.rl.policy import Policy
 from digenrl.rl.sde import sigma_schedule
+from digenrl.rl.sharding import pass_count, step_passes
 from digenrl.sched_plan import owners_for
 from digenrl.weights import split_parts
 
@@ -106,9 +108,11 @@ class TrainerActor(Actor):
             self.rejected_stale = int(counters.get("rejected_stale", 0))
             self.log = self.log.bind(policy_version=self.policy.version)
             self.log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path))
-        if self.rank == 0:
+        if self.rank == 0 or self.policy.sharded:
             await self._publish(self.policy.version)
         F = self.cfg.runtime.fragments_per_step
+        # a sharded rank generating alone would leave the other ranks' collectives unmatched
+        offers = self.cfg.runtime.tag != "never" and not self.policy.sharded
         while not self.stopping and self.policy.version < self.cfg.run.steps:
             self.wake.clear()  # before looking, so a wake set while we look (or send) is not lost
             step = self.policy.version
@@ -123,7 +127,7 @@ class TrainerActor(Actor):
             if not self.tag_tasks.empty():
                 await self._generate(self.tag_tasks.get_nowait())
                 continue
-            if not self._offered and self.cfg.runtime.tag != "never":
+            if not self._offered and offers:
                 self._offered = True
                 await self.peers.control.send(TagOffer(node_id=self.node_id, rank=self.rank,
                                                        free_mb=self.peers.gpu_free_mb()))
@@ -194,10 +198,15 @@ class TrainerActor(Actor):
         trained = 0
         t0 = time.perf_counter()
         staleness = self.policy.version - commit.policy_version
+        trained_steps = plan_for_step(self.cfg, step)[0]
+        passes = pass_count(trained_steps, self.world_size, self.cfg.runtime.tsp, commit.fragment,
+                            self.cfg.runtime.fragments_per_step, self.rank)
         if staleness > K or staleness < 0:
             self.rejected_stale += n
             discarded["stale"] = n
             self.learner.discard(n, "stale")
+            if self.policy.sharded:  # the other ranks may train it: keep their passes paired
+                await self.in_thread("fragment_train", self.learner.idle, passes, step=step)
             self.log.error("stale fragment rejected", task=commit.task_id, step=step,
                            gen_version=commit.policy_version, version=self.policy.version)
         else:
@@ -205,9 +214,8 @@ class TrainerActor(Actor):
             crash_point("trainer", step, once=self.run_dir / "logs" / f"crashed-{self.node_id}")
             before = self.learner.stats.trained
             zero_before = self.learner.stats.discarded.get("zero_advantage", 0)
-            n_trained_total = len(plan_for_step(self.cfg, step)[0])
-            await self.in_thread("fragment_train", self._train, records, commit, n_trained_total,
-                                 step=step, fragment=commit.fragment)
+            await self.in_thread("fragment_train", self._train, records, commit, len(trained_steps),
+                                 passes, step=step, fragment=commit.fragment)
             trained = self.learner.stats.trained - before
             zero = self.learner.stats.discarded.get("zero_advantage", 0) - zero_before
             if zero:
@@ -228,14 +236,18 @@ class TrainerActor(Actor):
             task_id=commit.task_id, step=commit.step, fragment=commit.fragment, rank=self.rank,
             trained=trained, discarded=discarded, train_seconds=seconds))
 
-    def _train(self, records: dict[int, Any], commit: Commit, n_trained_total: int) -> None:
+    def _train(self, records: dict[int, Any], commit: Commit, n_trained_total: int, passes: int) -> None:
         self.learner.train_fragment(records=records, cond=dict(commit.cond), rewards=commit.rewards,
                                     gen_version=commit.policy_version, n_trained_total=n_trained_total,
-                                    sigma_max=self.sigma_max, reward_terms=commit.reward_terms)
+                                    sigma_max=self.sigma_max, reward_terms=commit.reward_terms,
+                                    passes=passes)
 
     async def _finish_step(self, step: int) -> None:
         reduce = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM)) if self.world_size > 1 else None
-        metrics = await self.in_thread("optimizer_step", self.learner.finish_step, reduce, step=step)
+        pad_to = step_passes(plan_for_step(self.cfg, step)[0], self.world_size, self.cfg.runtime.tsp,
+                             self.cfg.runtime.fragments_per_step)
+        metrics = await self.in_thread("optimizer_step", partial(self.learner.finish_step, reduce,
+                                                                 pad_to=pad_to), step=step)
         metrics["rejected_stale"] = self.rejected_stale
         dt = time.perf_counter() - self._step_t0
         self._step_t0 = time.perf_counter()
@@ -243,6 +255,9 @@ class TrainerActor(Actor):
         metrics["samples_per_s"] = self.cfg.batch_size / dt
         self.consumed_slots.pop(step, None)
         self.log = self.log.bind(policy_version=self.policy.version)
+        if self.policy.sharded:
+            await self._finish_sharded(metrics)
+            return
         if self.rank == 0:
             # metrics first: the coordinator may stop as soon as the last version is announced
             await self.peers.control.send(StepDone(step=step, version=self.policy.version,
@@ -256,10 +271,29 @@ class TrainerActor(Actor):
                                      self.policy, {"rejected_stale": self.rejected_stale})
             await self._publish(self.policy.version)
 
+    async def _finish_sharded(self, metrics: dict[str, Any]) -> None:
+        """_finish_step's tail for FSDP ranks: every gather is a collective, so every rank runs
+        them in the same order (final weights, checkpoint, publish); rank 0 alone writes and talks."""
+        version = self.policy.version
+        if self.rank == 0:
+            await self.peers.control.send(StepDone(step=version - 1, version=version, metrics=metrics))
+        if version == self.cfg.run.steps:
+            await self.in_thread("save_final", partial(save_final, self.policy, self.run_dir,
+                                                       write=self.rank == 0))
+        if checkpoint_due(version, steps=self.cfg.run.steps, every=self.cfg.run.checkpoint_every):
+            await self.in_thread("checkpoint_save", partial(
+                save_trainer_state, self.run_dir, self.policy, {"rejected_stale": self.rejected_stale},
+                write=self.rank == 0))
+        await self._publish(version)
+
     async def _publish(self, version: int) -> None:
+        """Rank 0 serves ``version`` and announces it; sharded ranks all join the gather."""
         with self.working("weight_publish", version=version):
-            sd = {k: v.detach().to("cpu", copy=True).contiguous()
-                  for k, v in self.policy.state_dict_for_sync().items()}
+            full = await asyncio.to_thread(self.policy.state_dict_for_sync) if self.policy.sharded \
+                else self.policy.state_dict_for_sync()
+            if self.rank != 0:
+                return
+            sd = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in full.items()}
             parts = split_parts(sd)
             self.published[version] = parts
             for old in [v for v in self.published if v < version - 2]:

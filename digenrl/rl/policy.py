@@ -52,8 +52,22 @@ class Policy:
     else a frozen copy of the transformer made here.
     """
 
-    def __init__(self, model: FlowModel, train_cfg: TrainConfig, sampler_cfg: SamplerConfig) -> None:
+    def __init__(self, model: FlowModel, train_cfg: TrainConfig, sampler_cfg: SamplerConfig, *,
+                 shard: bool = False) -> None:
         self.model, self.train_cfg, self.sampler_cfg = model, train_cfg, sampler_cfg
+        self._ref: FlowModel | None = None
+        if train_cfg.kl_beta > 0 and not getattr(model, "lora_rank", 0):
+            # shallow copy shares encoder/decoder; only the transformer is duplicated and frozen
+            self._ref = copy.copy(model)
+            self._ref.transformer = copy.deepcopy(model.transformer).requires_grad_(False)
+        #: FSDP2: parameters, gradients and optimizer state are DTensor shards over the trainer
+        #: ranks (see digenrl.rl.sharding); every pass must then run in lockstep on all ranks
+        self.sharded = shard
+        if shard:
+            from digenrl.rl.sharding import shard_transformer
+            shard_transformer(model.transformer)
+            if self._ref is not None:
+                shard_transformer(self._ref.transformer)
         self.params = list(model.trainable_parameters())
         if not self.params:
             raise ValueError("the model has no trainable parameters")
@@ -65,11 +79,7 @@ class Policy:
         if sampler_cfg.guidance_scale != 1.0:
             with torch.no_grad():
                 self.uncond = model.encode_prompts([""])
-        self._ref: FlowModel | None = None
-        if train_cfg.kl_beta > 0 and not getattr(model, "lora_rank", 0):
-            # shallow copy shares encoder/decoder; only the transformer is duplicated and frozen
-            self._ref = copy.copy(model)
-            self._ref.transformer = copy.deepcopy(model.transformer).requires_grad_(False)
+        self._idle_input: tuple[torch.Tensor, Cond] | None = None
 
     # -- the loss --------------------------------------------------------------------------------
     def _velocity(self, model: FlowModel, x: torch.Tensor, sigma: float, cond: Cond) -> torch.Tensor:
@@ -154,6 +164,25 @@ class Policy:
             totals[key] /= max(totals["n"], 1)
         return totals
 
+    def idle_pass(self) -> None:
+        """One pass that moves no gradient: the modules of a real pass (policy forward, the KL
+        reference's when ``kl_beta > 0``, backward) on a one-sample dummy input, loss x 0.
+
+        Sharded (FSDP) ranks pad with it so every rank runs the same number of passes per step
+        and the passes' collectives pair up (see :mod:`digenrl.rl.sharding`).
+        """
+        if self._idle_input is None:
+            p = self.params[0]
+            with torch.no_grad():
+                cond = self.model.encode_prompts([""])
+            x = torch.zeros(1, *self.model.latent_shape, dtype=p.dtype, device=p.device)
+            self._idle_input = (x, {k: v.to(p.device) for k, v in cond.items()})
+        x, cond = self._idle_input
+        v = self._velocity(self.model, x, 0.5, cond)
+        if self.train_cfg.kl_beta > 0:
+            self._ref_velocity(x, 0.5, cond)
+        (v.sum() * 0.0).backward()
+
     # -- the update ------------------------------------------------------------------------------
     def optimizer_step(self) -> dict[str, Any]:
         """Clip the gradient norm (``max_grad_norm``; 0 = off), step AdamW, zero grads, version += 1.
@@ -163,6 +192,9 @@ class Policy:
         """
         max_norm = self.train_cfg.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
+        if self.sharded:
+            from digenrl.rl.sharding import full
+            grad_norm = full(grad_norm)
         skipped = not bool(torch.isfinite(grad_norm))
         if not skipped:
             self.optimizer.step()
@@ -177,18 +209,27 @@ class Policy:
 
     def grads_snapshot(self) -> list[torch.Tensor]:
         """Clones of the trainable parameters' ``.grad`` (zeros where None); for tests/checks."""
-        return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        from digenrl.rl.sharding import full
+        return [full(p.grad).detach().clone() if p.grad is not None else torch.zeros_like(full(p.detach()))
+                for p in self.params]
 
     # -- weight sync -----------------------------------------------------------------------------
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        """What a rollout needs to match this policy: the LoRA adapter, or the trainable weights."""
+        """What a rollout needs to match this policy: the LoRA adapter, or the trainable weights.
+
+        Sharded: whole tensors, gathered; a collective every trainer rank must call.
+        """
+        from digenrl.rl.sharding import full
         if hasattr(self.model, "sync_state_dict"):
-            return {k: v.detach().clone() for k, v in self.model.sync_state_dict().items()}
-        return {k: p.detach().clone() for k, p in self.model.transformer.named_parameters()
+            return {k: full(v.detach()).clone() for k, v in self.model.sync_state_dict().items()}
+        return {k: full(p.detach()).clone() for k, p in self.model.transformer.named_parameters()
                 if p.requires_grad}
 
     def load_sync_state(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Apply a :meth:`state_dict_for_sync` (ValueError naming the keys on mismatch)."""
+        if self.sharded:
+            self._load_sharded(sd)
+            return
         if hasattr(self.model, "load_sync_state_dict"):
             self.model.load_sync_state_dict(dict(sd))
             return
@@ -201,3 +242,43 @@ class Policy:
                 if sd[k].shape != p.shape:
                     raise ValueError(f"sync state {k}: shape {tuple(sd[k].shape)}, expected {tuple(p.shape)}")
                 p.copy_(sd[k])
+
+    def _load_sharded(self, sd: Mapping[str, torch.Tensor]) -> None:
+        """Whole tensors (a checkpoint) into this rank's shards; sync keys -> module keys."""
+        from digenrl.rl.sharding import load_full_state
+        own = self.model.transformer.state_dict()
+        if getattr(self.model, "lora_rank", 0):  # peft's keys drop the adapter name
+            to_module = {k.replace(".default", ""): k for k in own if "lora_" in k}
+        elif hasattr(self.model, "sync_state_dict"):
+            to_module = {k: k for k in own}
+        else:
+            to_module = {k: k for k, p in self.model.transformer.named_parameters() if p.requires_grad}
+        if set(sd) != set(to_module):
+            raise ValueError(f"sync state keys differ: missing {sorted(set(to_module) - set(sd))[:3]}, "
+                             f"unexpected {sorted(set(sd) - set(to_module))[:3]}")
+        load_full_state(self.model.transformer, {to_module[k]: v for k, v in sd.items()})
+
+    # -- optimizer state (checkpoints) -----------------------------------------------------------
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state for a checkpoint; sharded: gathered whole (a collective), keyed
+        by parameter name, complete on rank 0 only."""
+        if not self.sharded:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+        return get_optimizer_state_dict(self.model.transformer, self.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`optimizer_state` (every rank passes the whole saved state)."""
+        if not self.sharded:
+            self.optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+        set_optimizer_state_dict(self.model.transformer, self.optimizer, state,
+                                 options=StateDictOptions(full_state_dict=True))

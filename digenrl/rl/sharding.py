@@ -1,0 +1,113 @@
+"""FSDP2 sharding of the trained transformer over the trainer ranks (``model.fsdp = true``).
+
+Each transformer block, then the whole transformer, is wrapped with
+``torch.distributed.fsdp.fully_shard``: parameters, gradients and AdamW state live as
+``DTensor`` shards (1/W of the model per rank); a block's parameters are all-gathered for its
+forward and its gradients reduce-scattered after its backward. Gradients are *summed* over
+ranks (divide factor 1), the convention the rest of DigenRL uses (every loss term carries
+1 / (B T_trained), so the sum over ranks is the full-batch gradient).
+
+The constraint FSDP adds: every rank must run the same number of forward/backward passes per
+optimizer step, in lockstep, because each pass's all-gathers and reduce-scatters pair up
+across ranks. TSP ranks train different timesteps and may skip work (zero-advantage groups,
+a rejected stale fragment), so the caller pads with :func:`pass_count`-many passes per
+fragment and up to :func:`step_passes` per step; a padding pass
+(:meth:`digenrl.rl.policy.Policy.idle_pass`) runs the same modules on a one-sample dummy
+input with a zero loss, so it moves no gradient. The counts come from the step's plan alone
+(no communication), so every rank knows them without asking.
+
+Generation never runs sharded on a rollout (rollouts hold a full copy, fed by weight sync);
+a sharded trainer rank does not offer TAG work (a lone generation pass would leave the other
+ranks' collectives unmatched).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from digenrl.sched_plan import owners_for
+
+
+def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a diffusers transformer: every element of its ModuleLists."""
+    out: list[torch.nn.Module] = []
+    for child in module.modules():
+        if isinstance(child, torch.nn.ModuleList) and len(child) and all(
+                sum(1 for _ in m.parameters()) for m in child):
+            out.extend(child)
+    # nested lists (a block holding a ModuleList) would be wrapped twice: keep outermost only
+    inner = {id(m) for b in out for m in b.modules() if m is not b}
+    return [b for b in out if id(b) not in inner]
+
+
+def shard_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
+    """Wrap ``transformer`` in place with FSDP2 (per block, then the root); returns it.
+
+    Needs an initialised default process group (gloo on CPU, NCCL on GPU).
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("model.fsdp: torch.distributed is not initialised; FSDP2 needs the "
+                           "trainer ranks' process group")
+    for block in _blocks(transformer):
+        fully_shard(block)
+    fully_shard(transformer)
+    for m in transformer.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # sum over ranks, as the unsharded all-reduce does
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    return transformer
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (a collective: every rank must call it), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def load_full_state(module: torch.nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
+    """Copy whole tensors ``sd`` (keys of ``module.state_dict()``; a subset, e.g. LoRA only)
+    into a sharded ``module``.
+
+    Every rank holds the whole tensors (a checkpoint file), so each takes its own shard
+    without communication.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    own = module.state_dict()
+    if set(sd) - set(own):
+        raise ValueError(f"sharded load: unexpected keys {sorted(set(sd) - set(own))[:3]}")
+    with torch.no_grad():
+        for k, src in sd.items():
+            cur = own[k]
+            if tuple(src.shape) != tuple(cur.shape):
+                raise ValueError(f"sharded load {k}: shape {tuple(src.shape)}, expected {tuple(cur.shape)}")
+            if isinstance(cur, DTensor):
+                local = distribute_tensor(src.to(cur.dtype), cur.device_mesh, cur.placements,
+                                          src_data_rank=None).to_local()
+                cur.to_local().copy_(local)
+            else:
+                cur.copy_(src)
+
+
+def pass_count(trained: Sequence[int], ranks: int, tsp: bool, fragment: int, fragments: int,
+               rank: int) -> int:
+    """Forward/backward passes ``rank`` runs for ``fragment``: the trained timesteps it owns."""
+    return sum(1 for o in owners_for(trained, ranks, tsp, fragment, fragments) if o == rank)
+
+
+def step_passes(trained: Sequence[int], ranks: int, tsp: bool, fragments: int) -> int:
+    """Passes every rank runs in a step: the busiest rank's count (the others pad to it)."""
+    return max(sum(pass_count(trained, ranks, tsp, f, fragments, r) for f in range(fragments))
+               for r in range(ranks))
