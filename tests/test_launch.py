@@ -46,10 +46,18 @@ def test_each_mode_runs_two_steps_end_to_end_and_accounting_adds_up(tmp_path: Pa
 
 
 def test_digenrl_mode_never_trains_beyond_staleness_one(tmp_path: Path) -> None:
-    _, summary = _launch(tmp_path, "digenrl", ["run.steps=4"])
+    from digenrl.telemetry.trace import read_trace
+
+    run_dir, summary = _launch(tmp_path, "digenrl", ["run.steps=4"])
     hist = {int(k): v for k, v in summary["staleness_hist"].items()}
     assert max(hist) <= 1 and min(hist) >= 0
     assert summary["accounting"]["discarded"].get("stale", 0) == 0
+    # every new version reached the rollout by prefetch or boundary fetch, and was applied
+    _, spans = read_trace(run_dir / "trace.json")
+    rollout = [s for s in spans if s.node.startswith("rollout")]
+    fetched = [s for s in rollout if s.name in ("weight_prefetch", "weight_fetch")]
+    applied = [s for s in rollout if s.name == "weight_apply"]
+    assert fetched and len(applied) >= 1 and len(fetched) >= len(applied)
 
 
 def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -54,6 +54,8 @@ class NodePeers:
         self._gpu_reading: dict[str, Any] = {}
         self._seq = itertools.count()
         self.weights_lock = asyncio.Lock()
+        self._ready: tuple[int, dict[str, torch.Tensor]] | None = None  # prefetched, verified
+        self._prefetching: asyncio.Future[None] | None = None
         self.unanswered = 0  # beats sent since the coordinator's last control message
 
     # ------------------------------------------------------------------ heartbeats
@@ -105,33 +107,77 @@ class NodePeers:
             self.announce_event.set()
 
     async def catch_up(self, actor: Any, floor: int) -> None:
-        """At a trajectory boundary: apply the newest announced version; wait for ``floor``."""
+        """At a trajectory boundary: apply the newest announced version; wait for ``floor``.
+
+        The tensors usually arrived already: :meth:`prefetch` fetches and verifies each
+        announced version in the background while the current trajectory is generated, so the
+        boundary pays only the apply (TCSS: one version per trajectory all the same).
+        """
         while True:
             ann = self.announced
             if ann is not None and ann.version > self.version:
-                await self._fetch_apply(actor, ann)
+                sd = await self._fetched(actor, ann)
+                await actor.in_thread("weight_apply", actor.model.load_sync_state_dict, sd,
+                                      version=ann.version)
+                self._ready = None
+                self.version = ann.version
+                actor.log = actor.log.bind(policy_version=self.version)
+                await self.control.send(WeightsApplied(node_id=self.node_id, version=self.version))
             if self.version >= floor:
                 return
             self.announce_event.clear()
             with actor.recorder.span("wait", waiting_for=f"version {floor}"):
                 await self.announce_event.wait()
 
-    async def _fetch_apply(self, actor: Any, ann: VersionAnnounce) -> None:
+    def prefetch(self, actor: Any) -> None:
+        """Start fetching the newest announced version in the background (rollouts call this
+        on every announcement); at most one fetch runs, a newer announcement waits for it."""
+        ann = self.announced
+        if ann is None or ann.version <= self.version or self.weights is None:
+            return
+        if self._ready is not None and self._ready[0] >= ann.version:
+            return
+        if self._prefetching is not None and not self._prefetching.done():
+            return  # the running fetch ends by starting the next one if still behind
+        self._prefetching = asyncio.ensure_future(self._prefetch(actor, ann))
+
+    async def _prefetch(self, actor: Any, ann: VersionAnnounce) -> None:
+        try:
+            sd = await self._fetch(actor, ann, span="weight_prefetch")
+            if self._ready is None or self._ready[0] < ann.version:
+                self._ready = (ann.version, sd)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the boundary fetches again, in the foreground
+            actor.log.warning("weight prefetch failed; fetching at the boundary", version=ann.version,
+                              error=repr(e))
+            return
+        self.prefetch(actor)  # a newer version may have been announced meanwhile
+
+    async def _fetched(self, actor: Any, ann: VersionAnnounce) -> dict[str, torch.Tensor]:
+        """The verified tensors of ``ann``: prefetched, in flight (waited for), or fetched now."""
+        running = self._prefetching
+        if (self._ready is None or self._ready[0] != ann.version) and running is not None \
+                and not running.done():
+            with actor.recorder.span("wait", waiting_for=f"weights {ann.version}"):
+                await asyncio.wait({running})
+        if self._ready is not None and self._ready[0] == ann.version:
+            return self._ready[1]
+        return await self._fetch(actor, ann, span="weight_fetch")
+
+    async def _fetch(self, actor: Any, ann: VersionAnnounce, span: str) -> dict[str, torch.Tensor]:
+        """Request every part of ``ann`` over the weights DEALER; verify; whole tensors out."""
         async with self.weights_lock:
             asm = WeightAssembly(ann.version, ann.nparts, ann.checksum)
-            with actor.working("weight_fetch", version=ann.version):
+            with actor.working(span, version=ann.version):
                 for part in range(ann.nparts):
                     await self.weights.send(WeightsRequest(version=ann.version, part=part))
                     while True:
                         _, msg = await self.weights.recv()
                         if isinstance(msg, WeightsPart) and msg.version == ann.version and msg.part == part:
-                            asm.add(part, dict(msg.tensors), msg.checksum)
+                            await asyncio.to_thread(asm.add, part, dict(msg.tensors), msg.checksum)
                             break
-            sd = asm.state_dict()
-            await actor.in_thread("weight_apply", actor.model.load_sync_state_dict, sd, version=ann.version)
-            self.version = ann.version
-            actor.log = actor.log.bind(policy_version=self.version)
-        await self.control.send(WeightsApplied(node_id=self.node_id, version=self.version))
+                return await asyncio.to_thread(asm.state_dict)
 
     # ------------------------------------------------------------------ generation (TSP)
     async def generate_and_stream(self, actor: Any, task: Assign, model: Any, version: int,

@@ -8,6 +8,7 @@
 | ``tasks.get()``            | an assignment                          | the coordinator's Assign    |
 | ``wait_version(floor)``    | a policy version >= the task's floor   | a VersionAnnounce           |
 | ``fetch weights``          | every part of the announced version    | trainer rank 0's ROUTER     |
+|                            | (usually prefetched in the background) |                             |
 | ``in_thread(step)``        | one denoising step                     | torch                       |
 | PUSH ``send``              | room under the trainer's HWM           | the trainer consuming       |
 
@@ -70,11 +71,13 @@ class RolloutActor(Actor):
             elif isinstance(msg, Shutdown):
                 self.request_stop(msg.reason)
             self.peers.on_control(msg)
+            self.peers.prefetch(self)
 
     async def _announce_loop(self) -> None:
         while True:
             _, msg = await self.peers.sub.recv()
             if isinstance(msg, VersionAnnounce):
                 self.peers.on_announce(msg)
+                self.peers.prefetch(self)  # fetch while this trajectory is still generating
             elif isinstance(msg, Shutdown):
                 self.request_stop(msg.reason)

@@ -59,13 +59,12 @@ from digenrl.protocol import (
     VersionAnnounce,
     WeightsPart,
     WeightsRequest,
-    tensor_checksum,
 )
 from digenrl.rl.policy import Policy
 from digenrl.rl.sde import sigma_schedule
 from digenrl.rl.sharding import pass_count, step_passes
 from digenrl.sched_plan import owners_for
-from digenrl.weights import split_parts
+from digenrl.weights import publish_parts
 
 
 class TrainerActor(Actor):
@@ -86,7 +85,8 @@ class TrainerActor(Actor):
         self.staged: dict[int, dict[int, Chunk]] = defaultdict(dict)    # task -> t -> chunk
         self.pending: dict[int, list[Commit]] = defaultdict(list)        # step -> commits
         self.consumed_slots: dict[int, set[int]] = defaultdict(set)      # step -> fragments
-        self.published: dict[int, list[dict[str, torch.Tensor]]] = {}    # version -> parts
+        # version -> [(part tensors, part checksum)], served by rank 0's weights ROUTER
+        self.published: dict[int, list[tuple[dict[str, torch.Tensor], str]]] = {}
         self.rejected_stale = 0
         self.revoked: set[int] = set()
         self.tag_tasks: asyncio.Queue[Assign] = asyncio.Queue()
@@ -180,9 +180,10 @@ class TrainerActor(Actor):
             if isinstance(msg, WeightsRequest) and msg.version in self.published:
                 parts = self.published[msg.version]
                 if 0 <= msg.part < len(parts):
+                    tensors, checksum = parts[msg.part]
                     await self.peers.weights.send(WeightsPart(
                         version=msg.version, part=msg.part, nparts=len(parts),
-                        checksum=tensor_checksum(parts[msg.part]), tensors=parts[msg.part]), to=peer)
+                        checksum=checksum, tensors=tensors), to=peer)
 
     # ---------------------------------------------------------------- training
     async def _consume(self, commit: Commit) -> None:
@@ -293,15 +294,17 @@ class TrainerActor(Actor):
                 else self.policy.state_dict_for_sync()
             if self.rank != 0:
                 return
-            sd = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in full.items()}
-            parts = split_parts(sd)
+            # state_dict_for_sync already copied: only move (a no-op on CPU) and pack
+            sd = {k: v.detach().to("cpu").contiguous() for k, v in full.items()}
+            # checksums once per version, off the event loop (not once per request)
+            parts, whole = await asyncio.to_thread(publish_parts, sd)
             self.published[version] = parts
             for old in [v for v in self.published if v < version - 2]:
                 del self.published[old]
         await self.peers.control.send(VersionAnnounce(
             version=version, step=version, nparts=len(parts),
-            nbytes=sum(t.numel() * t.element_size() for p in parts for t in p.values()),
-            checksum=tensor_checksum(sd)))
+            nbytes=sum(t.numel() * t.element_size() for p, _ in parts for t in p.values()),
+            checksum=whole))
 
     # ---------------------------------------------------------------- TAG
     async def _generate(self, task: Assign) -> None:

@@ -48,6 +48,7 @@ class DiffusersFlowModel:
         self.encoder, self.decoder = encoder, decoder
         self.latent_shape = tuple(latent_shape)
         self.lora_rank = lora_rank
+        self._sync_targets: dict[str, torch.Tensor] | None = None  # live tensors, by sync key
         self.lora_alpha = lora_alpha or 2.0 * lora_rank  # Flow-GRPO's default alpha = 2 * rank
         if lora_rank > 0:
             transformer.requires_grad_(False)
@@ -116,16 +117,30 @@ class DiffusersFlowModel:
         return {k: v.detach() for k, v in sd.items()}
 
     def load_sync_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Apply a :meth:`sync_state_dict` from a peer; raises :class:`SyncStateError` on key mismatch."""
-        expected = set(self.sync_state_dict())
-        if set(sd) != expected:
-            missing, extra = sorted(expected - set(sd))[:3], sorted(set(sd) - expected)[:3]
-            raise SyncStateError(f"{self.family}: sync state dict keys differ: missing {missing}, unexpected {extra}")
-        with torch.no_grad():
-            if self.lora_rank:
+        """Apply a :meth:`sync_state_dict` from a peer; raises :class:`SyncStateError` on key
+        mismatch (and on a shape mismatch, naming the tensor). A rollout does this every step,
+        so the full-weights path copies straight into the live tensors (no state_dict rebuild)."""
+        if self.lora_rank:
+            expected = set(self.sync_state_dict())
+            self._check_sync_keys(set(sd), expected)
+            with torch.no_grad():
                 set_peft_model_state_dict(self.transformer, sd)
-            else:
-                self.transformer.load_state_dict(sd, strict=True)
+            return
+        if self._sync_targets is None:
+            self._sync_targets = self.transformer.state_dict(keep_vars=True)
+        targets = self._sync_targets
+        self._check_sync_keys(set(sd), set(targets))
+        for k, dst in targets.items():
+            if sd[k].shape != dst.shape:
+                raise SyncStateError(f"{self.family}: sync state {k}: shape {tuple(sd[k].shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+        with torch.no_grad():  # one fused copy over every tensor
+            torch._foreach_copy_([t.data for t in targets.values()], [sd[k] for k in targets])
+
+    def _check_sync_keys(self, got: set[str], expected: set[str]) -> None:
+        if got != expected:
+            missing, extra = sorted(expected - got)[:3], sorted(got - expected)[:3]
+            raise SyncStateError(f"{self.family}: sync state dict keys differ: missing {missing}, unexpected {extra}")
 
     # -- persistence ---------------------------------------------------------------------------
     def save(self, folder: str | Path) -> None:

@@ -49,7 +49,8 @@ __all__ = ["BUSY_SPANS", "SPAN_NAMES", "Span", "SpanRecorder", "SpanToken", "Tra
 
 SPAN_NAMES: tuple[str, ...] = (
     "denoise_step", "send_chunk", "reward", "fragment_train", "optimizer_step",
-    "weight_publish", "weight_apply", "tag_generate", "generate", "weight_fetch", "wait")
+    "weight_publish", "weight_apply", "tag_generate", "generate", "weight_fetch",
+    "weight_prefetch", "wait")
 BUSY_SPANS: frozenset[str] = frozenset({
     "denoise_step", "reward", "fragment_train", "optimizer_step", "weight_publish",
     "weight_apply", "tag_generate", "generate"})
