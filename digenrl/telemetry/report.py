@@ -48,7 +48,7 @@ PNG_SIZES: dict[str, tuple[int, int]] = {  # (width, height) in pixels
     "reward": (900, 500), "throughput": (900, 500), "timeline": (1200, 600), "samples": (1000, 560)}
 _COLOURS = dict(zip(SPAN_NAMES, ["#1f77b4", "#aec7e8", "#2ca02c", "#ff7f0e", "#d62728",
                                  "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
-                                 "#d9d9d9"]))
+                                 "#dbdb8d", "#d9d9d9"], strict=True))
 # step_<n>.png (colocated) or step_<n>_f<fragment>.png (trainer rank 0, one per fragment)
 _SAMPLE = re.compile(r"step_(\d+)(?:_f(\d+))?\.png$")
 
