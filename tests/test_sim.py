@@ -133,3 +133,116 @@ def test_calibration_file_with_unknown_key_is_rejected(tmp_path):
     p.write_text(json.dumps({"costs": {"gen_step_s": 0.1, "warp_s": 1}}))
     with pytest.raises(CostModelError, match=r"costs\.warp_s"):
         load_calibration(p)
+
+
+# ----------------------------------------------------------------------------- calibration
+# Synthetic run dirs: spans laid out exactly as the real nodes record them, with known
+# per-phase seconds; step 0 is WARM x slower (first torch passes), which the fit must ignore.
+
+WARM = 5.0
+PH = {"gen": 0.16, "reward": 0.003, "commit": 0.002, "sync": 0.03, "fetch": 0.018, "train": 0.12,
+      "opt": 0.011, "pub": 0.004, "lat_c": 0.0015, "lat_a": 0.006, "switch": 0.004}
+
+
+class _Trace:
+    def __init__(self) -> None:
+        self.ev: dict[str, list[dict]] = {}
+
+    def span(self, node: str, name: str, start: float, dur: float, **args) -> float:
+        self.ev.setdefault(node, []).append({"ph": "X", "name": name, "ts_ns": round(start * 1e9),
+                                             "dur_ns": round(dur * 1e9), "tid": 0, "args": args,
+                                             "node": node, "role": node.split("-")[0]})
+        return start + dur
+
+    def write(self, d, cfg, metrics=()) -> None:
+        from digenrl.config import to_toml
+        (d / "trace").mkdir(parents=True)
+        (d / "config.toml").write_text(to_toml(cfg))
+        for node, evs in self.ev.items():
+            (d / "trace" / f"{node}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evs))
+        (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+
+
+def _disagg_sync_run(d, steps: int = 6):
+    """A disagg-sync run: rollout and trainer take turns; every gap between them is a latency."""
+    from digenrl.config import resolve_mode
+    cfg = resolve_mode(_cfg(steps), "disagg-sync")
+    tr, p = _Trace(), PH
+    t, last_pub = 1.0, 0.9
+    for s in range(steps):
+        w = WARM if s == 0 else 1.0
+        if s > 0:  # catch up: fetch, apply, then the first denoising pull starts at t + sync
+            end = tr.span("rollout-0", "weight_fetch", t, p["fetch"], version=s)
+            tr.span("rollout-0", "weight_apply", end + 0.002, p["sync"] - p["fetch"] - 0.004, version=s)
+            t += p["sync"]
+        for k, frac in enumerate((0.3, 0.2, 0.5)):  # three pulls, chunk sends in between
+            t = tr.span("rollout-0", "denoise_step", t, frac * p["gen"] * w - 0.001, step=s, task=s + 1)
+            t = tr.span("rollout-0", "send_chunk", t, 0.001, t=k) if k < 2 else t + 0.001
+        t = tr.span("rollout-0", "reward", t, p["reward"], task=s + 1) + p["commit"]
+        t_train = t + p["lat_c"]
+        tr.span("trainer-0", "wait", last_pub, t_train - last_pub)
+        end = tr.span("trainer-0", "fragment_train", t_train, p["train"] * w, step=s, fragment=0)
+        end = tr.span("trainer-0", "optimizer_step", end, p["opt"] * w, step=s)
+        last_pub = tr.span("trainer-0", "weight_publish", end, p["pub"], version=s + 1)
+        tr.span("rollout-0", "wait", t, last_pub + p["lat_a"] - t)
+        t = last_pub + p["lat_a"]
+    tr.write(d, cfg)
+    return cfg
+
+
+def test_calibration_reads_steady_state_phases_and_skips_warm_up(tmp_path):
+    from digenrl.sim.calibrate import calibrate
+    cfg = _disagg_sync_run(tmp_path)
+    fit = calibrate(tmp_path)
+    c, p = fit["costs"], PH
+    B, T, nt = cfg.batch_size, cfg.sampler.num_steps, len(trained_timesteps(cfg))
+    assert fit["warmup_steps"] == 1 and fit["samples_per_fragment"] == B
+    assert c["gen_step_s"] == pytest.approx(p["gen"] / (B * T), rel=1e-6)
+    assert c["train_step_s"] == pytest.approx(p["train"] / (B * nt), rel=1e-6)
+    assert c["reward_s"] == pytest.approx((p["reward"] + p["commit"]) / B, rel=1e-6)
+    assert c["weight_sync_s"] == pytest.approx(p["sync"], rel=1e-6)
+    assert c["optimizer_s"] == pytest.approx(p["opt"] + p["pub"], rel=1e-6)
+    assert c["latency_s"] == pytest.approx((p["lat_c"] + p["lat_a"]) / 2, rel=1e-6)
+    # step 0 is left out of every figure (and a fit loads as a --cost file)
+    assert all(n == 5 for k, n in fit["n"].items() if k != "latency_s"), fit["n"]
+    (tmp_path / "fit.json").write_text(json.dumps(fit))
+    assert load_calibration(tmp_path / "fit.json") == c
+    # counting the 5x slower step 0 in (warmup_steps=0) moves the medians of a short run
+    short = tmp_path / "short"
+    _disagg_sync_run(short, steps=2)
+    assert calibrate(short)["costs"]["train_step_s"] == pytest.approx(c["train_step_s"], rel=1e-6)
+    assert calibrate(short, warmup_steps=0)["costs"]["train_step_s"] > 2 * c["train_step_s"]
+
+
+def test_calibrated_disagg_sync_reproduces_the_real_cycle(tmp_path):
+    """Closed form with a fit: the simulated step is the run's steady cycle, phase by phase."""
+    from digenrl.sim.calibrate import calibrate
+    cfg = _disagg_sync_run(tmp_path)
+    fit = calibrate(tmp_path)["costs"]
+    c, setup = mode_run(cfg, "disagg-sync", _one_each(), calibration=fit)
+    r = simulate(c, setup)
+    p = PH
+    cycle = (p["sync"] + p["gen"] + p["reward"] + p["commit"] + p["lat_c"] + p["train"] + p["opt"]
+             + p["pub"] + p["lat_a"])
+    assert r.s_per_step == pytest.approx(cycle, rel=1e-4)
+
+
+def test_calibrated_colocated_switch_is_the_unspanned_rest_of_the_step(tmp_path):
+    from digenrl.config import resolve_mode
+    from digenrl.sim.calibrate import calibrate
+    cfg = resolve_mode(_cfg(6), "colocated")
+    tr, p, t, metrics = _Trace(), PH, 0.0, []
+    for s in range(6):
+        w = WARM if s == 0 else 1.0
+        t0 = t
+        t = tr.span("colocated-0", "generate", t + p["switch"], p["gen"] * w, step=s)
+        t = tr.span("colocated-0", "fragment_train", t + p["switch"], p["train"] * w, step=s)
+        t = tr.span("colocated-0", "optimizer_step", t, p["opt"] * w, step=s)
+        metrics.append({"step": s, "step_seconds": t - t0})
+    tr.write(tmp_path, cfg, metrics)
+    fit = calibrate(tmp_path)["costs"]
+    assert fit["switch_s"] == pytest.approx(p["switch"], rel=1e-4)
+    one = Cluster(name="one", gpus=(GpuGroup(type="cpu", count=1, role="trainer"),), network=FREE)
+    c, setup = mode_run(cfg, "colocated", one, calibration=fit)
+    assert simulate(c, setup).s_per_step == pytest.approx(p["gen"] + p["train"] + p["opt"] + 2 * p["switch"],
+                                                          rel=1e-4)

@@ -256,8 +256,13 @@ def chunk_bytes(model: str, wire_fp32: bool) -> int:
     return 2 * MODELS[model].latent_bytes * elem_scale + 4
 
 
+CLUSTER_CALIBRATION = ("weight_sync_s", "latency_s")
+"""Calibration keys that are not per node: a rollout's whole weight catch-up (fetch + apply)
+and one message's latency; they replace :func:`weight_sync_s` and ``Network.latency_s``."""
+
+
 def load_calibration(path: str | Path) -> dict[str, Any]:
-    """Read a ``plan --calibrate`` JSON; keys are NodeCosts fields (seconds)."""
+    """Read a ``plan --calibrate`` JSON; keys are NodeCosts fields or CLUSTER_CALIBRATION (seconds)."""
     p = Path(path)
     if not p.is_file():
         raise CostModelError(f"--cost {str(path)!r}: file does not exist")
@@ -265,7 +270,7 @@ def load_calibration(path: str | Path) -> dict[str, Any]:
         data = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise CostModelError(f"--cost {str(path)!r}: not valid JSON ({e})") from None
-    names = {f.name for f in dataclasses.fields(NodeCosts)}
+    names = {f.name for f in dataclasses.fields(NodeCosts)} | set(CLUSTER_CALIBRATION)
     costs = data.get("costs", data) if isinstance(data, dict) else None
     if not isinstance(costs, dict):
         raise CostModelError(f"--cost {str(path)!r}: expected a JSON object with a 'costs' table")

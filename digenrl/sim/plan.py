@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
 from digenrl.config import Config, load_config, resolve_mode
+from digenrl.sim.calibrate import calibrate
 from digenrl.sim.cluster import Cluster, load_cluster
 from digenrl.sim.costmodel import load_calibration
 from digenrl.sim.simulator import SimResult, SimSetup, simulate, trained_timesteps
@@ -152,69 +152,6 @@ def draw_timeline(results: dict[str, SimResult], path: str | Path) -> Path:
 
 
 # ----------------------------------------------------------------------------- calibration
-
-
-def _spans(run_dir: Path) -> list[dict[str, Any]]:
-    out = []
-    for f in sorted((run_dir / "trace").glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            ev = json.loads(line)
-            if ev.get("ph") == "X":
-                out.append(ev)
-    return out
-
-
-def calibrate(run_dir: str | Path) -> dict[str, Any]:
-    """Fit per-unit seconds (NodeCosts fields) to a real run dir's trace and metrics.
-
-    Medians of: ``generate`` spans (or, for rollouts, all ``denoise_step`` time over
-    fragments x samples x T) (colocated: a whole share, per sample-step; disaggregated:
-    one denoising step of a fragment, per sample), ``tag_generate``, ``fragment_train`` (per
-    sample-timestep it trained), ``reward``, ``optimizer_step``. For colocated runs the step
-    time not covered by spans becomes the switch cost (paid twice a step).
-    """
-    d = Path(run_dir)
-    if not (d / "config.toml").is_file():
-        raise ValueError(f"--calibrate {str(run_dir)!r}: no config.toml there (not a run dir)")
-    cfg = load_config(d / "config.toml")
-    spans = _spans(d)
-    if not spans:
-        raise ValueError(f"--calibrate {str(run_dir)!r}: trace/*.jsonl holds no spans")
-    T, nt = cfg.sampler.num_steps, len(trained_timesteps(cfg))
-    R = max(1, cfg.cluster.trainers)
-    colocated = cfg.run.mode == "colocated"
-    share = cfg.batch_size // (R if colocated else cfg.runtime.fragments_per_step)
-
-    def med(name: str) -> float | None:
-        v = [e["dur_ns"] / 1e9 for e in spans if e["name"] == name]
-        return statistics.median(v) if v else None
-
-    costs: dict[str, float] = {}
-    g, tg, tr, rw, opt = (med(n) for n in ("generate", "tag_generate", "fragment_train", "reward",
-                                           "optimizer_step"))
-    denoise = [e["dur_ns"] / 1e9 for e in spans if e["name"] == "denoise_step"]
-    n_frag = sum(1 for e in spans if e["name"] == "reward")
-    if g is not None:
-        costs["gen_step_s"] = g / (share * T) if colocated else g / share
-    elif denoise and n_frag:  # rollouts span each denoising call; spread them over the T steps
-        costs["gen_step_s"] = sum(denoise) / (n_frag * share * T)
-    if tg is not None:
-        costs["colo_gen_step_s"] = tg / share
-    elif colocated and g is not None:
-        costs["colo_gen_step_s"] = costs["gen_step_s"]
-    if tr is not None:
-        per_rank = share * nt if colocated else share * max(1, nt // R if cfg.runtime.tsp else nt)
-        costs["train_step_s"] = tr / per_rank
-    costs["reward_s"] = rw / share if rw is not None else 0.0
-    if opt is not None:
-        costs["optimizer_s"] = opt
-    metrics = d / "metrics.jsonl"
-    if colocated and metrics.is_file() and g is not None and tr is not None:
-        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-        steps = [r["step_seconds"] for r in rows[1:] or rows if "step_seconds" in r]
-        if steps:
-            costs["switch_s"] = max(0.0, (statistics.median(steps) - g - tr - (opt or 0.0)) / 2)
-    return {"run_dir": str(d), "mode": cfg.run.mode, "model": cfg.model.family, "costs": costs}
 
 
 def plan_from_args(args: argparse.Namespace) -> int:

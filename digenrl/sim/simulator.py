@@ -170,7 +170,10 @@ class Simulator:
             speeds={g: GPUS["H100"].gen_tflops / spec.gen_tflops for g, spec in GPUS.items()} | {"cpu": 1.0})
         T = self.cfg.sampler.num_steps
         self.sched = Scheduler(params, plan_timesteps=lambda step: (self.trained, list(range(T))))
-        self.sync_s = weight_sync_s(self.wl.model, self.wl.lora_rank, setup.network)
+        cal = setup.calibration or {}
+        self.sync_s = float(cal.get("weight_sync_s", weight_sync_s(self.wl.model, self.wl.lora_rank,
+                                                                  setup.network)))
+        self.latency_s = float(cal.get("latency_s", setup.network.latency_s))
         ar_gpu = min(setup.trainer_gpus, key=lambda g: GPUS[g].nvlink_gbs)
         self.ar_s = allreduce_s(self.wl.model, self.wl.lora_rank, self.R, ar_gpu)
         if self.R > 8:  # ranks span hosts (8 GPUs each): the ring runs at the NIC's speed (cm 6)
@@ -188,7 +191,8 @@ class Simulator:
                                                costs=node_costs(g, self.wl, calibration=setup.calibration))
         self.announced = 0
         # per rank: step -> committed fragments not yet trained by that rank, in arrival order
-        self.pending: list[dict[int, deque[tuple[Any, int, int]]]] = [defaultdict(deque) for _ in self.trainers]
+        self.pending: list[dict[int, deque[tuple[Any, int, int, bool, float]]]] = [
+            defaultdict(deque) for _ in self.trainers]
         self.arrived: dict[int, set[int]] = defaultdict(set)  # step -> fragments committed
         self.consumed: dict[tuple[int, int], int] = defaultdict(int)  # (rank, step) -> fragments
         self.ready_ranks: set[int] = set()
@@ -363,7 +367,7 @@ class Simulator:
         # unless the link is slower than generation.
         total = n * chunk_bytes(self.wl.model, self.cfg.sampler.wire_dtype == "float32") * len(self.trained)
         link = (net.link_gbs if node.role == "rollout" else GPUS[node.gpu].nvlink_gbs) * 1e9
-        arrive = max(self.now, self.now - gen_s + total / link) + net.latency_s
+        arrive = max(self.now, self.now - gen_s + total / link) + self.latency_s
         self._at(arrive, "commit", task, nid, gen_v, n, gen_s)
         self._kick(node)
 
@@ -460,7 +464,7 @@ class Simulator:
             self.consumed.pop((t.rank, s), None)
         self.publish_t.append(self.now)
         self._apply(self.sched.version_published(s + 1, self.now))
-        self._at(self.now + self.setup.network.latency_s, "announce", s + 1)
+        self._at(self.now + self.latency_s, "announce", s + 1)
         for t in self.trainers:
             self._kick(t)
 
