@@ -41,13 +41,15 @@ def _epoch_order(seed: int, epoch: int, prompt_count: int) -> tuple[int, ...]:
     return tuple(order)
 
 
+def _prompt_at(seed: int, pos: int, prompt_count: int) -> int:
+    epoch, i = divmod(pos, prompt_count)
+    return _epoch_order(seed, epoch, prompt_count)[i]
+
+
 def step_prompts(seed: int, step: int, prompts_per_step: int, prompt_count: int) -> list[int]:
     """Prompt ids of step ``step`` (length ``prompts_per_step``; repeats only across epochs)."""
-    out = []
-    for pos in range(step * prompts_per_step, (step + 1) * prompts_per_step):
-        epoch, i = divmod(pos, prompt_count)
-        out.append(_epoch_order(seed, epoch, prompt_count)[i])
-    return out
+    return [_prompt_at(seed, pos, prompt_count)
+            for pos in range(step * prompts_per_step, (step + 1) * prompts_per_step)]
 
 
 def trajectory_seed(seed: int, step: int, prompt_slot: int, g: int) -> int:
@@ -60,10 +62,10 @@ def fragment_content(seed: int, step: int, fragment: int, *, prompts_per_step: i
                      prompt_count: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(prompt ids, seeds) of slot (step, fragment); seeds group-major (``seeds[p*G + g]``)."""
     per = prompts_per_step // fragments_per_step
-    prompts = step_prompts(seed, step, prompts_per_step, prompt_count)
     slots = range(fragment * per, (fragment + 1) * per)
     seeds = tuple(trajectory_seed(seed, step, q, g) for q in slots for g in range(group_size))
-    return tuple(prompts[q] for q in slots), seeds
+    # only this fragment's slots of step_prompts (the whole step per fragment is O(P^2) a step)
+    return tuple(_prompt_at(seed, step * prompts_per_step + q, prompt_count) for q in slots), seeds
 
 
 def all_timesteps(num_steps: int) -> PlanFn:
@@ -88,6 +90,12 @@ def owners_for(trained: Sequence[int], ranks: int, tsp: bool, fragment: int = 0,
     sooner). With TSP off every group is one rank: fragment ``f`` trains whole on rank
     ``f % ranks``.
     """
+    return _owners(tuple(trained), ranks, tsp, fragment, fragments)
+
+
+@lru_cache(maxsize=4096)  # called per assignment and per commit; pure, so cached
+def _owners(trained: tuple[int, ...], ranks: int, tsp: bool, fragment: int,
+            fragments: int) -> tuple[int, ...]:
     n = len(trained)
     if ranks <= 1 or n == 0:
         return (0,) * n

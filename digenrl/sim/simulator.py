@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import random
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -377,9 +377,18 @@ class Simulator:
             return  # a slot already trained or staged (the real trainer drops these too)
         self.arrived[task.step].add(task.fragment)
         owners = set(task.owners) or {0}
-        units = [self._train_units(task, n, r) for r in range(self.R)]
+        if self.cfg.runtime.tsp and self.R > 1:
+            counts = Counter(task.owners)
+            units: list[float] = [float(n * counts[r]) for r in range(self.R)]
+        else:
+            units = [self._train_units(task, n, 0)] * self.R
         for r, q in enumerate(self.pending):
             q[task.step].append((task, n, gen_v, r in owners, units[r]))
+        if task.step != self.version or (not self.setup.gap and len(self.arrived[task.step]) < self.F):
+            # No rank can train this yet, and an idle rank has already done what a kick would
+            # do (every path that idles a trainer kicks it), so kicking every rank per commit
+            # would only cost time: R x F calls a step.
+            return
         for t in self.trainers:
             self._kick(t)
 
