@@ -140,7 +140,7 @@ def test_calibration_file_with_unknown_key_is_rejected(tmp_path):
 # per-phase seconds; step 0 is WARM x slower (first torch passes), which the fit must ignore.
 
 WARM = 5.0
-PH = {"gen": 0.16, "reward": 0.003, "commit": 0.002, "sync": 0.03, "fetch": 0.018, "train": 0.12,
+PH = {"gen": 0.16, "reward": 0.003, "commit": 0.002, "apply": 0.004, "fetch": 0.018, "train": 0.12,
       "opt": 0.011, "pub": 0.004, "lat_c": 0.0015, "lat_a": 0.006, "switch": 0.004}
 
 
@@ -164,17 +164,22 @@ class _Trace:
 
 
 def _disagg_sync_run(d, steps: int = 6):
-    """A disagg-sync run: rollout and trainer take turns; every gap between them is a latency."""
+    """A disagg-sync run: rollout and trainer take turns; every gap between them is a latency.
+
+    As actors/peers.py does it: the announcement starts a background ``weight_prefetch``; the
+    rollout, at its trajectory boundary, waits for it, applies, then generates.
+    """
     from digenrl.config import resolve_mode
     cfg = resolve_mode(_cfg(steps), "disagg-sync")
     tr, p = _Trace(), PH
     t, last_pub = 1.0, 0.9
     for s in range(steps):
         w = WARM if s == 0 else 1.0
-        if s > 0:  # catch up: fetch, apply, then the first denoising pull starts at t + sync
-            end = tr.span("rollout-0", "weight_fetch", t, p["fetch"], version=s)
-            tr.span("rollout-0", "weight_apply", end + 0.002, p["sync"] - p["fetch"] - 0.004, version=s)
-            t += p["sync"]
+        if s > 0:  # catch up: the prefetch runs, the boundary waits for it, applies, generates
+            end = tr.span("rollout-0", "weight_prefetch", t, p["fetch"], version=s)
+            tr.span("rollout-0", "wait", t + 0.0005, end - t - 0.0005, waiting_for=f"weights {s}")
+            tr.span("rollout-0", "weight_apply", end, p["apply"] - 0.001, version=s)
+            t = end + p["apply"]
         for k, frac in enumerate((0.3, 0.2, 0.5)):  # three pulls, chunk sends in between
             t = tr.span("rollout-0", "denoise_step", t, frac * p["gen"] * w - 0.001, step=s, task=s + 1)
             t = tr.span("rollout-0", "send_chunk", t, 0.001, t=k) if k < 2 else t + 0.001
@@ -200,7 +205,8 @@ def test_calibration_reads_steady_state_phases_and_skips_warm_up(tmp_path):
     assert c["gen_step_s"] == pytest.approx(p["gen"] / (B * T), rel=1e-6)
     assert c["train_step_s"] == pytest.approx(p["train"] / (B * nt), rel=1e-6)
     assert c["reward_s"] == pytest.approx((p["reward"] + p["commit"]) / B, rel=1e-6)
-    assert c["weight_sync_s"] == pytest.approx(p["sync"], rel=1e-6)
+    assert c["weight_fetch_s"] == pytest.approx(p["fetch"], rel=1e-6)
+    assert c["weight_apply_s"] == pytest.approx(p["apply"], rel=1e-6)
     assert c["optimizer_s"] == pytest.approx(p["opt"] + p["pub"], rel=1e-6)
     assert c["latency_s"] == pytest.approx((p["lat_c"] + p["lat_a"]) / 2, rel=1e-6)
     # step 0 is left out of every figure (and a fit loads as a --cost file)
@@ -222,7 +228,7 @@ def test_calibrated_disagg_sync_reproduces_the_real_cycle(tmp_path):
     c, setup = mode_run(cfg, "disagg-sync", _one_each(), calibration=fit)
     r = simulate(c, setup)
     p = PH
-    cycle = (p["sync"] + p["gen"] + p["reward"] + p["commit"] + p["lat_c"] + p["train"] + p["opt"]
+    cycle = (p["fetch"] + p["apply"] + p["gen"] + p["reward"] + p["commit"] + p["lat_c"] + p["train"] + p["opt"]
              + p["pub"] + p["lat_a"])
     assert r.s_per_step == pytest.approx(cycle, rel=1e-4)
 

@@ -2,7 +2,7 @@
 
 Reads the spans every node recorded (``RUN_DIR/trace/<node>.jsonl``) and the run's
 ``config.toml``, and returns per-unit seconds in the simulator's terms (``NodeCosts`` fields
-plus the cluster-level ``weight_sync_s`` and ``latency_s``). Only steady-state work counts:
+plus the cluster-level ``weight_fetch_s``, ``weight_apply_s`` and ``latency_s``). Only steady-state work counts:
 spans of the first ``warmup_steps`` steps (torch's first passes, allocator growth, the
 pipeline filling) are left out, which is also what ``bench/plan_vs_real.py`` measures (the
 median step after the first).
@@ -22,11 +22,13 @@ optimizer_s    rank 0: ``optimizer_step`` start -> ``weight_publish`` end (coloc
                ``optimizer_step``)
 switch_s       colocated only: per step, step_seconds minus generate, train and optimizer,
                halved (the simulator pays a switch into generation and one back)
-weight_sync_s  rollout: ``weight_fetch`` start -> the first denoising pull that follows
-               (fetch, reassembly, apply), when no wait came between
+weight_fetch_s rollout: one version's ``weight_prefetch`` (background, while generating; the
+               simulator starts it on the announcement) or ``weight_fetch`` (at the boundary)
+weight_apply_s rollout: ``weight_apply`` start -> the first denoising pull that follows
+               (what a trajectory boundary costs once the weights are there)
 latency_s      one message, the mean of two medians: commit (the rollout's commit sends end ->
                the waiting trainer's ``fragment_train`` start) and announce (rank 0
-               ``weight_publish`` end -> the waiting rollout's ``weight_fetch`` start)
+               ``weight_publish`` end -> the waiting rollout's ``weight_(pre)fetch`` start)
 ============== ============================================================================
 
 The cost model is linear in samples (seconds per sample and step). On the tiny CPU model a
@@ -47,6 +49,7 @@ from typing import Any
 from digenrl.config import load_config
 
 GEN_SPANS = ("denoise_step", "tag_generate")
+FETCH_SPANS = ("weight_prefetch", "weight_fetch")
 _OVERLAP_S = 0.02
 """How far a receiver may start before its sender's last send is done and still count."""
 
@@ -112,20 +115,15 @@ def _generation(evs: list[_Ev], warm: int) -> tuple[list[float], list[float]]:
     return gen, rew
 
 
-def _weight_sync(evs: list[_Ev], warm: int) -> list[float]:
+def _weight_apply(evs: list[_Ev], warm: int) -> list[float]:
     out = []
     for i, e in enumerate(evs):
-        if e.name != "weight_fetch":
+        if e.name != "weight_apply":
             continue
-        apply_end = e.end
         for f in evs[i + 1:]:
-            if f.name == "weight_apply":
-                apply_end = max(apply_end, f.end)
-            elif f.name == "wait":  # waited for a later version: the catch-up alone
-                if f.start >= apply_end:
-                    out.append(apply_end - e.start)
-                break
-            elif f.name in GEN_SPANS:
+            if f.name == "wait":
+                break  # waited for a newer version: not a boundary's cost
+            if f.name in GEN_SPANS:
                 if f.args.get("step", 0) >= warm:
                     out.append(f.start - e.start)
                 break
@@ -138,7 +136,7 @@ def _latencies(spans: dict[str, list[_Ev]], warm: int) -> list[list[float]]:
 
     A commit counts from the end of the sender's commit sends (its next span after
     ``reward``, the point ``reward_s`` ends) to the trainer's ``fragment_train``; an
-    announce from rank 0's ``weight_publish`` end to a rollout's ``weight_fetch``. Negative
+    announce from rank 0's ``weight_publish`` end to a rollout's ``weight_(pre)fetch``. Negative
     gaps (the receiver starts while the sender is still sending) count as overlap.
     """
     commits, announces = [], []
@@ -156,7 +154,7 @@ def _latencies(spans: dict[str, list[_Ev]], warm: int) -> list[list[float]]:
         for e in evs:
             if e.name == "fragment_train" and e.args.get("step", 0) >= warm:
                 kind, src, t = "commit", commits, e.start
-            elif e.name == "weight_fetch" and e.args.get("version", 0) > warm:
+            elif e.name in FETCH_SPANS and e.args.get("version", 0) >= warm:
                 kind, src, t = "announce", announces, e.start
             else:
                 continue
@@ -172,7 +170,7 @@ def _latencies(spans: dict[str, list[_Ev]], warm: int) -> list[list[float]]:
 
 
 def calibrate(run_dir: str | Path, *, warmup_steps: int = 1) -> dict[str, Any]:
-    """Fit per-unit seconds (NodeCosts fields + weight_sync_s, latency_s) to a real run dir."""
+    """Fit per-unit seconds (NodeCosts fields + CLUSTER_CALIBRATION keys) to a real run dir."""
     from digenrl.sim.simulator import trained_timesteps
 
     d = Path(run_dir)
@@ -210,18 +208,22 @@ def calibrate(run_dir: str | Path, *, warmup_steps: int = 1) -> dict[str, Any]:
     else:
         gen: dict[str, list[float]] = {"rollout": [], "trainer": []}
         rew: list[float] = []
-        sync: list[float] = []
+        fetch: list[float] = []
+        apply: list[float] = []
         for node, evs in spans.items():
             role = "trainer" if node.startswith("trainer") else "rollout"
             g, r = _generation(evs, warm)
             gen[role] += g
             if role == "rollout":
                 rew += r
-                sync += _weight_sync(evs, warm)
+                apply += _weight_apply(evs, warm)
+                fetch += [e.end - e.start for e in evs
+                          if e.name in FETCH_SPANS and e.args.get("version", 0) >= warm]
         put("gen_step_s", gen["rollout"], share * T)
         put("colo_gen_step_s", gen["trainer"], share * T)
         put("reward_s", rew, share)
-        put("weight_sync_s", sync, 1)
+        put("weight_fetch_s", fetch, 1)
+        put("weight_apply_s", apply, 1)
         seen = _latencies(spans, warm)
         lat = [max(0.0, m) for m in (_med(x) for x in seen) if m is not None]
         if lat:  # the simulator pays one latency per commit and one per announce

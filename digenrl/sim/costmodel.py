@@ -256,9 +256,10 @@ def chunk_bytes(model: str, wire_fp32: bool) -> int:
     return 2 * MODELS[model].latent_bytes * elem_scale + 4
 
 
-CLUSTER_CALIBRATION = ("weight_sync_s", "latency_s")
-"""Calibration keys that are not per node: a rollout's whole weight catch-up (fetch + apply)
-and one message's latency; they replace :func:`weight_sync_s` and ``Network.latency_s``."""
+CLUSTER_CALIBRATION = ("weight_fetch_s", "weight_apply_s", "latency_s")
+"""Calibration keys that are not per node: a rollout's background fetch of one version
+(replaces :func:`weight_sync_s`), its apply at a trajectory boundary (0 without a fit), and
+one message's latency (replaces ``Network.latency_s``)."""
 
 
 def load_calibration(path: str | Path) -> dict[str, Any]:

@@ -5,7 +5,10 @@ The coordinator logic is :class:`digenrl.scheduler.Scheduler` itself, fed events
 seconds of :mod:`digenrl.sim.costmodel`. Nodes behave like ``actors/rollout.py`` and
 ``actors/trainer.py``::
 
-    rollout:  Assign -> (catch up to the newest announced version: fetch weights) -> generate
+    rollout:  every announced version is fetched in the background (one fetch at a time, as
+              actors/peers.py prefetches) while the node generates; Assign -> (catch up at the
+              trajectory boundary: wait for the newest version's fetch if still running, apply
+              it) -> generate
               T steps x n samples -> rewards -> commit reaches every trainer rank
     trainer:  commits of step s are trained as they arrive (GAP; without GAP only once all F
               fragments of s are in); a rank trains n x (timesteps it owns) (TSP; without TSP
@@ -138,6 +141,8 @@ class _Node:
     busy: float = 0.0
     offered: bool = False
     working: bool = False
+    fetched: int = 0         # rollout: newest version whose weights have arrived (prefetch)
+    fetching: int = -1       # rollout: version being fetched in the background, -1 none
 
 
 class Simulator:
@@ -171,8 +176,11 @@ class Simulator:
         T = self.cfg.sampler.num_steps
         self.sched = Scheduler(params, plan_timesteps=lambda step: (self.trained, list(range(T))))
         cal = setup.calibration or {}
-        self.sync_s = float(cal.get("weight_sync_s", weight_sync_s(self.wl.model, self.wl.lora_rank,
-                                                                  setup.network)))
+        # a rollout fetches each announced version in the background (trainable bytes over the
+        # weight link) and applies it at a trajectory boundary (a device copy: ~0 on a GPU)
+        self.fetch_s = float(cal.get("weight_fetch_s", weight_sync_s(self.wl.model, self.wl.lora_rank,
+                                                                    setup.network)))
+        self.apply_s = float(cal.get("weight_apply_s", 0.0))
         self.latency_s = float(cal.get("latency_s", setup.network.latency_s))
         ar_gpu = min(setup.trainer_gpus, key=lambda g: GPUS[g].nvlink_gbs)
         self.ar_s = allreduce_s(self.wl.model, self.wl.lora_rank, self.R, ar_gpu)
@@ -327,14 +335,32 @@ class Simulator:
             task = node.queue[0]
             if self.announced < task.version_floor:
                 return  # wait for the announcement (an "announce" event kicks us)
+            if node.version < self.announced and node.fetched < self.announced:
+                self._prefetch(node)
+                return  # wait for the weights (a "prefetched" event kicks us)
             node.queue.popleft()
             node.task = task
             if node.version < self.announced:  # TCSS: weights change only between trajectories
                 node.version = self.announced
-                self._work(node, "weight_apply", self.sync_s, "fetched", task)
+                self._work(node, "weight_apply", self.apply_s, "fetched", task)
             else:
                 self._start_gen(node, task)
             return
+
+    def _prefetch(self, node: _Node) -> None:
+        """Fetch the newest announced version in the background, one fetch at a time."""
+        if node.fetching >= 0 or node.fetched >= self.announced or not node.alive:
+            return
+        node.fetching = self.announced
+        self._at(self.now + self.fetch_s, "prefetched", node.id, self.announced)
+
+    def _on_prefetched(self, nid: str, version: int) -> None:
+        node = self.nodes[nid]
+        if not node.alive:
+            return
+        node.fetching, node.fetched = -1, max(node.fetched, version)
+        self._prefetch(node)  # a newer version may have been announced meanwhile
+        self._kick(node)
 
     def _on_fetched(self, nid: str, token: int, task: Any) -> None:
         node = self.nodes[nid]
@@ -444,7 +470,8 @@ class Simulator:
 
     def _on_trained(self, nid: str, token: int, batch: list[tuple[Any, int, bool]], secs: float) -> None:
         node = self.nodes[nid]
-        node.working = False
+        # offers are one-shot; like actors/trainer.py, a rank that trained may offer again
+        node.working, node.offered = False, False
         for task, n, owns in batch:
             if owns:  # only owning ranks report (scheduler contract)
                 self._apply(self.sched.fragment_consumed(task.task_id, node.rank, n, {}, secs / len(batch), self.now))
@@ -468,7 +495,7 @@ class Simulator:
         for q in self.pending:
             q.pop(s, None)
         for t in self.trainers:
-            # a trainer re-offers for TAG once per version (the real trainer offers once per Assign)
+            # offers are one-shot: a rank offers again after an Assign, after training, and here
             t.working, t.version, t.offered = False, s + 1, False
             self.consumed.pop((t.rank, s), None)
         self.publish_t.append(self.now)
@@ -481,6 +508,7 @@ class Simulator:
         self.announced = max(self.announced, version)
         for n in self.nodes.values():
             if n.role == "rollout":
+                self._prefetch(n)
                 self._kick(n)
 
     # ------------------------------------------------------------------ results
