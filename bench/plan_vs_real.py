@@ -44,12 +44,13 @@ def launch(mode: str, steps: int, run_dir: Path, seed: int, reuse: bool) -> None
     (run_dir / "load.json").write_text(json.dumps({"before": load, "after": os.getloadavg()[0]}) + "\n")
 
 
-def measured(run_dir: Path) -> float:
-    """Steady-state samples/s of a real run: batch / median step_seconds after the first step."""
+def measured(run_dir: Path, mean: bool = False) -> float:
+    """Steady-state samples/s of a real run: batch / median step_seconds after the first step
+    (``mean``: samples / seconds over those steps, which stalls of the machine weigh on)."""
     cfg = load_config(run_dir / "config.toml")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     secs = [r["step_seconds"] for r in rows if r.get("step", 0) >= 1 and "step_seconds" in r]
-    return cfg.batch_size / statistics.median(secs)
+    return cfg.batch_size * len(secs) / sum(secs) if mean else cfg.batch_size / statistics.median(secs)
 
 
 def predict(run_dir: Path) -> tuple[float, dict[str, float]]:
@@ -95,13 +96,16 @@ def main() -> int:
         real_b = [measured(b) for b in b_runs]
         real = statistics.median(real_b)
         err = pred / real - 1
+        real_mean = statistics.median(measured(b, mean=True) for b in b_runs)
         out[mode] = {"predicted": pred, "measured_b": real, "error": err,
+                     "measured_b_mean": real_mean, "error_vs_mean": pred / real_mean - 1,
                      "predicted_each_a": [p for p, _ in preds], "measured_each_a": real_a,
                      "measured_each_b": real_b, "fits": [f for _, f in preds]}
         print(f"{mode:12s} predicted {pred:6.2f} samples/s, measured (B) {real:6.2f}, error {100 * err:+5.1f}%"
               f"  {'OK' if abs(err) <= 0.15 else 'MISS'} | per A: predicted "
               f"{', '.join(f'{p:.1f}' for p, _ in preds)} vs its own {', '.join(f'{x:.1f}' for x in real_a)}"
-              f" | B runs {', '.join(f'{x:.1f}' for x in real_b)}", flush=True)
+              f" | B runs {', '.join(f'{x:.1f}' for x in real_b)} | vs B's mean step "
+              f"{real_mean:.2f}: {100 * (pred / real_mean - 1):+.1f}%", flush=True)
     load = [v for f in sorted(root.glob("*/load.json")) for v in json.loads(f.read_text()).values()]
     if load:
         print(f"load average (1 min) before/after each real run: min {min(load):.2f}, median "
