@@ -252,3 +252,19 @@ def test_calibrated_colocated_switch_is_the_unspanned_rest_of_the_step(tmp_path)
     c, setup = mode_run(cfg, "colocated", one, calibration=fit)
     assert simulate(c, setup).s_per_step == pytest.approx(p["gen"] + p["train"] + p["opt"] + 2 * p["switch"],
                                                           rel=1e-4)
+
+
+@pytest.mark.parametrize("fetch_s", [0.0, 0.5, 1.2, 3.0])
+def test_rollout_weight_fetch_is_hidden_behind_generation_unless_longer(fetch_s):
+    """The rollout prefetches each version while it generates (actors/peers.py): a
+    generation-bound digenrl step pays only the boundary apply, until the fetch is longer
+    than a fragment's generation."""
+    cfg = _cfg(12, "runtime.tag=never")
+    costs = {**COSTS, "train_step_s": 0.001, "weight_fetch_s": fetch_s, "weight_apply_s": 0.05}
+    c, setup = mode_run(cfg, "digenrl", _one_each(), calibration=costs)
+    r = simulate(c, setup)
+    gen = cfg.batch_size * cfg.sampler.num_steps * costs["gen_step_s"]  # 1.28 s, one fragment
+    if fetch_s < gen:
+        assert r.s_per_step == pytest.approx(gen + costs["weight_apply_s"], rel=0.02)
+    else:  # the fetch is exposed
+        assert r.s_per_step > fetch_s + costs["weight_apply_s"]
