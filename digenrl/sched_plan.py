@@ -111,6 +111,12 @@ def _owners(trained: tuple[int, ...], ranks: int, tsp: bool, fragment: int,
     return tuple(base + next(m for m in range(g) if i < (m + 1) * n // g) for i in range(n))
 
 
+def train_groups(trained: Sequence[int], ranks: int, tsp: bool, fragments: int) -> int:
+    """How many fragments of a step train at once: the distinct owner groups of
+    :func:`owners_for` over the step's fragments (1 without data parallelism)."""
+    return len({owners_for(trained, ranks, tsp, f, fragments) for f in range(max(1, fragments))})
+
+
 def check_plan(step: int, trained: Sequence[int], sde: Sequence[int], num_steps: int) -> None:
     """Reject a plan that names a timestep outside [0, T) or repeats one (a plugin bug)."""
     for name, seq in (("trained", trained), ("sde", sde)):

@@ -48,6 +48,7 @@ from digenrl.sched_plan import (
     check_plan,
     fragment_content,
     owners_for,
+    train_groups,
 )
 from digenrl.sched_types import (
     AssignCmd,
@@ -294,7 +295,9 @@ class Scheduler:
             rollout_rate=sum(1.0 / self.node_spt(n.node_id) for n in rollouts),
             train_remaining=((last - led.version + 1) * led.fragments_per_step - consumed) * fs,
             train_spt=self._train_spt or 0.0, trainer_gen_spt=self.node_spt(node_id),
-            switch_s=self.params.switch_s, helper_traj=fs)
+            switch_s=self.params.switch_s, helper_traj=fs,
+            train_groups=train_groups(self.step_plan(last)[0], self.params.trainer_ranks,
+                                      self.params.tsp, led.fragments_per_step))
 
     # ------------------------------------------------------------------ internals
 

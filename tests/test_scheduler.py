@@ -285,6 +285,25 @@ def test_bts_predictor_refuses_when_the_helper_would_make_the_trainer_late():
     assert not helper_shortens_step(f)
 
 
+def test_bts_predictor_counts_owner_groups_training_fragments_in_parallel():
+    # 64 trajectories left to train at 0.5 s each: one group needs 32 s, longer than the
+    # rollouts' 16 s, so a helper looks useless; four DP groups train it in 8 s, so the step
+    # is generation-bound and the helper's 4 trajectories shorten it
+    f = forecast(train_remaining=64, train_spt=0.5, switch_s=0.5, trainer_gen_spt=0.25)
+    assert not helper_shortens_step(f)
+    g = forecast(train_remaining=64, train_spt=0.5, switch_s=0.5, trainer_gen_spt=0.25, train_groups=4)
+    assert predict_step_finish(g, with_helper=False) == pytest.approx(16 + 4 * 0.5)
+    assert helper_shortens_step(g)
+
+
+def test_train_groups_follow_the_owner_plan():
+    from digenrl.sched_plan import train_groups
+    assert train_groups([0, 1], 8, True, 4) == 4     # 8 ranks, 4 fragments: 4 groups of 2
+    assert train_groups([0, 1, 2, 3], 2, True, 1) == 1
+    assert train_groups([0, 1], 3, False, 4) == 3    # TSP off: fragment f on rank f % 3
+    assert train_groups([0, 1], 1, True, 4) == 1
+
+
 def test_bts_predictor_without_rollout_capacity_always_helps():
     f = forecast(rollout_rate=0.0, gen_remaining=4)
     assert predict_step_finish(f, with_helper=False) == math.inf
