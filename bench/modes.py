@@ -11,6 +11,8 @@ One invocation runs, one after another on the same (2-core) machine and the same
   colocated-2rank  two ranks (gloo), one thread each
   rollout-alone    generation only, one thread (no trainer)
   trainer-alone    training only on a recording, one thread (no rollout)
+  both alone       the two at once in two processes that never talk (same core sharing as
+                   digenrl, no pipeline): separates contention from pipeline bubbles
 For each: samples/s (first assignment to last step), steady-state seconds per step (median of
 the steps after the first two), each process's busy fraction, and the ratios the runtime
 issue targets. The machine is shared and noisy, so the variants run interleaved
@@ -26,7 +28,9 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 from digenrl.config import load_config, resolve_mode
 from digenrl.launch import launch, make_run_dir
@@ -48,14 +52,44 @@ def run_mode(name: str, mode: str, overrides: list[str], tmp: Path, config: str 
             "tag_granted": summary.get("scheduler", {}).get("tag_granted", 0)}
 
 
+def _median_steady(xs: list[float]) -> float:
+    return statistics.median(xs[2:] or xs)
+
+
+def _trainer_until(cfg_overrides: list[str], config: str | None, rec: Path, stop: Any,
+                   out: Any) -> None:
+    """Train on the recording over and over until ``stop`` is set (the side-by-side load)."""
+    from digenrl import roles_alone
+    cfg = load_config(config, [*cfg_overrides, "run.threads=1"])
+    times: list[float] = []
+    while not stop.is_set():
+        times += roles_alone.trainer_only(cfg, rec)["step_seconds"]
+    out.put(times)
+
+
 def run_alone(cfg_overrides: list[str], config: str | None, steps: int, tmp: Path) -> dict:
+    """Each role alone; then both at once, in two processes that never talk: the rollout's
+    step there is the floor under the same sharing of the 2 cores that digenrl runs with."""
+    import multiprocessing as mp
+
     from digenrl import roles_alone
     cfg = load_config(config, [*cfg_overrides, "run.threads=1"])
     rec = tmp / "recording.pt"
     r = roles_alone.rollout_only(cfg, steps, record=rec)
     t = roles_alone.trainer_only(cfg, rec)
-    med = lambda xs: statistics.median(xs[2:] or xs)  # noqa: E731
-    return {"rollout_step_s": med(r["step_seconds"]), "trainer_step_s": med(t["step_seconds"])}
+    ctx = mp.get_context("spawn")
+    stop, out = ctx.Event(), ctx.Queue()
+    side = ctx.Process(target=_trainer_until, args=(cfg_overrides, config, rec, stop, out))
+    side.start()
+    time.sleep(5.0)  # let the trainer process import torch and start training
+    both = roles_alone.rollout_only(cfg, steps)
+    stop.set()
+    t_both = out.get(timeout=300)
+    side.join(timeout=60)
+    return {"rollout_step_s": _median_steady(r["step_seconds"]),
+            "trainer_step_s": _median_steady(t["step_seconds"]),
+            "rollout_beside_trainer_step_s": _median_steady(both["step_seconds"]),
+            "trainer_beside_rollout_step_s": _median_steady(t_both)}
 
 
 def main() -> int:
@@ -102,6 +136,8 @@ def main() -> int:
             a = res["alone"]
             print(f"rollout alone    {a['rollout_step_s']:.3f} s/step;  trainer alone "
                   f"{a['trainer_step_s']:.3f} s/step", flush=True)
+            print(f"both alone at once (no messages): rollout {a['rollout_beside_trainer_step_s']:.3f} "
+                  f"s/step, trainer {a['trainer_beside_rollout_step_s']:.3f} s/step", flush=True)
     ratios = {}
     if "digenrl" in res and "disagg-sync" in res:
         ratios["digenrl / disagg-sync"] = res["digenrl"]["samples_per_s"] / res["disagg-sync"]["samples_per_s"]
@@ -113,6 +149,10 @@ def main() -> int:
     if "alone" in res and "digenrl" in res:
         floor = max(res["alone"]["rollout_step_s"], res["alone"]["trainer_step_s"])
         ratios["digenrl steady step / slower role alone"] = res["digenrl"]["steady_step_s"] / floor
+        shared = max(res["alone"]["rollout_beside_trainer_step_s"],
+                     res["alone"]["trainer_beside_rollout_step_s"])
+        ratios["digenrl steady step / slower role, both alone at once"] = (
+            res["digenrl"]["steady_step_s"] / shared)
     for k, v in ratios.items():
         print(f"{k:42s} {v:.3f}")
     out = Path(__file__).parent / "results" / "modes.json"

@@ -141,6 +141,8 @@ def _rank_main(argv: list[str]) -> int:
         counts = [None] * world
         dist.all_gather_object(counts, (result["trained"], result["discarded"]))
     finally:
+        import gc
+        gc.collect()  # FSDP modules (hook cycles) must go before the group they shard over
         dist.destroy_process_group()
     if rank == 0:
         result["trained"] = sum(c[0] for c in counts)  # type: ignore[index]

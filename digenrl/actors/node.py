@@ -249,7 +249,13 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
             loop.remove_signal_handler(signal.SIGTERM)
             recorder.dump(rdir / "trace" / f"{node_id}.jsonl")
             if role == "trainer" and msg.world_size > 1:
+                import gc
+
                 import torch.distributed as dist
+                # a sharded model (FSDP) holds the process group: drop it first, so the group
+                # is really torn down here and not in the interpreter's exit (gloo aborts there)
+                actor.policy = actor.learner = policy = None
+                gc.collect()
                 if dist.is_initialized():
                     dist.destroy_process_group()
         code = 0 if actor.stop_reason in ("done", "SIGTERM") else 1
