@@ -109,6 +109,7 @@ def main() -> int:
         "colocated-2rank": ("colocated", ["run.threads=1", "cluster.trainers=2"]),
     }
     runs: dict[str, list[dict]] = {}
+    alone: list[dict] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for rep in range(args.repeats):
@@ -121,6 +122,13 @@ def main() -> int:
                 print(f"[{rep}] {name:16s} {r['samples_per_s']:7.2f} samples/s  steady "
                       f"{r['steady_step_s']:.3f} s/step  busy: {busy}"
                       + (f"  TAG fragments {r['tag_granted']}" if r["tag_granted"] else ""), flush=True)
+            if not args.only or "alone" in args.only:  # interleaved too: the host's speed drifts
+                a = run_alone([*base, *args.overrides], args.config, args.steps, tmp)
+                alone.append(a)
+                print(f"[{rep}] alone            rollout {a['rollout_step_s']:.3f}, trainer "
+                      f"{a['trainer_step_s']:.3f} s/step; both at once: rollout "
+                      f"{a['rollout_beside_trainer_step_s']:.3f}, trainer "
+                      f"{a['trainer_beside_rollout_step_s']:.3f} s/step", flush=True)
         res: dict[str, dict] = {}
         for name, rs in runs.items():
             med = {k: statistics.median(r[k] for r in rs)
@@ -131,9 +139,8 @@ def main() -> int:
             busy = ", ".join(f"{k} {v:.0%}" for k, v in sorted(med["busy"].items()))
             print(f"median {name:16s} {med['samples_per_s']:7.2f} samples/s  steady "
                   f"{med['steady_step_s']:.3f} s/step  busy: {busy}", flush=True)
-        if not args.only or "alone" in args.only:
-            res["alone"] = run_alone([*base, *args.overrides], args.config, args.steps, tmp)
-            a = res["alone"]
+        if alone:
+            res["alone"] = a = {k: statistics.median(x[k] for x in alone) for k in alone[0]}
             print(f"rollout alone    {a['rollout_step_s']:.3f} s/step;  trainer alone "
                   f"{a['trainer_step_s']:.3f} s/step", flush=True)
             print(f"both alone at once (no messages): rollout {a['rollout_beside_trainer_step_s']:.3f} "
