@@ -56,6 +56,7 @@ class NodePeers:
         self.weights_lock = asyncio.Lock()
         self._ready: tuple[int, dict[str, torch.Tensor]] | None = None  # prefetched, verified
         self._prefetching: asyncio.Future[None] | None = None
+        self._prefetch_failed = -1  # a version whose background fetch failed: not retried there
         self.unanswered = 0  # beats sent since the coordinator's last control message
 
     # ------------------------------------------------------------------ heartbeats
@@ -107,27 +108,44 @@ class NodePeers:
             self.announce_event.set()
 
     async def catch_up(self, actor: Any, floor: int) -> None:
-        """At a trajectory boundary: apply the newest announced version; wait for ``floor``.
+        """At a trajectory boundary: apply the newest version at hand; wait for ``floor``.
 
         The tensors usually arrived already: :meth:`prefetch` fetches and verifies each
         announced version in the background while the current trajectory is generated, so the
-        boundary pays only the apply (TCSS: one version per trajectory all the same).
+        boundary pays only the apply (TCSS: one version per trajectory all the same). Whatever
+        prefetched version is newer than the current one is applied; the boundary blocks only
+        while it is below ``floor``: on the fetch in flight, or on a foreground fetch if none
+        runs (a newer version still on its way is applied at a later boundary).
         """
         while True:
             ann = self.announced
             if ann is not None and ann.version > self.version:
-                sd = await self._fetched(actor, ann)
-                await actor.in_thread("weight_apply", actor.model.load_sync_state_dict, sd,
-                                      version=ann.version)
-                self._ready = None
-                self.version = ann.version
-                actor.log = actor.log.bind(policy_version=self.version)
-                await self.control.send(WeightsApplied(node_id=self.node_id, version=self.version))
+                self.prefetch(actor)  # toward the newest, if not already on its way
+                ready, running = self._ready, self._prefetching
+                if ready is not None and ready[0] > self.version:
+                    await self._apply(actor, *ready)
+                    continue
+                if self.version < floor:
+                    if running is not None and not running.done():
+                        with actor.recorder.span("wait", waiting_for=f"weights {ann.version}"):
+                            await asyncio.wait({running})
+                    else:
+                        sd = await self._fetch(actor, ann, span="weight_fetch")
+                        await self._apply(actor, ann.version, sd)
+                    continue
             if self.version >= floor:
                 return
             self.announce_event.clear()
             with actor.recorder.span("wait", waiting_for=f"version {floor}"):
                 await self.announce_event.wait()
+
+    async def _apply(self, actor: Any, version: int, sd: dict[str, torch.Tensor]) -> None:
+        await actor.in_thread("weight_apply", actor.model.load_sync_state_dict, sd, version=version)
+        if self._ready is not None and self._ready[0] <= version:
+            self._ready = None
+        self.version = version
+        actor.log = actor.log.bind(policy_version=self.version)
+        await self.control.send(WeightsApplied(node_id=self.node_id, version=self.version))
 
     def prefetch(self, actor: Any) -> None:
         """Start fetching the newest announced version in the background (rollouts call this
@@ -139,7 +157,16 @@ class NodePeers:
             return
         if self._prefetching is not None and not self._prefetching.done():
             return  # the running fetch ends by starting the next one if still behind
+        if self._prefetch_failed == ann.version:
+            return  # the boundary fetches it in the foreground, where a failure is fatal
         self._prefetching = asyncio.ensure_future(self._prefetch(actor, ann))
+
+    async def stop_prefetch(self) -> None:
+        """Cancel a background fetch still running (the actor is stopping)."""
+        task = self._prefetching
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _prefetch(self, actor: Any, ann: VersionAnnounce) -> None:
         try:
@@ -151,19 +178,9 @@ class NodePeers:
         except Exception as e:  # the boundary fetches again, in the foreground
             actor.log.warning("weight prefetch failed; fetching at the boundary", version=ann.version,
                               error=repr(e))
+            self._prefetch_failed = ann.version
             return
         self.prefetch(actor)  # a newer version may have been announced meanwhile
-
-    async def _fetched(self, actor: Any, ann: VersionAnnounce) -> dict[str, torch.Tensor]:
-        """The verified tensors of ``ann``: prefetched, in flight (waited for), or fetched now."""
-        running = self._prefetching
-        if (self._ready is None or self._ready[0] != ann.version) and running is not None \
-                and not running.done():
-            with actor.recorder.span("wait", waiting_for=f"weights {ann.version}"):
-                await asyncio.wait({running})
-        if self._ready is not None and self._ready[0] == ann.version:
-            return self._ready[1]
-        return await self._fetch(actor, ann, span="weight_fetch")
 
     async def _fetch(self, actor: Any, ann: VersionAnnounce, span: str) -> dict[str, torch.Tensor]:
         """Request every part of ``ann`` over the weights DEALER; verify; whole tensors out."""

@@ -61,6 +61,9 @@ class RolloutActor(Actor):
             await self.peers.generate_and_stream(self, task, self.model, self.peers.version,
                                                  self.reward_fn, self.cfg, span="denoise_step")
 
+    async def close(self) -> None:
+        await self.peers.stop_prefetch()
+
     async def _control_loop(self) -> None:
         while True:
             _, msg = await self.peers.control.recv()

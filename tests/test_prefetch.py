@@ -1,0 +1,159 @@
+"""Weight prefetch over real sockets: a rollout's NodePeers fetches each announced version in
+the background and applies it only at a trajectory boundary (TCSS), from a ROUTER that
+serves published parts the way trainer rank 0 does."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import structlog
+import torch
+import zmq.asyncio
+
+from digenrl.actors.peers import NodePeers
+from digenrl.config import load_config
+from digenrl.protocol import VersionAnnounce, WeightsApplied, WeightsPart, WeightsRequest
+from digenrl.telemetry.trace import SpanRecorder
+from digenrl.transport.sockets import Dealer, Router, SocketOptions
+from digenrl.weights import publish_parts
+
+OPTS = SocketOptions(max_frame_bytes=8 << 20, hwm=16)
+WAIT = 10.0
+
+
+class _Model:
+    """Records what was applied; the only thing catch_up asks of a rollout's model."""
+
+    def __init__(self) -> None:
+        self.applied: list[dict[str, torch.Tensor]] = []
+
+    def load_sync_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.applied.append(sd)
+
+
+class _Actor:
+    role = "rollout"
+
+    def __init__(self) -> None:
+        self.recorder = SpanRecorder("rollout-0", "rollout")
+        self.log = structlog.get_logger()
+        self.model = _Model()
+
+    def working(self, name: str, **args: Any) -> Any:
+        return self.recorder.span(name, **args)
+
+    async def in_thread(self, name: str, fn: Any, *a: Any, **args: Any) -> Any:
+        with self.working(name, **args):
+            return await asyncio.to_thread(fn, *a)
+
+
+def _weights(version: int) -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.full((256, 256), float(version * 10 + i)) for i in range(3)}
+
+
+@pytest.fixture
+async def wired() -> AsyncIterator[tuple[NodePeers, Router, Router, dict[int, Any], list[int]]]:
+    ctx = zmq.asyncio.Context()
+    served: dict[int, Any] = {}
+    requests: list[int] = []
+    server, control_srv = Router(ctx, options=OPTS), Router(ctx, options=OPTS)
+    wdealer, control = Dealer(ctx, options=OPTS), Dealer(ctx, options=OPTS)
+    wdealer.connect(server.bind("tcp://127.0.0.1:*"))
+    control.connect(control_srv.bind("tcp://127.0.0.1:*"))
+
+    async def serve() -> None:  # trainer rank 0's weights loop, with a controllable delay
+        while True:
+            peer, msg = await server.recv()
+            assert isinstance(msg, WeightsRequest)
+            requests.append(msg.version)
+            await asyncio.sleep(served.get("delay_s", 0.0))
+            parts, _ = served[msg.version]
+            tensors, checksum = parts[msg.part]
+            await server.send(WeightsPart(version=msg.version, part=msg.part, nparts=len(parts),
+                                          checksum=checksum, tensors=tensors), to=peer)
+
+    task = asyncio.ensure_future(serve())
+    peers = NodePeers(node_id="rollout-0", incarnation=1, cfg=load_config(None, []), control=control,
+                      weights=wdealer)
+    yield peers, server, control_srv, served, requests
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await peers.stop_prefetch()
+    for s in (server, control_srv, wdealer, control):
+        s.close()
+    ctx.destroy(linger=0)
+
+
+def _announce(served: dict[int, Any], version: int) -> VersionAnnounce:
+    parts, whole = publish_parts(_weights(version), part_bytes=300_000)  # 3 parts of 256 kB
+    served[version] = (parts, whole)
+    return VersionAnnounce(version=version, step=version, nparts=len(parts),
+                           nbytes=3 * 256 * 256 * 4, checksum=whole)
+
+
+async def _until(cond: Any) -> None:
+    for _ in range(int(WAIT / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+async def test_an_announced_version_is_fetched_in_the_background_and_applied_at_the_boundary(
+        wired: Any) -> None:
+    peers, _, control_srv, served, requests = wired
+    actor = _Actor()
+    peers.on_announce(_announce(served, 1))
+    peers.prefetch(actor)
+    await _until(lambda: peers._ready is not None)
+    assert actor.model.applied == []  # nothing touches the model until the boundary
+    await peers.catch_up(actor, floor=1)
+    assert peers.version == 1 and len(actor.model.applied) == 1
+    assert all(torch.equal(actor.model.applied[0][k], v) for k, v in _weights(1).items())
+    names = [s.name for s in actor.recorder.spans()]
+    assert "weight_prefetch" in names and "weight_fetch" not in names
+    assert requests == [1, 1, 1]  # one request per part, once
+    _, ack = await asyncio.wait_for(control_srv.recv(), WAIT)
+    assert isinstance(ack, WeightsApplied) and ack.version == 1
+
+
+async def test_a_boundary_reached_mid_prefetch_waits_for_it_and_the_newest_version_wins(
+        wired: Any) -> None:
+    peers, _, _, served, requests = wired
+    actor = _Actor()
+    served["delay_s"] = 0.05
+    peers.on_announce(_announce(served, 1))
+    peers.prefetch(actor)
+    await _until(lambda: requests)
+    peers.on_announce(_announce(served, 2))  # announced while version 1 is still in flight
+    peers.prefetch(actor)  # one fetch at a time: v2 follows when v1 is done
+    await peers.catch_up(actor, floor=1)
+    # the boundary waited for the fetch in flight (no second, foreground fetch) and applied
+    # version 1, which meets its floor, while version 2 is still on its way
+    assert peers.version == 1
+    await peers.catch_up(actor, floor=2)  # the next boundary needs 2: waits for its prefetch
+    assert peers.version == 2
+    assert [sd["w0"][0, 0].item() for sd in actor.model.applied] == [10.0, 20.0]
+    assert "weight_fetch" not in [s.name for s in actor.recorder.spans()]
+    assert requests.count(1) == 3 and requests.count(2) == 3  # every part fetched exactly once
+
+
+async def test_a_failed_prefetch_is_fetched_again_in_the_foreground(wired: Any) -> None:
+    peers, _, _, served, requests = wired
+    actor = _Actor()
+    ann = _announce(served, 1)
+    assert not requests
+    good = served[1]
+    parts, whole = good
+    bad = [({k: v + 1 for k, v in parts[0][0].items()}, parts[0][1]), *parts[1:]]
+    served[1] = (bad, whole)  # part 0 arrives corrupted: its checksum fails
+    peers.on_announce(ann)
+    peers.prefetch(actor)
+    await _until(lambda: peers._prefetch_failed == 1)
+    served[1] = good
+    await peers.catch_up(actor, floor=1)
+    assert peers.version == 1 and torch.equal(actor.model.applied[0]["w1"], _weights(1)["w1"])
+    assert [s.name for s in actor.recorder.spans()].count("weight_fetch") == 1
