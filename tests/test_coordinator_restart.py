@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from digenrl.checkpoint import latest_checkpoint
 from digenrl.launch import free_port
 
 pytestmark = pytest.mark.slow
@@ -77,7 +78,10 @@ def test_a_restarted_coordinator_resumes_and_the_nodes_rejoin(tmp_path: Path) ->
     try:
         coord = _node(coord_args, run_dir, "coordinator")
         procs = [coord, *start_nodes()]
-        _wait(lambda: _steps_done(run_dir) >= 1, 120, "the first step")
+        # a committed checkpoint, not just a metrics line: a step's metrics are sent before its
+        # checkpoint is written, and a coordinator killed in between rightly starts over
+        _wait(lambda: _steps_done(run_dir) >= 1 and latest_checkpoint(run_dir) is not None, 120,
+              "the first checkpoint")
         coord.send_signal(signal.SIGKILL)
         coord.wait(10)
         # the nodes hear nothing back and stop on their own, non-zero (for a supervisor)
