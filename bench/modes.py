@@ -28,7 +28,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +55,16 @@ def _median_steady(xs: list[float]) -> float:
     return statistics.median(xs[2:] or xs)
 
 
-def _trainer_until(cfg_overrides: list[str], config: str | None, rec: Path, stop: Any,
-                   out: Any) -> None:
-    """Train on the recording over and over until ``stop`` is set (the side-by-side load)."""
+def _trainer_until(cfg_overrides: list[str], config: str | None, rec: Path, started: Any,
+                   stop: Any, out: Any) -> None:
+    """Train on the recording over and over until ``stop`` is set (the side-by-side load);
+    ``started`` once the first pass over it is done (imports and warm-up behind it)."""
     from digenrl import roles_alone
     cfg = load_config(config, [*cfg_overrides, "run.threads=1"])
     times: list[float] = []
     while not stop.is_set():
         times += roles_alone.trainer_only(cfg, rec)["step_seconds"]
+        started.set()
     out.put(times)
 
 
@@ -78,10 +79,11 @@ def run_alone(cfg_overrides: list[str], config: str | None, steps: int, tmp: Pat
     r = roles_alone.rollout_only(cfg, steps, record=rec)
     t = roles_alone.trainer_only(cfg, rec)
     ctx = mp.get_context("spawn")
-    stop, out = ctx.Event(), ctx.Queue()
-    side = ctx.Process(target=_trainer_until, args=(cfg_overrides, config, rec, stop, out))
+    started, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    side = ctx.Process(target=_trainer_until, args=(cfg_overrides, config, rec, started, stop, out))
     side.start()
-    time.sleep(5.0)  # let the trainer process import torch and start training
+    if not started.wait(timeout=300):
+        raise RuntimeError("bench: the side-by-side trainer did not start training")
     both = roles_alone.rollout_only(cfg, steps)
     stop.set()
     t_both = out.get(timeout=300)

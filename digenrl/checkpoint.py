@@ -292,9 +292,7 @@ def colocated_checkpoint(run_dir: Path, policy: Any, *, rank: int, world_size: i
         import torch.distributed as dist
         ranks = [None] * world_size
         dist.all_gather_object(ranks, (trained, discarded))
-    if getattr(policy, "sharded", False):
-        save_trainer_state(run_dir, policy, {}, write=rank == 0)  # a collective: every rank gathers
-    elif rank == 0:
-        save_trainer_state(run_dir, policy, {})
+    if rank == 0 or getattr(policy, "sharded", False):  # sharded: a gather every rank joins
+        save_trainer_state(run_dir, policy, {}, write=rank == 0)
     if rank == 0:
         commit_checkpoint(run_dir, policy.version, {"colocated": {"ranks": [list(r) for r in ranks]}})

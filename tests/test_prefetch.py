@@ -5,6 +5,7 @@ serves published parts the way trainer rank 0 does."""
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -54,106 +55,128 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
     return {f"w{i}": torch.full((256, 256), float(version * 10 + i)) for i in range(3)}
 
 
-@pytest.fixture
-async def wired() -> AsyncIterator[tuple[NodePeers, Router, Router, dict[int, Any], list[int]]]:
-    ctx = zmq.asyncio.Context()
-    served: dict[int, Any] = {}
-    requests: list[int] = []
-    server, control_srv = Router(ctx, options=OPTS), Router(ctx, options=OPTS)
-    wdealer, control = Dealer(ctx, options=OPTS), Dealer(ctx, options=OPTS)
-    wdealer.connect(server.bind("tcp://127.0.0.1:*"))
-    control.connect(control_srv.bind("tcp://127.0.0.1:*"))
+class _Server:
+    """Trainer rank 0's weights loop: serves published parts; versions in ``held`` wait until
+    released, so a test decides exactly when a fetch is in flight."""
 
-    async def serve() -> None:  # trainer rank 0's weights loop, with a controllable delay
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.served: dict[int, Any] = {}
+        self.requests: list[int] = []
+        self.held: set[int] = set()
+        self.released = asyncio.Event()
+        self.seen: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
+
+    def release(self, version: int) -> None:
+        self.held.discard(version)
+        self.released.set()
+
+    async def run(self) -> None:
         while True:
-            peer, msg = await server.recv()
+            peer, msg = await self.router.recv()
             assert isinstance(msg, WeightsRequest)
-            requests.append(msg.version)
-            await asyncio.sleep(served.get("delay_s", 0.0))
-            parts, _ = served[msg.version]
+            self.requests.append(msg.version)
+            self.seen[msg.version].set()
+            while msg.version in self.held:
+                self.released.clear()
+                await self.released.wait()
+            parts, _ = self.served[msg.version]
             tensors, checksum = parts[msg.part]
-            await server.send(WeightsPart(version=msg.version, part=msg.part, nparts=len(parts),
-                                          checksum=checksum, tensors=tensors), to=peer)
+            await self.router.send(WeightsPart(version=msg.version, part=msg.part, nparts=len(parts),
+                                               checksum=checksum, tensors=tensors), to=peer)
 
-    task = asyncio.ensure_future(serve())
+
+@pytest.fixture
+async def wired() -> AsyncIterator[tuple[NodePeers, _Server, Router]]:
+    ctx = zmq.asyncio.Context()
+    router, control_srv = Router(ctx, options=OPTS), Router(ctx, options=OPTS)
+    wdealer, control = Dealer(ctx, options=OPTS), Dealer(ctx, options=OPTS)
+    wdealer.connect(router.bind("tcp://127.0.0.1:*"))
+    control.connect(control_srv.bind("tcp://127.0.0.1:*"))
+    server = _Server(router)
+    task = asyncio.ensure_future(server.run())
     peers = NodePeers(node_id="rollout-0", incarnation=1, cfg=load_config(None, []), control=control,
                       weights=wdealer)
-    yield peers, server, control_srv, served, requests
+    yield peers, server, control_srv
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     await peers.stop_prefetch()
-    for s in (server, control_srv, wdealer, control):
+    for s in (router, control_srv, wdealer, control):
         s.close()
     ctx.destroy(linger=0)
 
 
-def _announce(served: dict[int, Any], version: int) -> VersionAnnounce:
+def _announce(server: _Server, version: int) -> VersionAnnounce:
     parts, whole = publish_parts(_weights(version), part_bytes=300_000)  # 3 parts of 256 kB
-    served[version] = (parts, whole)
+    server.served[version] = (parts, whole)
     return VersionAnnounce(version=version, step=version, nparts=len(parts),
                            nbytes=3 * 256 * 256 * 4, checksum=whole)
 
 
-async def _until(cond: Any) -> None:
-    for _ in range(int(WAIT / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
+async def _prefetch_done(peers: NodePeers) -> None:
+    assert peers._prefetching is not None
+    await asyncio.wait_for(asyncio.shield(peers._prefetching), WAIT)
 
 
 async def test_an_announced_version_is_fetched_in_the_background_and_applied_at_the_boundary(
         wired: Any) -> None:
-    peers, _, control_srv, served, requests = wired
+    peers, server, control_srv = wired
     actor = _Actor()
-    peers.on_announce(_announce(served, 1))
+    peers.on_announce(_announce(server, 1))
     peers.prefetch(actor)
-    await _until(lambda: peers._ready is not None)
+    await _prefetch_done(peers)
+    assert peers._ready is not None and peers._ready[0] == 1
     assert actor.model.applied == []  # nothing touches the model until the boundary
     await peers.catch_up(actor, floor=1)
     assert peers.version == 1 and len(actor.model.applied) == 1
     assert all(torch.equal(actor.model.applied[0][k], v) for k, v in _weights(1).items())
     names = [s.name for s in actor.recorder.spans()]
     assert "weight_prefetch" in names and "weight_fetch" not in names
-    assert requests == [1, 1, 1]  # one request per part, once
+    assert server.requests == [1, 1, 1]  # one request per part, once
     _, ack = await asyncio.wait_for(control_srv.recv(), WAIT)
     assert isinstance(ack, WeightsApplied) and ack.version == 1
 
 
 async def test_a_boundary_reached_mid_prefetch_waits_for_it_and_the_newest_version_wins(
         wired: Any) -> None:
-    peers, _, _, served, requests = wired
+    peers, server, _ = wired
     actor = _Actor()
-    served["delay_s"] = 0.05
-    peers.on_announce(_announce(served, 1))
+    server.held = {1, 2}
+    peers.on_announce(_announce(server, 1))
     peers.prefetch(actor)
-    await _until(lambda: requests)
-    peers.on_announce(_announce(served, 2))  # announced while version 1 is still in flight
-    peers.prefetch(actor)  # one fetch at a time: v2 follows when v1 is done
-    await peers.catch_up(actor, floor=1)
-    # the boundary waited for the fetch in flight (no second, foreground fetch) and applied
-    # version 1, which meets its floor, while version 2 is still on its way
-    assert peers.version == 1
+    await asyncio.wait_for(server.seen[1].wait(), WAIT)  # version 1 is in flight
+    peers.on_announce(_announce(server, 2))
+    peers.prefetch(actor)  # one fetch at a time: 2 follows when 1 is done
+    boundary = asyncio.ensure_future(peers.catch_up(actor, floor=1))
+    await asyncio.sleep(0)
+    assert not boundary.done()  # below its floor, the boundary waits for the fetch in flight
+    server.release(1)
+    await asyncio.wait_for(boundary, WAIT)
+    # it applied version 1, which meets the floor, while version 2 is still held back
+    assert peers.version == 1 and server.seen[2].is_set()
+    server.release(2)
     await peers.catch_up(actor, floor=2)  # the next boundary needs 2: waits for its prefetch
     assert peers.version == 2
     assert [sd["w0"][0, 0].item() for sd in actor.model.applied] == [10.0, 20.0]
     assert "weight_fetch" not in [s.name for s in actor.recorder.spans()]
-    assert requests.count(1) == 3 and requests.count(2) == 3  # every part fetched exactly once
+    assert server.requests.count(1) == 3 and server.requests.count(2) == 3  # each part once
 
 
 async def test_a_failed_prefetch_is_fetched_again_in_the_foreground(wired: Any) -> None:
-    peers, _, _, served, requests = wired
+    peers, server, _ = wired
     actor = _Actor()
-    ann = _announce(served, 1)
-    assert not requests
-    good = served[1]
+    ann = _announce(server, 1)
+    good = server.served[1]
     parts, whole = good
     bad = [({k: v + 1 for k, v in parts[0][0].items()}, parts[0][1]), *parts[1:]]
-    served[1] = (bad, whole)  # part 0 arrives corrupted: its checksum fails
+    server.served[1] = (bad, whole)  # part 0 arrives corrupted: its checksum fails
     peers.on_announce(ann)
     peers.prefetch(actor)
-    await _until(lambda: peers._prefetch_failed == 1)
-    served[1] = good
+    await _prefetch_done(peers)
+    assert peers._prefetch_failed == 1 and peers._ready is None
+    peers.prefetch(actor)
+    assert peers._prefetching.done()  # not retried in the background
+    server.served[1] = good
     await peers.catch_up(actor, floor=1)
     assert peers.version == 1 and torch.equal(actor.model.applied[0]["w1"], _weights(1)["w1"])
     assert [s.name for s in actor.recorder.spans()].count("weight_fetch") == 1

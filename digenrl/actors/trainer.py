@@ -256,35 +256,21 @@ class TrainerActor(Actor):
         metrics["samples_per_s"] = self.cfg.batch_size / dt
         self.consumed_slots.pop(step, None)
         self.log = self.log.bind(policy_version=self.policy.version)
-        if self.policy.sharded:
-            await self._finish_sharded(metrics)
-            return
-        if self.rank == 0:
+        version, rank0 = self.policy.version, self.rank == 0
+        if rank0:
             # metrics first: the coordinator may stop as soon as the last version is announced
-            await self.peers.control.send(StepDone(step=step, version=self.policy.version,
-                                                   metrics=metrics))
-            if self.policy.version == self.cfg.run.steps:
-                await asyncio.to_thread(save_final, self.policy, self.run_dir)
-            if checkpoint_due(self.policy.version, steps=self.cfg.run.steps,
-                              every=self.cfg.run.checkpoint_every):
-                # before the announcement: the coordinator completes the checkpoint on it
-                await self.in_thread("checkpoint_save", save_trainer_state, self.run_dir,
-                                     self.policy, {"rejected_stale": self.rejected_stale})
-            await self._publish(self.policy.version)
-
-    async def _finish_sharded(self, metrics: dict[str, Any]) -> None:
-        """_finish_step's tail for FSDP ranks: every gather is a collective, so every rank runs
-        them in the same order (final weights, checkpoint, publish); rank 0 alone writes and talks."""
-        version = self.policy.version
-        if self.rank == 0:
-            await self.peers.control.send(StepDone(step=version - 1, version=version, metrics=metrics))
+            await self.peers.control.send(StepDone(step=step, version=version, metrics=metrics))
+        if not (rank0 or self.policy.sharded):
+            return
+        # Rank 0 saves and publishes. A sharded policy's gathers are collectives, so then every
+        # rank runs them, in this order, and only rank 0 writes.
         if version == self.cfg.run.steps:
-            await self.in_thread("save_final", partial(save_final, self.policy, self.run_dir,
-                                                       write=self.rank == 0))
+            await asyncio.to_thread(partial(save_final, self.policy, self.run_dir, write=rank0))
         if checkpoint_due(version, steps=self.cfg.run.steps, every=self.cfg.run.checkpoint_every):
+            # before the announcement: the coordinator completes the checkpoint on it
             await self.in_thread("checkpoint_save", partial(
                 save_trainer_state, self.run_dir, self.policy, {"rejected_stale": self.rejected_stale},
-                write=self.rank == 0))
+                write=rank0))
         await self._publish(version)
 
     async def _publish(self, version: int) -> None:
