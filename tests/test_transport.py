@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import stat
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from digenrl.protocol import (
     PROTOCOL_VERSION,
     Chunk,
     Commit,
+    Heartbeat,
     Hello,
     Shutdown,
     StepDone,
@@ -282,3 +284,30 @@ async def test_a_curve_server_without_an_authenticator_admits_nobody(make, tmp_p
     # ZAP_ENFORCE_DOMAIN: with no handler to ask, the handshake fails (libzmq's default
     # would have admitted any client knowing the server's public key).
     assert event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+
+
+async def test_a_recv_waiting_while_the_same_socket_sends_is_never_left_asleep(make, address) -> None:
+    """A node's control DEALER: one task waits in ``recv`` while another sends heartbeats on
+    the same socket. ZeroMQ's readiness signal is edge-like: a send processes the socket's
+    pending commands, which clears the signal of a message that landed meanwhile. If the
+    event loop had not polled yet (it was busy: a GIL-heavy forward, a long callback), the
+    waiting ``recv`` slept on with the message queued, forever. The rollout then declared a
+    live coordinator lost and was restarted (the rare ~10 s stall in launches)."""
+    router = make(Router)
+    dealer = make(Dealer, identity=b"node")
+    dealer.connect(router.bind(address))
+
+    def beat(seq: int) -> Heartbeat:
+        return Heartbeat(node_id="node", incarnation=1, policy_version=0, state="running", seq=seq,
+                         gpu={}, stats={})
+
+    await dealer.send(beat(0))
+    peer, _ = await asyncio.wait_for(router.recv(), WAIT)
+    waiting = asyncio.ensure_future(dealer.recv())
+    await asyncio.sleep(0.01)  # the receiver is parked on the socket's readiness
+    await router.send(beat(1), to=peer)
+    time.sleep(0.05)  # the loop is held up while the reply lands (no poll in between)
+    await dealer.send(beat(2))  # > 1 ms since the last command check: the send processes them
+    _, got = await asyncio.wait_for(waiting, WAIT)
+    assert got.seq == 1

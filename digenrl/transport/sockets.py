@@ -220,6 +220,7 @@ class Socket:
             if self._pending_sends:  # keep order behind sends already waiting
                 raise zmq.Again()
             self._sync.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self._rearm(sock)
             await asyncio.sleep(0)  # a yield, so a fast sender cannot starve other tasks
         except zmq.Again:
             self._pending_sends += 1
@@ -230,6 +231,19 @@ class Socket:
         except zmq.ZMQError as e:
             self._raise_send_error(e, peer)
         self._stats.sent += 1
+
+    @staticmethod
+    def _rearm(sock: zmq.asyncio.Socket) -> None:
+        """Wake whoever waits on ``sock`` if the fast path just cleared its readiness signal.
+
+        ZeroMQ's socket descriptor signals edges, not levels: a send or receive on the
+        blocking view processes the socket's pending commands, which clears the signal of a
+        message (or of room to send) that arrived meanwhile. A ``recv`` (or slow ``send``)
+        parked on the asyncio socket then sleeps on with the message queued, forever if
+        nothing else arrives. Reading ``EVENTS`` through the asyncio socket makes pyzmq
+        schedule its waiters for whatever is ready (pyzmq does the same after its own sends).
+        """
+        sock.get(zmq.EVENTS)
 
     async def _send_slow(self, sock: zmq.asyncio.Socket, frames: list[Any],
                          peer: bytes | None) -> None:
@@ -252,6 +266,7 @@ class Socket:
             try:
                 try:
                     frames = self._sync.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    self._rearm(sock)
                     await asyncio.sleep(0)  # a yield, so a busy stream cannot starve other tasks
                 except zmq.Again:
                     frames = await sock.recv_multipart(copy=False)
