@@ -14,11 +14,14 @@ sockets closed. An exception in any of them propagates (never swallowed) and end
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from digenrl.telemetry.trace import SpanRecorder, busy_fraction
@@ -52,6 +55,7 @@ class Actor:
         self.busy = BusyClock(recorder)
         self._stop = asyncio.Event()
         self.stop_reason = ""
+        self._compute: ThreadPoolExecutor | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -87,6 +91,8 @@ class Actor:
                     t.cancel()
         finally:
             await self.close()
+            if self._compute is not None:
+                self._compute.shutdown(wait=False, cancel_futures=True)
 
     # -- work accounting ------------------------------------------------------------------
     @contextmanager
@@ -97,9 +103,16 @@ class Actor:
             yield
 
     async def in_thread(self, name: str, fn: Callable[..., Any], *a: Any, **args: Any) -> Any:
-        """Run torch work off the event loop, as a busy span."""
+        """Run torch work off the event loop, as a busy span, on the actor's compute thread.
+
+        One thread for all of an actor's torch work (its calls are sequential anyway): the
+        work stays on one OS thread instead of hopping between the default pool's threads.
+        """
+        if self._compute is None:
+            self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-compute")
         with self.working(name, **args):
-            return await asyncio.to_thread(fn, *a)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._compute, contextvars.copy_context().run, partial(fn, *a))
 
 
 def default_node_id(role: str) -> str:
