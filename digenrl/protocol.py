@@ -150,7 +150,7 @@ class VersionAnnounce(Message):
     step: int  # optimizer steps done
     nparts: int
     nbytes: int  # total payload bytes
-    checksum: str  # tensor_checksum of the whole weight set
+    checksum: str  # weights.set_checksum over the parts' tensor_checksums
 
 
 @message("weights_request")

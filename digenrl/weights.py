@@ -1,7 +1,7 @@
 """Weight sets by version: split into parts for the wire, reassembled and verified on arrival.
 
 A version is published as parts of about ``PART_BYTES`` each, with one checksum per part
-(blake2b over names, dtypes, shapes and bytes) and a set checksum over the part checksums
+(CRC-32 over names, dtypes, shapes and bytes) and a set checksum over the part checksums
 in order. A receiver verifies each part as it lands and the set from the part checksums, so
 every byte is hashed once on each side.
 """

@@ -280,4 +280,4 @@ def test_weights_part_with_slashes_in_names_and_messages_equal_is_strict() -> No
     assert isinstance(got, WeightsPart) and tensor_checksum(got.tensors) == part.checksum
     assert not messages_equal(Shutdown(reason="a"), Shutdown(reason="b"))
     assert not messages_equal(_chunk(), _chunk(x_t=torch.zeros(2, 3, 4)))
-    assert protocol.PROTOCOL_VERSION == 1
+    assert protocol.PROTOCOL_VERSION == 2

@@ -29,7 +29,9 @@ import torch
 from digenrl.transport.errors import ProtocolError, VersionMismatch
 from digenrl.transport.frames import as_buffer, frame_to_tensor, tensor_to_frame, tensors_equal
 
-PROTOCOL_VERSION = 1
+# 1: first release. 2: weight part checksums are CRC-32 (were blake2b): a node of the
+# other version would fail every weight fetch, so it is refused at the handshake instead.
+PROTOCOL_VERSION = 2
 
 INT_MIN = -(1 << 63)
 INT_MAX = (1 << 64) - 1  # msgpack carries unsigned 64-bit too
