@@ -155,13 +155,15 @@ def main() -> int:
         for k in ("digenrl", "digenrl+tag"):
             if k in res:
                 ratios[f"{k} / best colocated"] = res[k]["samples_per_s"] / max(colo)
-    if "alone" in res and "digenrl" in res:
+    if "alone" in res:
         floor = max(res["alone"]["rollout_step_s"], res["alone"]["trainer_step_s"])
-        ratios["digenrl steady step / slower role alone"] = res["digenrl"]["steady_step_s"] / floor
         shared = max(res["alone"]["rollout_beside_trainer_step_s"],
                      res["alone"]["trainer_beside_rollout_step_s"])
-        ratios["digenrl steady step / slower role, both alone at once"] = (
-            res["digenrl"]["steady_step_s"] / shared)
+        for k in ("digenrl", "digenrl+tag"):  # TAG off: the pipeline alone; bts: the default config
+            if k in res:
+                ratios[f"{k} steady step / slower role alone"] = res[k]["steady_step_s"] / floor
+                ratios[f"{k} steady step / slower role, both alone at once"] = (
+                    res[k]["steady_step_s"] / shared)
     for k, v in ratios.items():
         print(f"{k:42s} {v:.3f}")
     out = Path(__file__).parent / "results" / "modes.json"
