@@ -32,6 +32,7 @@ import os
 import random
 import shutil
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -265,6 +266,30 @@ def crash_point(point: str, version: int, once: Path | None = None) -> None:
     if os.getpgid(0) == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+HANG_ENV = "DIGENRL_TEST_HANG"
+
+
+def hang_point(point: str, version: int, once: Path | None = None) -> None:
+    """TEST-ONLY: block the calling thread for good at ``point:version`` (a wedged GPU or
+    collective: the process and its event loop live on, the work never returns).
+
+    ``DIGENRL_TEST_HANG=trainer:2`` hangs a trainer's compute thread as it starts training
+    step >= 2. With ``once`` (a marker file) it fires a single time per run. Unset: a no-op.
+    """
+    spec = os.environ.get(HANG_ENV, "")
+    if not spec:
+        return
+    name, _, at = spec.partition(":")
+    if name != point or version < int(at):
+        return
+    if once is not None:
+        if once.exists():
+            return
+        once.write_text(f"{point}:{version}\n")
+    while True:
+        time.sleep(3600)
 
 
 # ---------------------------------------------------------------------------- colocated loop

@@ -122,6 +122,10 @@ class RuntimeConfig:
     tag_min_free_mb: int = _f(0, "TAG needs this much free GPU memory (NVML); 0 = no check", ge=0)
     byte_window_mb: float = _f(256.0, "latent bytes in flight to trainers before rollouts block", gt=0)
     lease_s: float = _f(120.0, "a fragment not committed within this is re-assigned", gt=0)
+    stall_timeout_s: float = _f(
+        1800.0, "no optimizer step completed for this long (heartbeats still flowing: a wedged "
+        "GPU or collective) rewinds the run to its last checkpoint and restarts every node; 0 = off",
+        ge=0)
     heartbeat_s: float = _f(0.5, "heartbeat interval", gt=0)
     heartbeat_misses: int = _f(10, "a peer silent for this many intervals is lost", ge=1)
     slowdown: float = _f(1.0, "TEST-ONLY knob: a rollout sleeps (slowdown-1)x its work", ge=1)

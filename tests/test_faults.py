@@ -26,14 +26,18 @@ SETS = ["model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2
         "runtime.heartbeat_s=0.25"]
 
 
-def _start(run_dir: Path, mode: str, steps: int, rollouts: int, crash: str = "") -> subprocess.Popen:
+def _start(run_dir: Path, mode: str, steps: int, rollouts: int, crash: str = "", hang: str = "",
+           sets: tuple[str, ...] = ()) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("DIGENRL_TEST_CRASH", None)
+    env.pop("DIGENRL_TEST_HANG", None)
     if crash:
         env["DIGENRL_TEST_CRASH"] = crash
+    if hang:
+        env["DIGENRL_TEST_HANG"] = hang
     cmd = [sys.executable, "-m", "digenrl.cli", "launch", "--mode", mode, "--steps", str(steps),
            "--rollouts", str(rollouts), "--run-dir", str(run_dir),
-           *[a for s in SETS for a in ("--set", s)]]
+           *[a for s in (*SETS, *sets) for a in ("--set", s)]]
     return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
@@ -79,3 +83,15 @@ def test_a_rollout_killed_with_kill_9_is_restarted_and_its_work_redone(tmp_path:
     s = _finish(proc, run_dir, 4)
     assert s["restarts"]["rollout-0"] == 1
     assert s["recovery"]["rollouts_lost"] == 1 and s["recovery"]["trainer_resets"] == 0
+
+
+def test_a_wedged_trainer_that_still_heartbeats_is_caught_by_the_stall_watchdog(tmp_path: Path) -> None:
+    """A GPU or collective hang: the trainer's compute thread never returns while its event
+    loop keeps answering heartbeats, so no liveness check fires. The coordinator sees no step
+    for ``runtime.stall_timeout_s``, rewinds to the checkpoint and restarts the nodes."""
+    run_dir = tmp_path / "run"
+    s = _finish(_start(run_dir, "digenrl", 3, 1, hang="trainer:1", sets=("runtime.stall_timeout_s=5",)),
+                run_dir, 3)
+    assert (run_dir / "logs" / "hung-trainer-0").exists()  # the hang did fire, once
+    assert s["recovery"]["stalls"] == 1 and s["recovery"]["trainer_resets"] == 1
+    assert s["restarts"]["trainer-0"] == 1

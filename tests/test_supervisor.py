@@ -55,22 +55,49 @@ def wait_for(cond, what: str, timeout: float) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.skipif(shutil.which("supervisord", path=str(BIN)) is None, reason="supervisor not installed")
-def test_supervisord_restarts_a_killed_rollout_and_the_run_finishes(tmp_path: Path) -> None:
+def start_supervisord(tmp_path: Path, sets: list[str], **extra_env: str
+                      ) -> tuple[subprocess.Popen, Path, dict[str, str], Path]:
+    """supervisord running the shipped config on a fresh state dir: (process, conf, env, run dir)."""
     state, run_dir = tmp_path / "state", tmp_path / "run"
     state.mkdir()
     cfg_path = tmp_path / "run.toml"
-    cfg_path.write_text(to_toml(resolve_mode(load_config(None, SMALL), "digenrl")))
+    cfg_path.write_text(to_toml(resolve_mode(load_config(None, [*SMALL, *sets]), "digenrl")))
     endpoint = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
                DIGENRL_STATE_DIR=str(state), DIGENRL_COORDINATOR=endpoint,
                DIGENRL_COORDINATOR_BIND=endpoint, DIGENRL_TRAINER_BIND="tcp://127.0.0.1:*",
                DIGENRL_GPU="cpu", DIGENRL_CONFIG=str(cfg_path), DIGENRL_RUN_DIR=str(run_dir),
                DIGENRL_NODE_ARGS="", DIGENRL_LOCAL_COORDINATOR="1", DIGENRL_LOCAL_TRAINERS="1",
-               DIGENRL_LOCAL_ROLLOUTS="1")
+               DIGENRL_LOCAL_ROLLOUTS="1", **extra_env)
+    if "DIGENRL_TEST_HANG" not in extra_env:
+        env.pop("DIGENRL_TEST_HANG", None)
     conf = supervisor_conf(state)
     sup = subprocess.Popen([str(BIN / "supervisord"), "-n", "-c", str(conf)], env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return sup, conf, env, run_dir
+
+
+def stop_supervisord(sup: subprocess.Popen) -> None:
+    sup.send_signal(signal.SIGTERM)  # supervisord stops what is left, then exits
+    try:
+        sup.wait(60)
+    except subprocess.TimeoutExpired:
+        sup.kill()
+        sup.wait()
+
+
+def assert_finished(run_dir: Path, steps: int) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["stop_reason"] == "done"
+    acc = summary["accounting"]
+    assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) + acc["in_flight"]
+    assert acc["in_flight"] == 0
+    return summary
+
+
+@pytest.mark.skipif(shutil.which("supervisord", path=str(BIN)) is None, reason="supervisor not installed")
+def test_supervisord_restarts_a_killed_rollout_and_the_run_finishes(tmp_path: Path) -> None:
+    sup, conf, env, run_dir = start_supervisord(tmp_path, [])
     rollout = "digenrl:digenrl-rollout-0"
     try:
         metrics = run_dir / "metrics.jsonl"
@@ -82,19 +109,28 @@ def test_supervisord_restarts_a_killed_rollout_and_the_run_finishes(tmp_path: Pa
                  "the coordinator to exit", 90)
         status = ctl(conf, env, "status")
         assert "FATAL" not in status and "BACKOFF" not in status, status
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["steps"] == 4 and summary["stop_reason"] == "done"
-        acc = summary["accounting"]
-        assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) + acc["in_flight"]
-        assert acc["in_flight"] == 0
+        summary = assert_finished(run_dir, 4)
         assert any("#lost" in k for k in summary["nodes"]), summary["nodes"]
         # exit 0 at the end of the run: supervisord (autorestart=unexpected) leaves them down
         wait_for(lambda: "RUNNING" not in ctl(conf, env, "status"), "every node to exit", 30)
         assert ctl(conf, env, "status").count("EXITED") == 3, ctl(conf, env, "status")
     finally:
-        sup.send_signal(signal.SIGTERM)  # supervisord stops what is left, then exits
-        try:
-            sup.wait(60)
-        except subprocess.TimeoutExpired:
-            sup.kill()
-            sup.wait()
+        stop_supervisord(sup)
+
+
+@pytest.mark.skipif(shutil.which("supervisord", path=str(BIN)) is None, reason="supervisor not installed")
+def test_supervisord_recovers_a_wedged_trainer_that_still_heartbeats(tmp_path: Path) -> None:
+    """A hung GPU or collective under a process manager: nobody SIGKILLs the trainer. The
+    coordinator's stall watchdog restarts the run; the trainer, whose compute thread never
+    returns, must still exit (hard) so that supervisord can start it again."""
+    sup, conf, env, run_dir = start_supervisord(
+        tmp_path, ["runtime.stall_timeout_s=5", "run.checkpoint_every=1"], DIGENRL_TEST_HANG="trainer:1")
+    try:
+        wait_for(lambda: "EXITED" in ctl(conf, env, "status", "digenrl:digenrl-coordinator"),
+                 "the coordinator to exit", 180)
+        summary = assert_finished(run_dir, 4)
+        assert summary["recovery"]["stalls"] == 1 and summary["recovery"]["trainer_resets"] == 1
+        log = "".join(p.read_text() for p in (run_dir / "logs").glob("*trainer-0.log"))
+        assert "compute thread wedged at stop; exiting hard" in log
+    finally:
+        stop_supervisord(sup)

@@ -19,7 +19,7 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -56,6 +56,8 @@ class Actor:
         self._stop = asyncio.Event()
         self.stop_reason = ""
         self._compute: ThreadPoolExecutor | None = None
+        self._computing: tuple[str, Future[Any]] | None = None  # the last torch call submitted
+        self.stop_grace_s = 30.0  # after a stop request, how long main may take to notice it
 
     # -- lifecycle ------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -86,8 +88,18 @@ class Actor:
                 main = tg.create_task(self.main(), name=f"{self.node_id}:main")
                 loops = [tg.create_task(fn(), name=f"{self.node_id}:{fn.__name__}")
                          for fn in self.background()]
-                await main
-                for t in loops:
+                stop = tg.create_task(self._stop.wait(), name=f"{self.node_id}:stop")
+                await asyncio.wait({main, stop}, return_when=asyncio.FIRST_COMPLETED)
+                if not main.done():
+                    # main sees the stop at its next check; one blocked in a torch call that
+                    # never returns (a wedged GPU or collective) is cancelled after the grace
+                    await asyncio.wait({main}, timeout=self.stop_grace_s)
+                    if not main.done():
+                        self.log.error("main loop still busy after stop; cancelling it",
+                                       grace_s=self.stop_grace_s,
+                                       call=self._computing[0] if self._computing else None)
+                        main.cancel()
+                for t in (*loops, stop):
                     t.cancel()
         finally:
             await self.close()
@@ -111,8 +123,16 @@ class Actor:
         if self._compute is None:
             self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-compute")
         with self.working(name, **args):
-            return await asyncio.get_running_loop().run_in_executor(
-                self._compute, contextvars.copy_context().run, partial(fn, *a))
+            job = self._compute.submit(contextvars.copy_context().run, partial(fn, *a))
+            self._computing = (name, job)
+            return await asyncio.wrap_future(job)
+
+    def compute_stuck(self) -> str | None:
+        """After :meth:`run`: the name of a torch call still running (it outlived the stop
+        grace: a wedged GPU or collective; the thread cannot be interrupted), else None."""
+        if self._computing is None or self._computing[1].done():
+            return None
+        return self._computing[0]
 
 
 def default_node_id(role: str) -> str:

@@ -99,6 +99,7 @@ class CoordinatorActor(Actor):
         self.tag_offers_early = 0
         self.t_first_assign: float | None = None
         self.t_last_step: float | None = None
+        self.t_progress: float | None = None  # monotonic: work assigned or a step done (stall watchdog)
         self.scheduler_factory = scheduler_factory
         self.max_resets = max_resets
         self.expect_version: int | None = None  # the version restored trainers must announce
@@ -150,6 +151,7 @@ class CoordinatorActor(Actor):
             self.request_stop(f"failed: {reason} (no recovery left)")
             return
         self.recovery["trainer_resets"] += 1
+        self.t_progress = None  # restarted nodes load their models first: start counting at new work
         self.log.error("trainer lost: rewinding to the last checkpoint", reason=reason)
         await self._shutdown_all(f"restart: {reason}")
         old = self.sched
@@ -327,6 +329,8 @@ class CoordinatorActor(Actor):
             if isinstance(cmd, AssignCmd):
                 if self.t_first_assign is None:
                     self.t_first_assign = time.perf_counter()
+                if self.t_progress is None:  # the watchdog starts with the first work (again after a reset)
+                    self.t_progress = time.monotonic()
                 node = self.nodes.get(cmd.node_id)
                 if node is None:
                     continue
@@ -352,7 +356,21 @@ class CoordinatorActor(Actor):
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.runtime.heartbeat_s / 2)
-            await self._run(self.sched.tick(time.monotonic()))
+            now = time.monotonic()
+            await self._run(self.sched.tick(now))
+            await self._check_stall(now)
+
+    async def _check_stall(self, now: float) -> None:
+        """Heartbeats prove a process lives, not that it progresses: a GPU or a collective that
+        hangs leaves the node's event loop beating while its compute thread never returns. No
+        optimizer step within ``runtime.stall_timeout_s`` of the last one (or of the first
+        work) is treated like a lost trainer: rewind to the checkpoint, restart every node."""
+        limit = self.cfg.runtime.stall_timeout_s
+        if limit <= 0 or self.t_progress is None or self.stopping or now - self.t_progress <= limit:
+            return
+        self.recovery["stalls"] = self.recovery.get("stalls", 0) + 1
+        await self.reset(f"no optimizer step completed in {now - self.t_progress:.0f} s "
+                         f"(runtime.stall_timeout_s = {limit:g}): a node is wedged")
 
     async def _shutdown_all(self, reason: str) -> None:
         await self.pub.send(Shutdown(reason=reason))
@@ -368,6 +386,7 @@ class CoordinatorActor(Actor):
     def _step_done(self, msg: StepDone) -> None:
         now = time.perf_counter()
         self.t_last_step = now
+        self.t_progress = time.monotonic()
         row: dict[str, Any] = {"step": msg.step, "policy_version": msg.version, **msg.metrics,
                                "wall_time": now - self.t0}
         for node, (busy, wall) in self.busy_total.items():

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import socket as pysocket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import zmq.asyncio
@@ -116,6 +118,19 @@ class _HeartbeatStats:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._busy, name)
+
+
+STUCK_GRACE_S = 30.0
+"""How long a stopping node waits for a torch call in flight before it calls it wedged
+(``runtime.stall_timeout_s`` when shorter)."""
+
+
+def hard_exit(code: int) -> NoReturn:
+    """Flush the logs and leave now, without joining threads (one of them never returns)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _slow_trainer(actor: Any, factor: float) -> None:
@@ -243,12 +258,22 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
         rss_ready = rss_mb()
         log.info("joined", rank=msg.rank, world_size=msg.world_size, rss_mb=rss_ready)
         sdnotify.ready()
+        stuck: str | None = None
+        limit = cfg.runtime.stall_timeout_s
+        actor.stop_grace_s = min(STUCK_GRACE_S, limit) if limit > 0 else STUCK_GRACE_S
         try:
             await actor.run()
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
             recorder.dump(rdir / "trace" / f"{node_id}.jsonl")
-            if role == "trainer" and msg.world_size > 1:
+            stuck = actor.compute_stuck()
+            if stuck is not None:
+                # a torch call that never returns cannot be interrupted, and the interpreter
+                # would wait for its thread at exit (or hang in the group's teardown): the node
+                # leaves without either, so that its supervisor can restart it
+                log.error("compute thread wedged at stop; exiting hard", call=stuck,
+                          grace_s=actor.stop_grace_s, stop_reason=actor.stop_reason)
+            elif role == "trainer" and msg.world_size > 1:
                 import gc
 
                 import torch.distributed as dist
@@ -261,6 +286,8 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
         code = 0 if actor.stop_reason in ("done", "SIGTERM") else 1
         log.info("node_final", exit_code=code, stop_reason=actor.stop_reason, rss_ready_mb=rss_ready,
                  rss_peak_mb=rss_mb("VmHWM"), **sec.counters())
+        if stuck is not None:
+            hard_exit(code or 1)
         return code
     finally:
         for s in opened:
@@ -269,8 +296,6 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
 
 
 if __name__ == "__main__":
-    import sys
-
     from digenrl.cli import node_main
 
     sys.exit(node_main())

@@ -40,6 +40,7 @@ from digenrl.actors.peers import NodePeers
 from digenrl.checkpoint import (
     checkpoint_due,
     crash_point,
+    hang_point,
     latest_checkpoint,
     load_trainer_state,
     save_trainer_state,
@@ -238,6 +239,7 @@ class TrainerActor(Actor):
             trained=trained, discarded=discarded, train_seconds=seconds))
 
     def _train(self, records: dict[int, Any], commit: Commit, n_trained_total: int, passes: int) -> None:
+        hang_point("trainer", commit.step, once=self.run_dir / "logs" / f"hung-{self.node_id}")  # TEST-ONLY
         self.learner.train_fragment(records=records, cond=dict(commit.cond), rewards=commit.rewards,
                                     gen_version=commit.policy_version, n_trained_total=n_trained_total,
                                     sigma_max=self.sigma_max, reward_terms=commit.reward_terms,
