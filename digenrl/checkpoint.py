@@ -243,6 +243,23 @@ def dedupe_metrics(run_dir: Path) -> None:
 # ---------------------------------------------------------------------------- fault injection
 
 CRASH_ENV = "DIGENRL_TEST_CRASH"
+HANG_ENV = "DIGENRL_TEST_HANG"
+
+
+def _fault_due(env: str, point: str, version: int, once: Path | None) -> bool:
+    """TEST-ONLY: whether ``$env`` (``point:N``) asks for a fault here: ``point`` matches and
+    ``version >= N``; with ``once`` (a marker file), only the first time in a run."""
+    spec = os.environ.get(env, "")
+    if not spec:
+        return False
+    name, _, at = spec.partition(":")
+    if name != point or version < int(at):
+        return False
+    if once is not None:
+        if once.exists():
+            return False
+        once.write_text(f"{point}:{version}\n")
+    return True
 
 
 def crash_point(point: str, version: int, once: Path | None = None) -> None:
@@ -253,22 +270,11 @@ def crash_point(point: str, version: int, once: Path | None = None) -> None:
     marker file) it fires a single time per run, so a restarted process does not crash
     again. Unset: a no-op.
     """
-    spec = os.environ.get(CRASH_ENV, "")
-    if not spec:
+    if not _fault_due(CRASH_ENV, point, version, once):
         return
-    name, _, at = spec.partition(":")
-    if name != point or version < int(at):
-        return
-    if once is not None:
-        if once.exists():
-            return
-        once.write_text(f"{point}:{version}\n")
     if os.getpgid(0) == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-HANG_ENV = "DIGENRL_TEST_HANG"
 
 
 def hang_point(point: str, version: int, once: Path | None = None) -> None:
@@ -278,16 +284,8 @@ def hang_point(point: str, version: int, once: Path | None = None) -> None:
     ``DIGENRL_TEST_HANG=trainer:2`` hangs a trainer's compute thread as it starts training
     step >= 2. With ``once`` (a marker file) it fires a single time per run. Unset: a no-op.
     """
-    spec = os.environ.get(HANG_ENV, "")
-    if not spec:
+    if not _fault_due(HANG_ENV, point, version, once):
         return
-    name, _, at = spec.partition(":")
-    if name != point or version < int(at):
-        return
-    if once is not None:
-        if once.exists():
-            return
-        once.write_text(f"{point}:{version}\n")
     while True:
         time.sleep(3600)
 
