@@ -373,6 +373,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ reporting
 
+    def live_count(self, role: str) -> int:
+        """Joined nodes of ``role`` not (yet) lost."""
+        return sum(1 for n in self._nodes.values() if n.role == role and not n.lost)
+
     def statistics(self) -> dict[str, Any]:
         """Ledger counts plus per-node counts, TAG decisions and fencing counters."""
         stats = self.ledger.statistics()

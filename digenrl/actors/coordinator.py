@@ -366,7 +366,14 @@ class CoordinatorActor(Actor):
         optimizer step within ``runtime.stall_timeout_s`` of the last one (or of the first
         work) is treated like a lost trainer: rewind to the checkpoint, restart every node."""
         limit = self.cfg.runtime.stall_timeout_s
-        if limit <= 0 or self.t_progress is None or self.stopping or now - self.t_progress <= limit:
+        if limit <= 0 or self.t_progress is None or self.stopping:
+            return
+        if self.sched.live_count("rollout") == 0 or self.sched.live_count("trainer") < self.expected_trainers:
+            # waiting for nodes to (re)join (a rebooting machine) is not a wedge, and a reset
+            # would not bring them sooner: count from the moment the cluster is whole again
+            self.t_progress = now
+            return
+        if now - self.t_progress <= limit:
             return
         self.recovery["stalls"] = self.recovery.get("stalls", 0) + 1
         await self.reset(f"no optimizer step completed in {now - self.t_progress:.0f} s "

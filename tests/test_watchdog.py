@@ -1,0 +1,84 @@
+"""The coordinator's stall watchdog decides alone, from its clock and its view of the cluster.
+
+The end-to-end recoveries (a trainer's compute thread hung on purpose, under the launcher and
+under supervisord) are in tests/test_faults.py and tests/test_supervisor.py; these tests pin
+when the watchdog fires and when it must not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import structlog
+
+from digenrl.actors.cluster import make_scheduler
+from digenrl.actors.coordinator import CoordinatorActor
+from digenrl.config import load_config
+from digenrl.telemetry.trace import SpanRecorder
+
+
+def _coordinator(tmp_path: Path, timeout: float, trainers: int = 1) -> tuple[CoordinatorActor, list[str]]:
+    cfg = load_config(None, [f"runtime.stall_timeout_s={timeout}", f"cluster.trainers={trainers}"])
+    actor = CoordinatorActor(cfg=cfg, scheduler=make_scheduler(cfg, prompt_count=8), control=None,
+                             pub=None, prompts=[], run_dir=tmp_path, dist_endpoint="tcp://127.0.0.1:1",
+                             metrics=None, expected_trainers=trainers, node_id="coordinator",
+                             recorder=SpanRecorder("coordinator", "coordinator"),
+                             log=structlog.get_logger())
+    resets: list[str] = []
+
+    async def reset(reason: str) -> None:  # the rewind itself is tested end to end elsewhere
+        resets.append(reason)
+
+    actor.reset = reset  # type: ignore[method-assign]
+    return actor, resets
+
+
+def _join(actor: CoordinatorActor, role: str, *ids: int) -> None:
+    for i in ids:
+        actor.sched.node_joined(f"{role}-{i}", role, "cpu", 0.0,  # type: ignore[arg-type]
+                                rank=i if role == "trainer" else None)
+
+
+async def test_no_step_within_the_timeout_with_the_cluster_whole_resets_the_run(tmp_path: Path) -> None:
+    actor, resets = _coordinator(tmp_path, timeout=10)
+    _join(actor, "trainer", 0)
+    _join(actor, "rollout", 0)
+    actor.t_progress = 100.0
+    await actor._check_stall(109.0)
+    assert resets == []  # within the timeout
+    await actor._check_stall(111.0)
+    assert len(resets) == 1 and "no optimizer step completed in 11 s" in resets[0]
+    assert actor.recovery["stalls"] == 1
+
+
+async def test_waiting_for_nodes_to_rejoin_is_not_a_stall(tmp_path: Path) -> None:
+    actor, resets = _coordinator(tmp_path, timeout=10, trainers=2)
+    _join(actor, "trainer", 0)  # rank 1 not (yet) there, and no rollout (a rebooting machine)
+    actor.t_progress = 100.0
+    await actor._check_stall(500.0)
+    assert resets == [] and actor.t_progress == 500.0  # the clock restarts when they are back
+    _join(actor, "rollout", 0)
+    await actor._check_stall(900.0)
+    assert resets == [] and actor.t_progress == 900.0  # still a trainer rank short
+    _join(actor, "trainer", 1)
+    await actor._check_stall(909.0)
+    assert resets == []
+    await actor._check_stall(911.0)
+    assert len(resets) == 1
+    actor.sched.node_lost("rollout-0", 912.0)  # lost by heartbeat timeout, not by the launcher
+    actor.t_progress = 912.0
+    await actor._check_stall(1000.0)
+    assert len(resets) == 1 and actor.t_progress == 1000.0
+
+
+async def test_the_watchdog_is_off_at_zero_and_before_any_work(tmp_path: Path) -> None:
+    off, resets_off = _coordinator(tmp_path, timeout=0)
+    _join(off, "trainer", 0)
+    _join(off, "rollout", 0)
+    off.t_progress = 0.0
+    await off._check_stall(1e9)
+    idle, resets_idle = _coordinator(tmp_path, timeout=10)
+    _join(idle, "trainer", 0)
+    _join(idle, "rollout", 0)
+    await idle._check_stall(1e9)  # no work handed out yet (nodes still loading models)
+    assert resets_off == [] and resets_idle == [] and idle.t_progress is None
