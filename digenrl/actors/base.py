@@ -3,12 +3,14 @@
 An actor is a coroutine ``main()`` plus background loops. ``run()`` runs them in one
 ``asyncio.TaskGroup``; when ``main()`` returns, the background loops are cancelled and the
 sockets closed. An exception in any of them propagates (never swallowed) and ends the actor.
+After a stop request ``main()`` has ``stop_grace_s`` to notice it; then it is cancelled (a
+torch call that never returns cannot be, which :meth:`Actor.compute_stuck` reports).
 
 | blocking call             | waits for                         | unblocked by                    |
 |---------------------------|-----------------------------------|---------------------------------|
 | ``wait_stopped()``        | shutdown requested                | ``request_stop()``, Shutdown msg |
 | socket ``recv()``         | a peer's message                  | peer send, or cancellation       |
-| ``asyncio.to_thread(...)``| torch work off the event loop     | the work finishing              |
+| ``in_thread(...)``        | torch work on the compute thread  | the work finishing              |
 """
 
 from __future__ import annotations
