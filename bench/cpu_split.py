@@ -6,8 +6,8 @@ wall time, so they show the pipeline's own cost when wall-clock ratios cannot.
 
 Each repeat: one ``digenrl launch`` (default config, TAG off) whose node threads are read
 from ``/proc/PID/task/*/stat`` at step 10 and again 6 steps before the end; then the
-rollout's generation alone in this process (``FragmentJob.run_all``, the same fragments,
-one thread) for the same number of steps, timed in CPU and wall seconds.
+rollout's generation alone in this process (``roles_alone.rollout_only``: the same
+fragments, one thread) for the same number of steps, timed in CPU and wall seconds.
 """
 
 from __future__ import annotations
@@ -25,17 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from digenrl.actors.generate import FragmentJob
-from digenrl.colocated import build_policy
+from digenrl import roles_alone
 from digenrl.config import load_config
-from digenrl.learner import plan_for_step
-from digenrl.prompts import load_prompts
-from digenrl.rl.rewards import build_reward
-from digenrl.roles_alone import _fragments
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -89,20 +82,9 @@ def one_launch(steps: int, overrides: list[str], run_dir: Path) -> dict:
 
 
 def alone(steps: int, overrides: list[str]) -> dict:
-    cfg = load_config(None, overrides)
-    torch.set_num_threads(cfg.run.threads)
-    policy = build_policy(cfg)
-    reward_fn, prompts = build_reward(cfg.reward.terms), load_prompts(cfg.prompts.file)
-    wall, cpu = [], []
-    for step in range(steps):
-        t, c = time.perf_counter(), time.process_time()
-        trained, sde = plan_for_step(cfg, step)
-        for ids, seeds in _fragments(cfg, step, len(prompts)):
-            FragmentJob(model=policy.model, cfg=cfg, prompts=[prompts[i] for i in ids], seeds=seeds,
-                        sde_steps=sde, trained_steps=trained, reward_fn=reward_fn).run_all()
-        wall.append(time.perf_counter() - t)
-        cpu.append(time.process_time() - c)
-    return {"wall_step_s": statistics.median(wall[4:]), "cpu_step_s": statistics.median(cpu[4:])}
+    r = roles_alone.rollout_only(load_config(None, overrides), steps)
+    return {"wall_step_s": statistics.median(r["step_seconds"][4:]),
+            "cpu_step_s": statistics.median(r["cpu_seconds"][4:])}
 
 
 def main() -> int:

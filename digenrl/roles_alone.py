@@ -36,15 +36,16 @@ def _fragments(cfg: Config, step: int, prompt_count: int) -> list[tuple[tuple[in
 
 
 def rollout_only(cfg: Config, steps: int, record: Path | None = None) -> dict[str, Any]:
-    """Generate ``steps`` steps (all fragments) with the initial policy; seconds per step."""
+    """Generate ``steps`` steps (all fragments) with the initial policy; wall and CPU
+    seconds per step (``step_seconds``, ``cpu_seconds``)."""
     torch.set_num_threads(cfg.run.threads)
     policy = build_policy(cfg)
     reward_fn = build_reward(cfg.reward.terms)
     prompts = load_prompts(cfg.prompts.file)
     recording: list[dict[str, Any]] = []
-    times = []
+    times, cpu = [], []
     for step in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         trained, sde = plan_for_step(cfg, step)
         for ids, seeds in _fragments(cfg, step, len(prompts)):
             job = FragmentJob(model=policy.model, cfg=cfg, prompts=[prompts[i] for i in ids],
@@ -54,9 +55,10 @@ def rollout_only(cfg: Config, steps: int, record: Path | None = None) -> dict[st
                 recording.append({"step": step, "records": records, "cond": result.cond,
                                   "rewards": result.rewards, "n_trained": len(trained)})
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     if record is not None:
         torch.save(recording, record)
-    return {"step_seconds": times, "samples_per_s": cfg.batch_size * steps / sum(times)}
+    return {"step_seconds": times, "cpu_seconds": cpu, "samples_per_s": cfg.batch_size * steps / sum(times)}
 
 
 def trainer_only(cfg: Config, recording: Path) -> dict[str, Any]:

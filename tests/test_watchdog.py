@@ -17,7 +17,9 @@ from digenrl.config import load_config
 from digenrl.telemetry.trace import SpanRecorder
 
 
-def _coordinator(tmp_path: Path, timeout: float, trainers: int = 1) -> tuple[CoordinatorActor, list[str]]:
+def _coordinator(tmp_path: Path, timeout: float, trainers: int = 1,
+                 whole: bool = True) -> tuple[CoordinatorActor, list[str]]:
+    """A coordinator whose resets are recorded; ``whole``: trainer 0 and rollout 0 joined."""
     cfg = load_config(None, [f"runtime.stall_timeout_s={timeout}", f"cluster.trainers={trainers}"])
     actor = CoordinatorActor(cfg=cfg, scheduler=make_scheduler(cfg, prompt_count=8), control=None,
                              pub=None, prompts=[], run_dir=tmp_path, dist_endpoint="tcp://127.0.0.1:1",
@@ -30,6 +32,9 @@ def _coordinator(tmp_path: Path, timeout: float, trainers: int = 1) -> tuple[Coo
         resets.append(reason)
 
     actor.reset = reset  # type: ignore[method-assign]
+    if whole:
+        _join(actor, "trainer", 0)
+        _join(actor, "rollout", 0)
     return actor, resets
 
 
@@ -41,8 +46,6 @@ def _join(actor: CoordinatorActor, role: str, *ids: int) -> None:
 
 async def test_no_step_within_the_timeout_with_the_cluster_whole_resets_the_run(tmp_path: Path) -> None:
     actor, resets = _coordinator(tmp_path, timeout=10)
-    _join(actor, "trainer", 0)
-    _join(actor, "rollout", 0)
     actor.t_progress = 100.0
     await actor._check_stall(109.0)
     assert resets == []  # within the timeout
@@ -52,7 +55,7 @@ async def test_no_step_within_the_timeout_with_the_cluster_whole_resets_the_run(
 
 
 async def test_waiting_for_nodes_to_rejoin_is_not_a_stall(tmp_path: Path) -> None:
-    actor, resets = _coordinator(tmp_path, timeout=10, trainers=2)
+    actor, resets = _coordinator(tmp_path, timeout=10, trainers=2, whole=False)
     _join(actor, "trainer", 0)  # rank 1 not (yet) there, and no rollout (a rebooting machine)
     actor.t_progress = 100.0
     await actor._check_stall(500.0)
@@ -73,12 +76,8 @@ async def test_waiting_for_nodes_to_rejoin_is_not_a_stall(tmp_path: Path) -> Non
 
 async def test_the_watchdog_is_off_at_zero_and_before_any_work(tmp_path: Path) -> None:
     off, resets_off = _coordinator(tmp_path, timeout=0)
-    _join(off, "trainer", 0)
-    _join(off, "rollout", 0)
     off.t_progress = 0.0
     await off._check_stall(1e9)
     idle, resets_idle = _coordinator(tmp_path, timeout=10)
-    _join(idle, "trainer", 0)
-    _join(idle, "rollout", 0)
     await idle._check_stall(1e9)  # no work handed out yet (nodes still loading models)
     assert resets_off == [] and resets_idle == [] and idle.t_progress is None

@@ -45,6 +45,11 @@ class BusyClock:
         return {"busy_s": frac * wall, "wall_s": wall}
 
 
+STOP_GRACE_S = 30.0
+"""How long a stopping actor's main loop may stay in a torch call before it is called wedged
+(a node shortens it to ``runtime.stall_timeout_s`` when that is shorter)."""
+
+
 class Actor:
     """Base of coordinator, rollout and trainer actors."""
 
@@ -59,7 +64,7 @@ class Actor:
         self.stop_reason = ""
         self._compute: ThreadPoolExecutor | None = None
         self._computing: tuple[str, Future[Any]] | None = None  # the last torch call submitted
-        self.stop_grace_s = 30.0  # after a stop request, how long main may take to notice it
+        self.stop_grace_s = STOP_GRACE_S  # after a stop request, how long main may take to notice it
 
     # -- lifecycle ------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:

@@ -108,7 +108,7 @@ class CoordinatorActor(Actor):
         self.recovery: dict[str, int] = {"trainer_resets": 0, "rollouts_lost": 0,
                                          "rolled_back_admitted": 0, "late_trained": 0,
                                          "ignored_announces": 0, "checkpoints": 0,
-                                         "checkpoints_skipped": 0}
+                                         "checkpoints_skipped": 0, "stalls": 0}
         self.restart_requested = asyncio.Event()  # the launcher restarts every child on it
 
     # ------------------------------------------------------------------ checkpoints / recovery
@@ -375,7 +375,7 @@ class CoordinatorActor(Actor):
             return
         if now - self.t_progress <= limit:
             return
-        self.recovery["stalls"] = self.recovery.get("stalls", 0) + 1
+        self.recovery["stalls"] += 1
         await self.reset(f"no optimizer step completed in {now - self.t_progress:.0f} s "
                          f"(runtime.stall_timeout_s = {limit:g}): a node is wedged")
 

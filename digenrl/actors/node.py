@@ -29,7 +29,7 @@ import torch
 import zmq.asyncio
 
 from digenrl.actors import sockets as zs
-from digenrl.actors.base import default_node_id, incarnation
+from digenrl.actors.base import STOP_GRACE_S, default_node_id, incarnation
 from digenrl.actors.security import node_security, process_counters
 from digenrl.config import Config, config_from_dict, load_config
 from digenrl.protocol import Hello, Shutdown, Welcome
@@ -118,11 +118,6 @@ class _HeartbeatStats:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._busy, name)
-
-
-STUCK_GRACE_S = 30.0
-"""How long a stopping node waits for a torch call in flight before it calls it wedged
-(``runtime.stall_timeout_s`` when shorter)."""
 
 
 def hard_exit(code: int) -> NoReturn:
@@ -260,7 +255,7 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
         sdnotify.ready()
         stuck: str | None = None
         limit = cfg.runtime.stall_timeout_s
-        actor.stop_grace_s = min(STUCK_GRACE_S, limit) if limit > 0 else STUCK_GRACE_S
+        actor.stop_grace_s = min(STOP_GRACE_S, limit) if limit > 0 else STOP_GRACE_S
         try:
             await actor.run()
         finally:
