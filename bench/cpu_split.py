@@ -33,20 +33,25 @@ from digenrl.config import load_config
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def thread_cpu(pids: dict[str, int]) -> dict[tuple[str, str, str], float]:
-    """(process, thread label, thread name) -> CPU seconds so far."""
+def thread_cpu(pids: dict[str, int]) -> dict[tuple[str, str, str], tuple[float, float, int]]:
+    """(process, thread label, thread name) -> (CPU seconds, seconds runnable but waiting
+    for a core, involuntary context switches) so far."""
     out = {}
     for proc, pid in pids.items():
         for task in glob.glob(f"/proc/{pid}/task/*"):
             try:
                 stat = Path(task, "stat").read_text()
                 name = Path(task, "comm").read_text().strip()
+                sched = Path(task, "schedstat").read_text().split()
+                status = Path(task, "status").read_text()
             except OSError:  # the thread ended between listing and reading
                 continue
             fields = stat[stat.rindex(")") + 2:].split()
             tid = task.rsplit("/", 1)[1]
             label = "main" if tid == str(pid) else tid
-            out[(proc, label, name)] = (int(fields[11]) + int(fields[12])) / TICK
+            preempted = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+            out[(proc, label, name)] = ((int(fields[11]) + int(fields[12])) / TICK,
+                                        int(sched[1]) / 1e9, preempted)
     return out
 
 
@@ -77,7 +82,9 @@ def one_launch(steps: int, overrides: list[str], run_dir: Path) -> dict:
     if proc.wait() != 0:
         raise SystemExit(f"launch exited {proc.returncode}; see {run_dir}/logs")
     n = s1 - s0
-    per_thread = {k: (b[k] - a.get(k, 0.0)) / n for k in b if b[k] - a.get(k, 0.0) > 0}
+    zero = (0.0, 0.0, 0)
+    per_thread = {k: tuple((x - y) / n for x, y in zip(b[k], a.get(k, zero))) for k in b}
+    per_thread = {k: v for k, v in per_thread.items() if v[0] > 0}
     return {"wall_step_s": (t1 - t0) / n, "threads": per_thread}
 
 
@@ -103,10 +110,11 @@ def main() -> int:
             by_proc: collections.Counter[str] = collections.Counter()
             print(f"[{rep}] digenrl: {r['wall_step_s'] * 1e3:.1f} ms/step wall, "
                   f"{2 * r['wall_step_s'] * 1e3:.1f} ms of 2 cores")
-            for (proc, label, name), s in sorted(r["threads"].items(), key=lambda kv: -kv[1]):
+            for (proc, label, name), (s, wait, pre) in sorted(r["threads"].items(), key=lambda kv: -kv[1][0]):
                 by_proc[proc] += s
                 if s * 1e3 >= 0.5:
-                    print(f"    {proc:22s} {name:16s} {label:8s} {s * 1e3:6.1f} ms CPU/step")
+                    print(f"    {proc:22s} {name:16s} {label:8s} {s * 1e3:6.1f} ms CPU/step, "
+                          f"{wait * 1e3:5.1f} ms waiting for a core, {pre:5.1f} preemptions")
             print("    per process: " + ", ".join(f"{p} {s * 1e3:.1f}" for p, s in by_proc.items())
                   + f" ms CPU/step; all {sum(by_proc.values()) * 1e3:.1f}")
             print(f"[{rep}] rollout alone: {solo['wall_step_s'] * 1e3:.1f} ms/step wall, "

@@ -209,3 +209,28 @@ async def test_concurrent_tasks_get_their_own_lanes_and_finished_lanes_are_reuse
     names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
              if e["ph"] == "M" and e["name"] == "thread_name"}
     assert names == {0: "main", 1: "chunk-sender"}
+
+
+@pytest.mark.asyncio
+async def test_spans_timed_on_another_thread_are_recorded_on_the_waiting_task_lane(tmp_path):
+    clock = FakeClock()
+    rec = SpanRecorder("rollout-0", "rollout", clock)
+    sender = rec.named_lane("rollout-chunk-sender")
+    assert rec.named_lane("rollout-chunk-sender") == sender  # same name, same lane
+    t0 = clock()
+    clock.advance(10)
+    rec.record("denoise_step", t0, clock(), step=0, task=3)  # timed by the compute thread
+    with rec.span("send_chunk", tid=sender, t=1):
+        clock.advance(1)
+    with pytest.raises(TraceError, match=r"ends .* before it starts"):
+        rec.record("reward", clock(), clock() - 1)
+    spans = rec.spans()
+    assert [(s.name, s.end - s.start) for s in spans] == [("denoise_step", 10 * MS), ("send_chunk", 1 * MS)]
+    assert spans[0].tid != sender and busy_fraction(spans, t0, clock()) == pytest.approx(10 / 11)
+    rec.dump(tmp_path / "trace" / "rollout-0.jsonl")
+    trace = json.loads(merge_traces(tmp_path).read_text())
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names[sender] == "rollout-chunk-sender"
+    x = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "denoise_step"]
+    assert x[0]["args"] == {"step": 0, "task": 3} and x[0]["dur"] == pytest.approx(10_000)

@@ -127,12 +127,17 @@ class Actor:
         One thread for all of an actor's torch work (its calls are sequential anyway): the
         work stays on one OS thread instead of hopping between the default pool's threads.
         """
+        with self.working(name, **args):
+            return await self.submit(name, fn, *a)
+
+    def submit(self, name: str, fn: Callable[..., Any], *a: Any) -> asyncio.Future[Any]:
+        """Queue ``fn(*a)`` on the compute thread, without a span (the caller records the
+        work's spans itself); awaiting the result is the caller's business."""
         if self._compute is None:
             self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-compute")
-        with self.working(name, **args):
-            job = self._compute.submit(contextvars.copy_context().run, partial(fn, *a))
-            self._computing = (name, job)
-            return await asyncio.wrap_future(job)
+        job = self._compute.submit(contextvars.copy_context().run, partial(fn, *a))
+        self._computing = (name, job)
+        return asyncio.wrap_future(job)
 
     def compute_stuck(self) -> str | None:
         """After :meth:`run`: the name of a torch call still running (it outlived the stop

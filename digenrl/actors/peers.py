@@ -10,7 +10,9 @@ fragment while streaming its chunks to the ranks that own their timesteps (TSP).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import threading
 import time
 from typing import Any
 
@@ -201,34 +203,74 @@ class NodePeers:
                                   reward_fn: Any, cfg: Config, span: str) -> bool:
         """Generate ``task``; each trained step goes to its owner the moment it exists.
 
-        Returns False (and commits nothing) if the task is revoked mid-way.
+        The whole trajectory is one job on the actor's compute thread: it hands each trained
+        step's chunk to the event loop and denoises on, so sending never holds the sampler
+        up (a GPU is not left idle while Python sends). The job's work is recorded as spans
+        named ``span`` (one per pull: the denoising steps up to the next trained one) and
+        ``reward``. Returns False (and commits nothing) if the task is revoked mid-way.
         """
         trained = sorted(int(t) for t in task.owners)
         job = FragmentJob(model=model, cfg=cfg, prompts=list(task.prompts), seeds=list(task.seeds),
                           sde_steps=list(task.sde_steps), trained_steps=trained, reward_fn=reward_fn)
         wire = WIRE_DTYPES[cfg.sampler.wire_dtype]
-        it = job.steps()
         nodes = cfg.runtime.slowdown_nodes
         slowed = self.node_id in nodes if nodes else actor.role == "rollout"
         slow = cfg.runtime.slowdown if slowed else 1.0
+        loop = asyncio.get_running_loop()
+        handed: asyncio.Queue[tuple[str, int, int, Any] | None] = asyncio.Queue()
+        halt = threading.Event()  # set by the event loop: stop at the next pull
+        clock = actor.recorder.now_ns
+
+        def hand(item: tuple[str, int, int, Any] | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone (the node is exiting)
+                loop.call_soon_threadsafe(handed.put_nowait, item)
+
+        def produce() -> Any:
+            try:
+                it = job.steps()
+                while not halt.is_set():
+                    t0 = clock()
+                    rec = next(it, None)
+                    t1 = clock()
+                    if slow > 1.0:  # TEST-ONLY knob: emulate a slower GPU
+                        time.sleep((slow - 1.0) * (t1 - t0) / 1e9)
+                    if rec is None:
+                        hand((span, t0, t1, None))
+                        t0 = clock()
+                        result = job.finish()
+                        hand(("reward", t0, clock(), None))
+                        return result
+                    hand((span, t0, t1, (rec, rec.x_t.to(wire), rec.x_next.to(wire))))
+                return None
+            finally:
+                hand(None)
+
+        job_done = actor.submit(span, produce)
         t_start = time.perf_counter()
-        while True:
-            t0 = time.perf_counter()
-            # one span per pull from the sampler: the denoising steps up to the next trained one
-            rec = await actor.in_thread(span, next, it, None, step=task.step, task=task.task_id)
-            if slow > 1.0:  # TEST-ONLY knob: emulate a slower GPU
-                await asyncio.sleep((slow - 1.0) * (time.perf_counter() - t0))
-            if rec is None:
-                break
-            if task.task_id in getattr(actor, "revoked", ()):
-                return False
-            owner = int(task.owners[str(rec.index)])
-            with actor.working("send_chunk", t=rec.index):
-                await self.pushes[owner].send(Chunk(
-                    task_id=task.task_id, step=task.step, fragment=task.fragment, t_index=rec.index,
-                    sigma=rec.sigma, sigma_next=rec.sigma_next, policy_version=version,
-                    x_t=rec.x_t.to(wire), x_next=rec.x_next.to(wire), log_prob=rec.log_prob))
-        result = await actor.in_thread("reward", job.finish, task=task.task_id)
+        sender = actor.recorder.named_lane(f"{actor.role}-chunk-sender")
+        try:
+            while (item := await handed.get()) is not None:
+                name, t0, t1, chunk = item
+                if name == "reward":
+                    actor.recorder.record(name, t0, t1, task=task.task_id)
+                else:
+                    actor.recorder.record(name, t0, t1, step=task.step, task=task.task_id)
+                if chunk is None:
+                    continue
+                if task.task_id in getattr(actor, "revoked", ()):
+                    halt.set()
+                    await job_done  # the compute thread stops at its next pull
+                    return False
+                rec, x_t, x_next = chunk
+                owner = int(task.owners[str(rec.index)])
+                with actor.working("send_chunk", tid=sender, t=rec.index):
+                    await self.pushes[owner].send(Chunk(
+                        task_id=task.task_id, step=task.step, fragment=task.fragment, t_index=rec.index,
+                        sigma=rec.sigma, sigma_next=rec.sigma_next, policy_version=version,
+                        x_t=x_t, x_next=x_next, log_prob=rec.log_prob))
+            result = await job_done
+        finally:
+            halt.set()
         gen_seconds = time.perf_counter() - t_start
         for rank, push in self.pushes.items():
             await push.send(Commit(

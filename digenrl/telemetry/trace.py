@@ -21,7 +21,8 @@ outside any task and the first task get 0 ("main"), each further concurrently ru
 gets the lowest free lane, and a lane is reused once its task has finished. A ``with``
 block cannot interleave with itself inside one task, so spans nest without the caller doing
 anything; concurrent tasks (a chunk sender beside the denoising loop) get their own lanes.
-Pass ``tid=`` to choose a lane explicitly.
+Pass ``tid=`` to choose a lane explicitly; :meth:`SpanRecorder.named_lane` gives work that
+is not one task's (a node's chunk sends) a lane of its own.
 
 Span names (documented in docs/metrics.md): see :data:`SPAN_NAMES`; :data:`BUSY_SPANS` are
 those that count as busy in :func:`busy_fraction`, which metrics.jsonl, summary.json and the
@@ -54,6 +55,7 @@ SPAN_NAMES: tuple[str, ...] = (
 BUSY_SPANS: frozenset[str] = frozenset({
     "denoise_step", "reward", "fragment_train", "optimizer_step", "weight_publish",
     "weight_apply", "tag_generate", "generate"})
+NAMED_LANES = 1000  # the first lane :meth:`SpanRecorder.named_lane` hands out (task lanes count from 0)
 # Order of process tracks in the merged trace: the data flows top to bottom.
 _ROLE_ORDER = {"coordinator": 0, "rollout": 1, "trainer": 2}
 
@@ -110,6 +112,7 @@ class SpanRecorder:
         self._lanes: dict[Any, int] = {}  # live asyncio task / thread -> tid
         self._free: list[int] = []  # tids of finished tasks, for reuse
         self._next_tid = 0
+        self._named: dict[str, int] = {}  # named_lane() lanes
 
     def _tid(self, tid: int | None) -> int:
         if tid is not None:
@@ -132,10 +135,22 @@ class SpanRecorder:
                 lane, self._next_tid = self._next_tid, self._next_tid + 1
             self._lanes[owner] = lane
             name = owner.get_name() if isinstance(owner, asyncio.Task) else owner.name
-            self._pending.append({"ph": "M", "name": "thread_name", "ts_ns": self._clock(),
-                                  "tid": lane, "args": {"name": "main" if lane == 0 else name}})
+            self._name_lane(lane, "main" if lane == 0 else name)
             if isinstance(owner, asyncio.Task):
                 owner.add_done_callback(self._release)
+        return lane
+
+    def _name_lane(self, lane: int, name: str) -> None:
+        self._pending.append({"ph": "M", "name": "thread_name", "ts_ns": self._clock(),
+                              "tid": lane, "args": {"name": name}})
+
+    def named_lane(self, name: str) -> int:
+        """A lane of its own, named ``name`` in the trace, for work that is not one task's
+        (the same name gives the same lane; never lane 0, the main one)."""
+        lane = self._named.get(name)
+        if lane is None:
+            lane = self._named[name] = NAMED_LANES + len(self._named)
+            self._name_lane(lane, name)
         return lane
 
     def _release(self, task: Any) -> None:
@@ -171,6 +186,19 @@ class SpanRecorder:
         self._pending.append({"ph": "X", "name": token.name, "ts_ns": token.start_ns,
                               "dur_ns": end_ns - token.start_ns, "tid": token.tid,
                               "args": {**token.args, **args}})
+        return span
+
+    def record(self, name: str, start_ns: int, end_ns: int, *, tid: int | None = None,
+               **args: Any) -> Span:
+        """Add a finished span timed elsewhere (by another thread, with :meth:`now_ns`) on
+        lane ``tid`` (default: the calling task's); the caller keeps the lane's spans in order."""
+        if end_ns < start_ns:
+            raise TraceError(f"span {name!r} ends ({end_ns}) before it starts ({start_ns})")
+        tid = self._tid(tid)
+        span = Span(name, start_ns, end_ns, self.node_id, tid)
+        self._done.append(span)
+        self._pending.append({"ph": "X", "name": name, "ts_ns": start_ns, "dur_ns": end_ns - start_ns,
+                              "tid": tid, "args": args})
         return span
 
     @contextmanager
