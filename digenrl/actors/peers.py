@@ -240,7 +240,10 @@ class NodePeers:
                         result = job.finish()
                         hand(("reward", t0, clock(), None))
                         return result
-                    hand((span, t0, t1, (rec, rec.x_t.to(wire), rec.x_next.to(wire))))
+                    # to the host here, not on the event loop: a device-to-host copy there
+                    # would block it until the device finished everything queued since
+                    hand((span, t0, t1, (rec.index, rec.sigma, rec.sigma_next, rec.x_t.to(wire).cpu(),
+                                         rec.x_next.to(wire).cpu(), rec.log_prob.cpu())))
                 return None
             finally:
                 hand(None)
@@ -261,13 +264,12 @@ class NodePeers:
                     halt.set()
                     await job_done  # the compute thread stops at its next pull
                     return False
-                rec, x_t, x_next = chunk
-                owner = int(task.owners[str(rec.index)])
-                with actor.working("send_chunk", tid=sender, t=rec.index):
-                    await self.pushes[owner].send(Chunk(
-                        task_id=task.task_id, step=task.step, fragment=task.fragment, t_index=rec.index,
-                        sigma=rec.sigma, sigma_next=rec.sigma_next, policy_version=version,
-                        x_t=x_t, x_next=x_next, log_prob=rec.log_prob))
+                index, sigma, sigma_next, x_t, x_next, log_prob = chunk
+                with actor.working("send_chunk", tid=sender, t=index):
+                    await self.pushes[int(task.owners[str(index)])].send(Chunk(
+                        task_id=task.task_id, step=task.step, fragment=task.fragment, t_index=index,
+                        sigma=sigma, sigma_next=sigma_next, policy_version=version,
+                        x_t=x_t, x_next=x_next, log_prob=log_prob))
             result = await job_done
         finally:
             halt.set()
