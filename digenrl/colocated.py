@@ -31,7 +31,7 @@ from digenrl.rl.rewards import build_reward
 from digenrl.rl.sde import sigma_schedule
 from digenrl.sched_plan import step_prompts, trajectory_seed
 from digenrl.telemetry.metrics import MetricsWriter
-from digenrl.telemetry.trace import SpanRecorder, busy_fraction
+from digenrl.telemetry.trace import BusyClock, SpanRecorder
 
 
 def _all_reduce(t: torch.Tensor) -> None:
@@ -70,13 +70,13 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
     per_rank = P // world_size
     my_groups = range(rank * per_rank, (rank + 1) * per_rank)
     t_start = time.perf_counter()
-    t0_ns = recorder.now_ns()
+    busy_clock = BusyClock(recorder)
     last: dict[str, float] = {}
     trained_total = done_trained
     discarded: dict[str, int] = dict(done_discarded)
     for step in range(start, cfg.run.steps):
         t0 = time.perf_counter()
-        step_t0_ns = recorder.now_ns()
+        busy_before = busy_clock.stats()
         ids = step_prompts(cfg.run.seed, step, P, len(prompts))
         trained, sde = plan_for_step(cfg, step)
         job = FragmentJob(model=policy.model, cfg=cfg, prompts=[prompts[ids[g]] for g in my_groups],
@@ -101,13 +101,14 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
         for k, v in learner.last_discarded.items():
             discarded[k] = discarded.get(k, 0) + v
         dt = time.perf_counter() - t0
+        step_busy = _delta_fraction(busy_before, busy_clock.stats())
         if rank == 0 and (step == 0 or step == cfg.run.steps - 1 or
                           (cfg.run.sample_grid_every and step % cfg.run.sample_grid_every == 0)):
             save_grid(result.images, run_dir / "samples" / f"step_{step:04d}.png", nrow=G)
         last = {"step": step, "policy_version": policy.version, **metrics,
                 "samples_per_s": P * G / dt, "step_seconds": dt,
                 "wall_time": time.perf_counter() - t_start,
-                f"busy/{node}": busy_fraction(recorder.spans(), step_t0_ns, recorder.now_ns())}
+                f"busy/{node}": step_busy}
         if writer is not None:
             writer.write(step_metrics(last))
             if progress is not None:
@@ -115,7 +116,8 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
         colocated_checkpoint(run_dir, policy, rank=rank, world_size=world_size, trained=trained_total,
                              discarded=discarded, steps=cfg.run.steps, every=cfg.run.checkpoint_every)
     total = time.perf_counter() - t_start
-    busy = busy_fraction(recorder.spans(), t0_ns, recorder.now_ns())
+    totals = busy_clock.stats()
+    busy = totals["busy_s"] / totals["wall_s"] if totals["wall_s"] > 0 else 0.0
     recorder.dump(run_dir / "trace" / f"{node}.jsonl")
     if rank == 0 or policy.sharded:
         save_final(policy, run_dir, write=rank == 0)  # sharded: every rank joins the gather
@@ -153,6 +155,12 @@ def _rank_main(argv: list[str]) -> int:
         result["discarded"] = merged
         (run_dir / "colocated-summary.json").write_text(json.dumps(result))
     return 0
+
+
+def _delta_fraction(before: dict[str, float], after: dict[str, float]) -> float:
+    """Busy fraction between two :meth:`BusyClock.stats` readings."""
+    wall = after["wall_s"] - before["wall_s"]
+    return min(1.0, max(0.0, (after["busy_s"] - before["busy_s"]) / wall)) if wall > 0 else 0.0
 
 
 if __name__ == "__main__":

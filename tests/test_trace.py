@@ -6,9 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from digenrl.telemetry.trace import (
     BUSY_SPANS,
+    BusyClock,
     Span,
     SpanRecorder,
     TraceError,
@@ -234,3 +237,48 @@ async def test_spans_timed_on_another_thread_are_recorded_on_the_waiting_task_la
     assert names[sender] == "rollout-chunk-sender"
     x = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "denoise_step"]
     assert x[0]["args"] == {"step": 0, "task": 3} and x[0]["dur"] == pytest.approx(10_000)
+
+
+# One recorded span: (ms from the previous span's end to this one's end, duration in ms,
+# busy?, read the clock's stats right after it?)
+_SPANS = st.lists(st.tuples(st.integers(0, 50), st.integers(0, 80), st.booleans(), st.booleans()),
+                  max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(spans=_SPANS, lag_ms=st.integers(81, 400))
+def test_busy_clock_keeps_the_exact_union_of_busy_spans_while_folding_old_time(spans, lag_ms):
+    """Spans recorded after the fact (as the compute thread's are), overlapping freely: the
+    incremental clock equals busy_fraction over every span, whenever it is read, as long as
+    no span is longer than the lag."""
+    clock = FakeClock()
+    rec = SpanRecorder("rollout-0", "rollout", clock)
+    clock.advance(100)  # spans may start before the clock was made: counted from t0 on
+    busy = BusyClock(rec, lag_s=lag_ms / 1000)
+    t0 = clock()
+    for gap, dur, is_busy, read in spans:
+        clock.advance(gap)
+        rec.record("denoise_step" if is_busy else "send_chunk", clock() - dur * MS, clock())
+        if read:
+            expected = busy_fraction(rec.spans(), t0, clock()) * (clock() - t0) if clock() > t0 else 0
+            assert busy.busy_ns() == pytest.approx(expected, abs=2)
+    clock.advance(1000)
+    expected = busy_fraction(rec.spans(), t0, clock()) * (clock() - t0)
+    assert busy.busy_ns() == pytest.approx(expected, abs=2)
+    assert busy._starts == []  # everything older than the lag is folded into one number
+
+
+def test_busy_clock_waits_for_an_open_span_longer_than_the_lag():
+    clock = FakeClock()
+    rec = SpanRecorder("trainer-0", "trainer", clock)
+    busy = BusyClock(rec, lag_s=0.01)
+    with rec.span("checkpoint_write"):  # not busy, but open: nothing before it may be folded
+        with rec.span("fragment_train"):
+            clock.advance(50)
+            with rec.span("optimizer_step"):  # nested in a busy span: counted once
+                clock.advance(30)
+            assert busy.busy_ns() == 30 * MS  # only the finished span so far
+        clock.advance(20)
+    clock.advance(100)
+    assert busy.busy_ns() == 80 * MS
+    assert busy.stats() == {"busy_s": pytest.approx(0.08), "wall_s": pytest.approx(0.2)}

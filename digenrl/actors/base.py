@@ -26,24 +26,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-from digenrl.telemetry.trace import SpanRecorder, busy_fraction
-
-
-class BusyClock:
-    """Busy seconds of one process, computed from the very spans the trace records."""
-
-    def __init__(self, recorder: SpanRecorder) -> None:
-        self.recorder = recorder
-        self.t0 = recorder.now_ns()
-
-    def stats(self) -> dict[str, float]:
-        now = self.recorder.now_ns()
-        if now <= self.t0:
-            return {"busy_s": 0.0, "wall_s": 0.0}
-        frac = busy_fraction(self.recorder.spans(), self.t0, now)
-        wall = (now - self.t0) / 1e9
-        return {"busy_s": frac * wall, "wall_s": wall}
-
+from digenrl.telemetry.trace import BusyClock, SpanRecorder
 
 STOP_GRACE_S = 30.0
 """How long a stopping actor's main loop may stay in a torch call before it is called wedged

@@ -32,6 +32,7 @@ report all use.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import json
 import threading
@@ -45,7 +46,7 @@ from typing import Any, NamedTuple
 
 import structlog
 
-__all__ = ["BUSY_SPANS", "SPAN_NAMES", "Span", "SpanRecorder", "SpanToken", "TraceError",
+__all__ = ["BUSY_SPANS", "SPAN_NAMES", "BusyClock", "Span", "SpanRecorder", "SpanToken", "TraceError",
            "busy_by_node", "busy_fraction", "merge_traces", "read_trace", "wall_clock_ns"]
 
 SPAN_NAMES: tuple[str, ...] = (
@@ -109,6 +110,7 @@ class SpanRecorder:
         self._open: dict[int, list[SpanToken]] = {}
         self._pending: list[dict[str, Any]] = []  # events not yet dumped
         self._done: deque[Span] = deque(maxlen=keep)
+        self._finished = 0  # spans ever finished (``_done`` keeps the last ``keep``)
         self._lanes: dict[Any, int] = {}  # live asyncio task / thread -> tid
         self._free: list[int] = []  # tids of finished tasks, for reuse
         self._next_tid = 0
@@ -183,6 +185,7 @@ class SpanRecorder:
         stack.pop()
         span = Span(token.name, token.start_ns, end_ns, self.node_id, token.tid)
         self._done.append(span)
+        self._finished += 1
         self._pending.append({"ph": "X", "name": token.name, "ts_ns": token.start_ns,
                               "dur_ns": end_ns - token.start_ns, "tid": token.tid,
                               "args": {**token.args, **args}})
@@ -197,6 +200,7 @@ class SpanRecorder:
         tid = self._tid(tid)
         span = Span(name, start_ns, end_ns, self.node_id, tid)
         self._done.append(span)
+        self._finished += 1
         self._pending.append({"ph": "X", "name": name, "ts_ns": start_ns, "dur_ns": end_ns - start_ns,
                               "tid": tid, "args": args})
         return span
@@ -219,6 +223,20 @@ class SpanRecorder:
         """A sampled value drawn as a counter track (queue depth, bytes in flight)."""
         self._pending.append({"ph": "C", "name": name, "ts_ns": self._clock(), "tid": 0,
                               "args": {"value": value}})
+
+    def finished_after(self, n: int) -> tuple[list[Span], int]:
+        """(the spans finished after the first ``n`` ever finished, how many have finished):
+        a reader that passes back the count it got sees every span once (as long as it reads
+        before ``keep`` more finish)."""
+        new = min(self._finished - n, len(self._done))
+        spans = list(itertools.islice(reversed(self._done), new))  # from the newest: O(new)
+        spans.reverse()
+        return spans, self._finished
+
+    def earliest_open_ns(self) -> int | None:
+        """Start of the oldest span still open (None if none is)."""
+        starts = [t.start_ns for stack in self._open.values() for t in stack]
+        return min(starts) if starts else None
 
     def spans(self, since_ns: int | None = None) -> list[Span]:
         """Finished spans (the last ``keep``), optionally only those ending after ``since_ns``."""
@@ -268,6 +286,73 @@ def busy_fraction(spans: Iterable[Span], t0: int | float, t1: int | float,
     if cur_end is not None:
         covered += cur_end - cur_start
     return covered / (t1 - t0)
+
+
+class BusyClock:
+    """Busy seconds of one recorder's process since the clock was made: the union of its
+    busy spans (as :func:`busy_fraction` counts them), kept up to date incrementally.
+
+    Each :meth:`stats` reads only the spans finished since the last one, so its cost does
+    not grow with the run. Busy time older than ``lag_s`` (and older than every span still
+    open) is folded into a total; a span recorded after the fact (:meth:`SpanRecorder.record`)
+    is counted from that fold on, so a single such span longer than ``lag_s`` is
+    undercounted by its excess.
+    """
+
+    def __init__(self, recorder: SpanRecorder, *, lag_s: float = 600.0,
+                 busy_names: Iterable[str] = BUSY_SPANS) -> None:
+        self.recorder = recorder
+        self.t0 = recorder.now_ns()
+        self._names = frozenset(busy_names)
+        self._lag_ns = int(lag_s * 1e9)
+        self._seen = recorder.finished_after(0)[1]  # spans finished before t0 do not count
+        self._fold = self.t0  # busy time before this is final ...
+        self._folded = 0  # ... and this much of it was busy
+        self._starts: list[int] = []  # disjoint busy intervals after the fold, sorted
+        self._ends: list[int] = []
+        self._live = 0  # their total length
+
+    def _add(self, start: float, end: float) -> None:
+        s, e = max(int(start), self._fold), int(end)
+        if e <= s:
+            return
+        lo = bisect.bisect_left(self._ends, s)  # first interval ending at or after s
+        hi = bisect.bisect_right(self._starts, e)  # first interval starting after e
+        if lo < hi:
+            s, e = min(s, self._starts[lo]), max(e, self._ends[hi - 1])
+            self._live -= sum(b - a for a, b in zip(self._starts[lo:hi], self._ends[lo:hi], strict=True))
+        self._starts[lo:hi] = [s]
+        self._ends[lo:hi] = [e]
+        self._live += e - s
+
+    def busy_ns(self) -> int:
+        """Busy ns since the clock was made."""
+        spans, self._seen = self.recorder.finished_after(self._seen)
+        for span in spans:
+            if span.name in self._names:
+                self._add(span.start, span.end)
+        now = self.recorder.now_ns()
+        horizon = now - self._lag_ns
+        oldest_open = self.recorder.earliest_open_ns()
+        if oldest_open is not None:
+            horizon = min(horizon, oldest_open)
+        if horizon > self._fold:
+            k = bisect.bisect_right(self._ends, horizon)
+            if k:
+                done = sum(b - a for a, b in zip(self._starts[:k], self._ends[:k], strict=True))
+                self._folded += done
+                self._live -= done
+                del self._starts[:k], self._ends[:k]
+            self._fold = horizon
+        return self._folded + self._live
+
+    def stats(self) -> dict[str, float]:
+        """``busy_s`` and ``wall_s`` since the clock was made (what heartbeats carry)."""
+        busy = self.busy_ns()
+        wall = self.recorder.now_ns() - self.t0
+        if wall <= 0:
+            return {"busy_s": 0.0, "wall_s": 0.0}
+        return {"busy_s": min(busy, wall) / 1e9, "wall_s": wall / 1e9}
 
 
 def busy_by_node(spans: Iterable[Span], t0: int | float, t1: int | float,
