@@ -71,6 +71,7 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
     my_groups = range(rank * per_rank, (rank + 1) * per_rank)
     t_start = time.perf_counter()
     busy_clock = BusyClock(recorder)
+    trace_path, flushed = run_dir / "trace" / f"{node}.jsonl", time.perf_counter()
     last: dict[str, float] = {}
     trained_total = done_trained
     discarded: dict[str, int] = dict(done_discarded)
@@ -113,12 +114,15 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
             writer.write(step_metrics(last))
             if progress is not None:
                 progress.update(last)  # type: ignore[attr-defined]
+        if time.perf_counter() - flushed >= cfg.runtime.trace_flush_s:  # memory stays flat
+            recorder.dump(trace_path)
+            flushed = time.perf_counter()
         colocated_checkpoint(run_dir, policy, rank=rank, world_size=world_size, trained=trained_total,
                              discarded=discarded, steps=cfg.run.steps, every=cfg.run.checkpoint_every)
     total = time.perf_counter() - t_start
     totals = busy_clock.stats()
     busy = totals["busy_s"] / totals["wall_s"] if totals["wall_s"] > 0 else 0.0
-    recorder.dump(run_dir / "trace" / f"{node}.jsonl")
+    recorder.dump(trace_path)
     if rank == 0 or policy.sharded:
         save_final(policy, run_dir, write=rank == 0)  # sharded: every rank joins the gather
     if writer is not None:

@@ -128,6 +128,9 @@ class RuntimeConfig:
         ge=0)
     heartbeat_s: float = _f(0.5, "heartbeat interval", gt=0)
     heartbeat_misses: int = _f(10, "a peer silent for this many intervals is lost", ge=1)
+    trace_flush_s: float = _f(5.0, "each node appends its new trace events to run_dir/trace every "
+                              "this many seconds (memory stays flat; a killed node loses at most this much)",
+                              gt=0)
     slowdown: float = _f(1.0, "TEST-ONLY knob: a rollout sleeps (slowdown-1)x its work", ge=1)
     slowdown_nodes: list[str] = _f([], "TEST-ONLY: node ids the slowdown applies to (empty = all rollouts)")
     trainer_slowdown: float = _f(1.0, "TEST-ONLY knob: a trainer rank sleeps (trainer_slowdown-1)x "

@@ -282,3 +282,34 @@ def test_busy_clock_waits_for_an_open_span_longer_than_the_lag():
     clock.advance(100)
     assert busy.busy_ns() == 80 * MS
     assert busy.stats() == {"busy_s": pytest.approx(0.08), "wall_s": pytest.approx(0.2)}
+
+
+@pytest.mark.asyncio
+async def test_an_actor_appends_its_trace_while_it_runs(tmp_path):
+    """A node's events reach its trace file every trace_flush_s, not only when it stops: a
+    long run's events do not pile up in memory, and a killed node keeps what it wrote."""
+    import asyncio
+
+    import structlog
+
+    from digenrl.actors.base import Actor
+
+    path = tmp_path / "trace" / "rollout-0.jsonl"
+    seen: list[int] = []
+
+    class Worker(Actor):
+        async def main(self) -> None:
+            for step in range(3):
+                with self.recorder.span("denoise_step", step=step):
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.15)  # > trace_flush_s: the flush loop runs in between
+                seen.append(len(path.read_text().splitlines()) if path.exists() else 0)
+
+    actor = Worker(node_id="rollout-0", recorder=SpanRecorder("rollout-0", "rollout"),
+                   log=structlog.get_logger())
+    actor.trace_path, actor.trace_flush_s = path, 0.05
+    await asyncio.wait_for(actor.run(), 10)
+    assert seen[0] >= 1 and seen == sorted(seen) and seen[-1] > seen[0]  # written as it ran
+    assert actor.recorder.dump(path) == 0  # nothing was left for the end
+    steps = [json.loads(x)["args"]["step"] for x in path.read_text().splitlines() if '"ph": "X"' in x]
+    assert steps == [0, 1, 2]

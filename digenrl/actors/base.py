@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from digenrl.telemetry.trace import BusyClock, SpanRecorder
@@ -48,6 +49,8 @@ class Actor:
         self._compute: ThreadPoolExecutor | None = None
         self._computing: tuple[str, Future[Any]] | None = None  # the last torch call submitted
         self.stop_grace_s = STOP_GRACE_S  # after a stop request, how long main may take to notice it
+        self.trace_path: Path | None = None  # where the node's trace goes (None: kept in memory)
+        self.trace_flush_s = 5.0
 
     # -- lifecycle ------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -76,8 +79,9 @@ class Actor:
         try:
             async with asyncio.TaskGroup() as tg:
                 main = tg.create_task(self.main(), name=f"{self.node_id}:main")
+                flush = [self._flush_trace] if self.trace_path is not None else []
                 loops = [tg.create_task(fn(), name=f"{self.node_id}:{fn.__name__}")
-                         for fn in self.background()]
+                         for fn in [*self.background(), *flush]]
                 stop = tg.create_task(self._stop.wait(), name=f"{self.node_id}:stop")
                 await asyncio.wait({main, stop}, return_when=asyncio.FIRST_COMPLETED)
                 if not main.done():
@@ -95,6 +99,15 @@ class Actor:
             await self.close()
             if self._compute is not None:
                 self._compute.shutdown(wait=False, cancel_futures=True)
+
+    async def _flush_trace(self) -> None:
+        """Append the trace's new events to ``trace_path`` every ``trace_flush_s``: a long
+        run's events do not pile up in memory, and a node that is killed loses only the last
+        few seconds of its trace (the node writes the rest when it stops)."""
+        assert self.trace_path is not None
+        while True:
+            await asyncio.sleep(self.trace_flush_s)
+            self.recorder.dump(self.trace_path)
 
     # -- work accounting ------------------------------------------------------------------
     @contextmanager

@@ -164,6 +164,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
                              recorder=recorder, log=log,
                              scheduler_factory=new_scheduler)
     actor.restore_from(ckpt)
+    actor.trace_path, actor.trace_flush_s = run_dir / "trace" / "coordinator.jsonl", cfg.runtime.trace_flush_s
     if ckpt is not None:
         log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path))
     print(f"digenrl: coordinator listening on {control.endpoint}", flush=True)
@@ -182,7 +183,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
         pub.close()
         ctx.term()
         metrics.close()
-        recorder.dump(run_dir / "trace" / "coordinator.jsonl")
+        recorder.dump(actor.trace_path)
     wall = time.perf_counter() - t0
     dedupe_metrics(run_dir)
     stats = actor.sched.statistics()

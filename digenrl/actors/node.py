@@ -240,6 +240,7 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
         if role == "trainer" and cfg.runtime.trainer_slowdown > 1.0:
             _slow_trainer(actor, cfg.runtime.trainer_slowdown)
         _with_watchdog(actor, control)
+        actor.trace_path, actor.trace_flush_s = rdir / "trace" / f"{node_id}.jsonl", cfg.runtime.trace_flush_s
         loop = asyncio.get_running_loop()
 
         def on_sigterm() -> None:
@@ -260,7 +261,7 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
             await actor.run()
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
-            recorder.dump(rdir / "trace" / f"{node_id}.jsonl")
+            recorder.dump(actor.trace_path)
             stuck = actor.compute_stuck()
             if stuck is not None:
                 # a torch call that never returns cannot be interrupted, and the interpreter
