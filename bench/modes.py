@@ -14,8 +14,9 @@ One invocation runs, one after another on the same (2-core) machine and the same
   both alone       the two at once in two processes that never talk (same core sharing as
                    digenrl, no pipeline): separates contention from pipeline bubbles
 For each: samples/s (first assignment to last step), steady-state seconds per step (median of
-the steps after the first two), each process's busy fraction, and the ratios the runtime
-issue targets. The machine is shared and noisy, so the variants run interleaved
+the steps after the first two), each process's busy fraction (whole run, and over the steady
+steps from the trace: the busiest role's idle share there is the pipeline's bubbles), and
+the ratios the runtime issue targets. The machine is shared and noisy, so the variants run interleaved
 (A B C ... A B C ...) ``--repeats`` times and the medians are reported.
 ``--set`` overrides apply to every variant, after the variant's own settings.
 Results also go to bench/results/modes.json.
@@ -33,12 +34,25 @@ from typing import Any
 
 from digenrl.config import load_config, resolve_mode
 from digenrl.launch import launch, make_run_dir
+from digenrl.telemetry.trace import busy_by_node, read_trace
 
 
 def steady_step_s(run_dir: Path) -> float:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     secs = [r["step_seconds"] for r in rows[2:]] or [r["step_seconds"] for r in rows]
     return statistics.median(secs)
+
+
+def steady_busy(run_dir: Path) -> dict[str, float]:
+    """Each node's busy fraction in steady state, from trace.json: from the end of the second
+    optimizer step to the end of the last but one (in the last step the rollout has nothing
+    left to generate: the pipeline drains). What is not busy there is the pipeline's bubbles
+    plus the imbalance between the roles."""
+    _, spans = read_trace(run_dir / "trace.json")
+    ends = sorted(s.end for s in spans if s.name == "optimizer_step" and s.node in ("trainer-0", "colocated-0"))
+    if len(ends) < 4:
+        return {}
+    return busy_by_node(spans, ends[1], ends[-2])
 
 
 def run_mode(name: str, mode: str, overrides: list[str], tmp: Path, config: str | None) -> dict:
@@ -48,7 +62,8 @@ def run_mode(name: str, mode: str, overrides: list[str], tmp: Path, config: str 
     step_s = steady_step_s(run_dir)
     return {"samples_per_s": summary["samples_per_s"], "steady_step_s": step_s,
             "steady_samples_per_s": cfg.batch_size / step_s, "busy": summary.get("busy", {}),
-            "tag_granted": summary.get("scheduler", {}).get("tag_granted", 0)}
+            "tag_granted": summary.get("scheduler", {}).get("tag_granted", 0),
+            "steady_busy": steady_busy(run_dir)}
 
 
 def _median_steady(xs: list[float]) -> float:
@@ -121,8 +136,9 @@ def main() -> int:
                 r = run_mode(f"{name}-{rep}", mode, [*base, *ov, *args.overrides], tmp, args.config)
                 runs.setdefault(name, []).append(r)
                 busy = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r["busy"].items()))
+                steady = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r["steady_busy"].items()))
                 print(f"[{rep}] {name:16s} {r['samples_per_s']:7.2f} samples/s  steady "
-                      f"{r['steady_step_s']:.3f} s/step  busy: {busy}"
+                      f"{r['steady_step_s']:.3f} s/step  busy: {busy}  steady busy: {steady}"
                       + (f"  TAG fragments {r['tag_granted']}" if r["tag_granted"] else ""), flush=True)
             if not args.only or "alone" in args.only:  # interleaved too: the host's speed drifts
                 a = run_alone([*base, *args.overrides], args.config, args.steps, tmp)
@@ -136,11 +152,14 @@ def main() -> int:
             med = {k: statistics.median(r[k] for r in rs)
                    for k in ("samples_per_s", "steady_step_s", "steady_samples_per_s", "tag_granted")}
             med["busy"] = {n: statistics.median(r["busy"].get(n, 0.0) for r in rs) for n in rs[0]["busy"]}
+            med["steady_busy"] = {n: statistics.median(r["steady_busy"].get(n, 0.0) for r in rs)
+                                  for n in rs[0]["steady_busy"]}
             med["all_samples_per_s"] = [r["samples_per_s"] for r in rs]
             res[name] = med
             busy = ", ".join(f"{k} {v:.0%}" for k, v in sorted(med["busy"].items()))
+            steady = ", ".join(f"{k} {v:.1%}" for k, v in sorted(med["steady_busy"].items()))
             print(f"median {name:16s} {med['samples_per_s']:7.2f} samples/s  steady "
-                  f"{med['steady_step_s']:.3f} s/step  busy: {busy}", flush=True)
+                  f"{med['steady_step_s']:.3f} s/step  busy: {busy}  steady busy: {steady}", flush=True)
         if alone:
             res["alone"] = a = {k: statistics.median(x[k] for x in alone) for k in alone[0]}
             print(f"rollout alone    {a['rollout_step_s']:.3f} s/step;  trainer alone "
@@ -164,6 +183,10 @@ def main() -> int:
                 ratios[f"{k} steady step / slower role alone"] = res[k]["steady_step_s"] / floor
                 ratios[f"{k} steady step / slower role, both alone at once"] = (
                     res[k]["steady_step_s"] / shared)
+    if "digenrl" in res and res["digenrl"]["steady_busy"]:
+        # the bubbles themselves: the share of the steady state the busiest role is not busy
+        ratios["digenrl (TAG off) busiest role idle in steady state"] = 1.0 - max(
+            res["digenrl"]["steady_busy"].values())
     for k, v in ratios.items():
         print(f"{k:42s} {v:.3f}")
     out = Path(__file__).parent / "results" / "modes.json"
