@@ -31,7 +31,7 @@ from digenrl.rl.rewards import build_reward
 from digenrl.rl.sde import sigma_schedule
 from digenrl.sched_plan import step_prompts, trajectory_seed
 from digenrl.telemetry.metrics import MetricsWriter
-from digenrl.telemetry.trace import BusyClock, SpanRecorder
+from digenrl.telemetry.trace import BusyClock, SpanRecorder, busy_share
 
 
 def _all_reduce(t: torch.Tensor) -> None:
@@ -102,7 +102,9 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
         for k, v in learner.last_discarded.items():
             discarded[k] = discarded.get(k, 0) + v
         dt = time.perf_counter() - t0
-        step_busy = _delta_fraction(busy_before, busy_clock.stats())
+        busy_after = busy_clock.stats()
+        step_busy = busy_share(busy_after["busy_s"] - busy_before["busy_s"],
+                               busy_after["wall_s"] - busy_before["wall_s"])
         if rank == 0 and (step == 0 or step == cfg.run.steps - 1 or
                           (cfg.run.sample_grid_every and step % cfg.run.sample_grid_every == 0)):
             save_grid(result.images, run_dir / "samples" / f"step_{step:04d}.png", nrow=G)
@@ -121,7 +123,7 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
                              discarded=discarded, steps=cfg.run.steps, every=cfg.run.checkpoint_every)
     total = time.perf_counter() - t_start
     totals = busy_clock.stats()
-    busy = totals["busy_s"] / totals["wall_s"] if totals["wall_s"] > 0 else 0.0
+    busy = busy_share(totals["busy_s"], totals["wall_s"])
     recorder.dump(trace_path)
     if rank == 0 or policy.sharded:
         save_final(policy, run_dir, write=rank == 0)  # sharded: every rank joins the gather
@@ -159,12 +161,6 @@ def _rank_main(argv: list[str]) -> int:
         result["discarded"] = merged
         (run_dir / "colocated-summary.json").write_text(json.dumps(result))
     return 0
-
-
-def _delta_fraction(before: dict[str, float], after: dict[str, float]) -> float:
-    """Busy fraction between two :meth:`BusyClock.stats` readings."""
-    wall = after["wall_s"] - before["wall_s"]
-    return min(1.0, max(0.0, (after["busy_s"] - before["busy_s"]) / wall)) if wall > 0 else 0.0
 
 
 if __name__ == "__main__":

@@ -295,21 +295,30 @@ async def test_an_actor_appends_its_trace_while_it_runs(tmp_path):
     from digenrl.actors.base import Actor
 
     path = tmp_path / "trace" / "rollout-0.jsonl"
-    seen: list[int] = []
+    recorder = SpanRecorder("rollout-0", "rollout")
+    flushed = asyncio.Event()
+    dump = recorder.dump
+
+    def dump_and_tell(where):  # the flush loop's writes, observed
+        n = dump(where)
+        flushed.set()
+        return n
+
+    recorder.dump = dump_and_tell  # type: ignore[method-assign]
+    on_disk: list[list[int]] = []
 
     class Worker(Actor):
         async def main(self) -> None:
             for step in range(3):
                 with self.recorder.span("denoise_step", step=step):
-                    await asyncio.sleep(0.01)
-                await asyncio.sleep(0.15)  # > trace_flush_s: the flush loop runs in between
-                seen.append(len(path.read_text().splitlines()) if path.exists() else 0)
+                    pass
+                flushed.clear()
+                await asyncio.wait_for(flushed.wait(), 10)  # the next periodic flush
+                on_disk.append([json.loads(x)["args"]["step"] for x in path.read_text().splitlines()
+                                if '"ph": "X"' in x])
 
-    actor = Worker(node_id="rollout-0", recorder=SpanRecorder("rollout-0", "rollout"),
-                   log=structlog.get_logger())
-    actor.trace_path, actor.trace_flush_s = path, 0.05
-    await asyncio.wait_for(actor.run(), 10)
-    assert seen[0] >= 1 and seen == sorted(seen) and seen[-1] > seen[0]  # written as it ran
-    assert actor.recorder.dump(path) == 0  # nothing was left for the end
-    steps = [json.loads(x)["args"]["step"] for x in path.read_text().splitlines() if '"ph": "X"' in x]
-    assert steps == [0, 1, 2]
+    actor = Worker(node_id="rollout-0", recorder=recorder, log=structlog.get_logger())
+    actor.trace_path, actor.trace_flush_s = path, 0.01
+    await asyncio.wait_for(actor.run(), 30)
+    assert on_disk == [[0], [0, 1], [0, 1, 2]]  # each span on disk while the actor still ran
+    assert dump(path) == 0  # nothing was left for the end

@@ -31,7 +31,7 @@ from digenrl.scheduler import Scheduler, SchedulerParams
 from digenrl.telemetry.logging import get_logger
 from digenrl.telemetry.metrics import MetricsWriter
 from digenrl.telemetry.progress import Progress
-from digenrl.telemetry.trace import SpanRecorder
+from digenrl.telemetry.trace import SpanRecorder, busy_share
 
 
 def bytes_per_trajectory(cfg: Config, latent_numel: int) -> int:
@@ -209,7 +209,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
         "scheduler": {k: v for k, v in stats.items() if k not in ("nodes",)},
         "nodes": stats["nodes"],
         "staleness_hist": actor.staleness_hist,
-        "busy": {n: (b / w if w else 0.0) for n, (b, w) in actor.busy_total.items()},
+        "busy": {n: busy_share(b, w) for n, (b, w) in actor.busy_total.items()},
         "restarts": children.restarts if children else {},
         "stop_reason": actor.stop_reason,
     }

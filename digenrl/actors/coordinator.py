@@ -64,6 +64,7 @@ from digenrl.protocol import (
     Welcome,
 )
 from digenrl.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerError, ShutdownCmd
+from digenrl.telemetry.trace import busy_share
 from digenrl.transport.errors import PeerLost
 
 
@@ -399,7 +400,7 @@ class CoordinatorActor(Actor):
         for node, (busy, wall) in self.busy_total.items():
             b0, w0 = self.busy_last.get(node, (0.0, 0.0))
             if wall > w0:
-                row[f"busy/{node}"] = min(1.0, max(0.0, (busy - b0) / (wall - w0)))
+                row[f"busy/{node}"] = busy_share(busy - b0, wall - w0)
             self.busy_last[node] = (busy, wall)
         self.metrics.write(step_metrics(row))
         if self.progress is not None:

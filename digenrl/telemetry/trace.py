@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import structlog
 
 __all__ = ["BUSY_SPANS", "SPAN_NAMES", "BusyClock", "Span", "SpanRecorder", "SpanToken", "TraceError",
-           "busy_by_node", "busy_fraction", "merge_traces", "read_trace", "wall_clock_ns"]
+           "busy_by_node", "busy_fraction", "busy_share", "merge_traces", "read_trace", "wall_clock_ns"]
 
 SPAN_NAMES: tuple[str, ...] = (
     "denoise_step", "send_chunk", "reward", "fragment_train", "optimizer_step",
@@ -286,6 +286,12 @@ def busy_fraction(spans: Iterable[Span], t0: int | float, t1: int | float,
     if cur_end is not None:
         covered += cur_end - cur_start
     return covered / (t1 - t0)
+
+
+def busy_share(busy_s: float, wall_s: float) -> float:
+    """Busy seconds over wall seconds, clamped to 0..1 (0 when no time passed): the busy
+    fraction between two :meth:`BusyClock.stats` readings, or since the clock started."""
+    return min(1.0, max(0.0, busy_s / wall_s)) if wall_s > 0 else 0.0
 
 
 class BusyClock:
