@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import THREAD_SETS
+
 pytestmark = pytest.mark.slow
 
 SETS = ["model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
@@ -37,7 +39,7 @@ def _start(run_dir: Path, mode: str, steps: int, rollouts: int, crash: str = "",
         env["DIGENRL_TEST_HANG"] = hang
     cmd = [sys.executable, "-m", "digenrl.cli", "launch", "--mode", mode, "--steps", str(steps),
            "--rollouts", str(rollouts), "--run-dir", str(run_dir),
-           *[a for s in (*SETS, *sets) for a in ("--set", s)]]
+           *[a for s in (*THREAD_SETS, *SETS, *sets) for a in ("--set", s)]]
     return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
@@ -68,6 +70,7 @@ def test_a_killed_trainer_rewinds_the_run_to_its_checkpoint_and_ends_bit_identic
     assert s["restarts"]["trainer-0"] == 1 and s["resumed_from"] == [2]
     a = load_file(tmp_path / "whole" / "final" / "policy.safetensors")
     b = load_file(tmp_path / "cut" / "final" / "policy.safetensors")
+    # exact on purpose: same machine and thread count, so the rewound run must replay the same arithmetic
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -101,4 +101,5 @@ def test_a_sharded_run_killed_mid_run_resumes_bit_identical(tmp_path: Path) -> N
     cut, _ = _interrupt_and_resume(tmp_path, "colocated", "generate:2", versions=(2,), sets=sets,
                                    killed="exited with codes [-9, -9]")
     a, b = _final(whole), _final(cut)
+    # exact on purpose: same machine and thread count, so a resumed run must replay the same arithmetic
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -31,7 +31,6 @@ from digenrl.protocol import Chunk, Commit, Heartbeat, Hello, Welcome, decode, e
 from digenrl.transport.errors import ProtocolError
 from tests.test_security import config, hello, start_coordinator, wait_until
 
-torch.set_num_threads(1)
 STORM = 20_000
 
 

@@ -10,10 +10,11 @@ import torch
 
 from digenrl.config import load_config, resolve_mode
 from digenrl.launch import launch, make_run_dir
+from tests.conftest import THREAD_SETS
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["run.steps=2", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
+SMALL = [*THREAD_SETS, "run.steps=2", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
          "runtime.fragments_per_step=2", "sampler.num_steps=4"]
 
 

@@ -10,8 +10,7 @@ from digenrl.models.base import Cond, cond_select
 from digenrl.rl.grpo import group_advantages
 from digenrl.rl.policy import Policy
 from digenrl.rl.sampler import StepRecord, rollout, seeded_generators
-
-torch.set_num_threads(1)
+from tests.conftest import assert_close_across_instances, assert_same_weights
 
 P, G, T = 4, 2, 4
 B = P * G
@@ -199,7 +198,9 @@ def test_sync_state_round_trip_makes_a_second_policy_identical():
     pb.load_sync_state(pa.state_dict_for_sync())
     _, ra, _, _ = _batch(a, cfg)
     _, rb, _, _ = _batch(b, cfg)
-    assert all(torch.equal(ra[t].x_next, rb[t].x_next) for t in ra)
+    assert_same_weights(pb.state_dict_for_sync(), pa.state_dict_for_sync())
+    for t in ra:  # two instances: equal weights, outputs equal up to kernel rounding
+        assert_close_across_instances(ra[t].x_next, rb[t].x_next)
     with pytest.raises(ValueError, match="sync state keys differ"):
         pb.load_sync_state({"conv.weight": torch.zeros(2, 2, 3, 3)})
 

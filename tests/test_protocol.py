@@ -31,7 +31,6 @@ from digenrl.protocol import (
     tensor_checksum,
 )
 
-torch.set_num_threads(1)
 LIMIT = 1 << 20
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

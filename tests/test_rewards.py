@@ -9,8 +9,6 @@ from digenrl.config import RewardTerm
 from digenrl.data.shapes import COLOURS, make_example
 from digenrl.rl.rewards import BUILTIN, RewardError, build_reward, prompt_colours
 
-torch.set_num_threads(1)
-
 
 def flat(rgb: tuple[int, int, int], n: int = 1, size: int = 32) -> torch.Tensor:
     return torch.tensor(rgb, dtype=torch.uint8).view(1, 3, 1, 1).expand(n, 3, size, size).clone()

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import structlog
-import torch
 import zmq
 import zmq.asyncio
 
@@ -30,8 +29,6 @@ from digenrl.transport.curve import (
     load_public_key,
 )
 from digenrl.transport.sockets import Dealer
-
-torch.set_num_threads(1)
 
 SMALL = ["run.steps=2", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
          "runtime.fragments_per_step=2", "sampler.num_steps=4", "runtime.tag=\"never\""]

@@ -18,8 +18,6 @@ from digenrl.data.shapes import (
 )
 from digenrl.prompts import PromptError, builtin_prompts, load_prompts
 
-torch.set_num_threads(1)
-
 
 def test_same_seed_gives_same_images_and_prompts():
     a_img, a_p = make_batch(random.Random(7), 6)

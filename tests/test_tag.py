@@ -8,6 +8,7 @@ import pytest
 
 from digenrl.config import load_config, resolve_mode
 from digenrl.launch import launch, make_run_dir
+from tests.conftest import THREAD_SETS
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +17,7 @@ SMALL = ["model.path=\"random\"", "train.prompts_per_step=4", "train.group_size=
 
 
 def _launch(tmp_path: Path, name: str, extra: list[str], mode: str = "digenrl") -> dict:
-    cfg = resolve_mode(load_config(None, [*SMALL, *extra]), mode)
+    cfg = resolve_mode(load_config(None, [*THREAD_SETS, *SMALL, *extra]), mode)
     return launch(cfg, make_run_dir(cfg, str(tmp_path / name)))
 
 

@@ -52,7 +52,6 @@ from digenrl.transport.sockets import (
     is_loopback,
 )
 
-torch.set_num_threads(1)
 WAIT = 10.0  # bound on every wait; a healthy loopback answers in milliseconds
 OPTS = SocketOptions(max_frame_bytes=8 << 20, hwm=16)
 
