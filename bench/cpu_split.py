@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from digenrl import roles_alone
+from digenrl.actors import roles_alone
 from digenrl.config import load_config
 
 TICK = os.sysconf("SC_CLK_TCK")

@@ -30,9 +30,9 @@ def _local_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 def _measure(shard: bool, passes: int) -> dict[str, float]:
-    from digenrl.colocated import build_policy
     from digenrl.config import load_config
-    from digenrl.learner import Learner
+    from digenrl.rl.learner import Learner
+    from digenrl.rl.policy import build_policy
 
     cfg = load_config(None, [f"model.fsdp={str(shard).lower()}"])
     policy = build_policy(cfg, world_size=dist.get_world_size())

@@ -74,7 +74,7 @@ def _trainer_until(cfg_overrides: list[str], config: str | None, rec: Path, star
                    stop: Any, out: Any) -> None:
     """Train on the recording over and over until ``stop`` is set (the side-by-side load);
     ``started`` once the first pass over it is done (imports and warm-up behind it)."""
-    from digenrl import roles_alone
+    from digenrl.actors import roles_alone
     cfg = load_config(config, [*cfg_overrides, "run.threads=1"])
     times: list[float] = []
     while not stop.is_set():
@@ -88,7 +88,7 @@ def run_alone(cfg_overrides: list[str], config: str | None, steps: int, tmp: Pat
     step there is the floor under the same sharing of the 2 cores that digenrl runs with."""
     import multiprocessing as mp
 
-    from digenrl import roles_alone
+    from digenrl.actors import roles_alone
     cfg = load_config(config, [*cfg_overrides, "run.threads=1"])
     rec = tmp / "recording.pt"
     r = roles_alone.rollout_only(cfg, steps, record=rec)

@@ -6,7 +6,7 @@ Both loops run in this process, alternating (A B A B ...), on the default config
 torch thread; each prints samples/s, and the ratio colocated / plain is the figure of merit
 (target >= 0.95). The plain loop is written out here on purpose: model forward, SDE step,
 reward, advantages, clipped loss, backward, AdamW, nothing else. It does the same work as
-the framework: the same prompts and per-trajectory seeds (sched_plan), the same trained
+the framework: the same prompts and per-trajectory seeds (core.plan), the same trained
 window and ODE/SDE steps (learner.plan_for_step), the same loss normalisation.
 """
 
@@ -21,15 +21,14 @@ from pathlib import Path
 
 import torch
 
-from digenrl.colocated import run_colocated
+from digenrl.actors.colocated import run_colocated
 from digenrl.config import load_config, resolve_mode
-from digenrl.learner import plan_for_step
+from digenrl.core.plan import plan_for_step, step_prompts, trajectory_seed
+from digenrl.data.prompts import load_prompts
 from digenrl.models import build_model
 from digenrl.models.base import cond_repeat
-from digenrl.prompts import load_prompts
 from digenrl.rl.rewards import build_reward
 from digenrl.rl.sde import sde_step, sigma_schedule
-from digenrl.sched_plan import step_prompts, trajectory_seed
 
 
 def plain_loop(cfg, steps: int) -> float:

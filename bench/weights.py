@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from digenrl.colocated import build_policy
 from digenrl.config import load_config
+from digenrl.rl.policy import build_policy
 from digenrl.transport.frames import tensor_checksum
-from digenrl.weights import WeightAssembly, publish_parts, split_parts
+from digenrl.transport.weights import WeightAssembly, publish_parts, split_parts
 
 
 def blake2b_checksum(tensors: dict[str, torch.Tensor]) -> str:

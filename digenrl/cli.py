@@ -58,6 +58,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("dir")
     g.add_argument("--names", default="server,client", help="comma-separated key names")
 
+    sub.add_parser("node", help="run one role by hand: the same as digenrl-node (see digenrl-node --help)")
     p = sub.add_parser("config", help="print the resolved config as TOML")
     _add_config_args(p)
     p.add_argument("--mode", choices=MODES, default=None)
@@ -65,6 +66,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["node"]:  # `digenrl node ARGS` is `digenrl-node ARGS` (how launch starts children)
+        return node_main(argv[1:])
     args = _build_parser().parse_args(argv)
     try:
         if args.command == "launch":

@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,12 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from digenrl.config import Config, ConfigError, load_config, resolve_mode, to_toml
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+from digenrl.fileio import write_json_atomic
+from digenrl.transport.sockets import free_port
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -56,12 +51,6 @@ def make_run_dir(cfg: Config, run_dir: str | None) -> Path:
     return path
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-    os.replace(tmp, path)
-
-
 def _child_env(cfg: Config) -> dict[str, str]:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(cfg.run.threads)
@@ -72,7 +61,7 @@ def _child_env(cfg: Config) -> dict[str, str]:
 
 def run_colocated_ranks(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
     """One process per rank (world > 1) or this process (world 1)."""
-    from digenrl.colocated import run_colocated
+    from digenrl.actors.colocated import run_colocated
     from digenrl.telemetry.progress import Progress
 
     world = cfg.cluster.trainers
@@ -83,7 +72,7 @@ def run_colocated_ranks(cfg: Config, run_dir: Path, resume: bool = False) -> dic
     for rank in range(world):
         log = open(run_dir / "logs" / f"colocated-{rank}.stderr", "wb")  # noqa: SIM115 - child owns it
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "digenrl.colocated", str(run_dir), str(rank), str(world), init,
+            [sys.executable, "-m", "digenrl.actors.colocated", str(run_dir), str(rank), str(world), init,
              *(["resume"] if resume else [])],
             env=_child_env(cfg), stdout=log if rank else None, stderr=log))
     codes = [p.wait() for p in procs]
@@ -103,10 +92,10 @@ def check_runtime_support(cfg: Config) -> None:
 def launch(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to the end; returns (and writes) summary.json.
 
-    ``resume`` continues from ``run_dir``'s checkpoint (:mod:`digenrl.checkpoint`); without
+    ``resume`` continues from ``run_dir``'s checkpoint (:mod:`digenrl.rl.checkpoint`); without
     it a run dir that already holds a checkpoint is refused, so that no trainer loads it.
     """
-    from digenrl.checkpoint import CheckpointError, checkpoint_root, latest_checkpoint
+    from digenrl.rl.checkpoint import CheckpointError, checkpoint_root, latest_checkpoint
     from digenrl.telemetry.trace import merge_traces
 
     check_runtime_support(cfg)
@@ -149,7 +138,7 @@ def launch_from_args(args: argparse.Namespace) -> int:
         run_dir = make_run_dir(cfg, args.run_dir)
     configure_logging(log_file=run_dir / "logs" / "launcher.log")
     if args.rollout_only or args.trainer_only:
-        from digenrl import roles_alone
+        from digenrl.actors import roles_alone
         if args.trainer_only:
             res = roles_alone.trainer_only(cfg, Path(args.trainer_only))
         else:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.checkpoint import latest_checkpoint
-from digenrl.launch import free_port
+from digenrl.rl.checkpoint import latest_checkpoint
+from digenrl.transport.sockets import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ heartbeat_misses = 10
 
 def _node(args: list[str], run_dir: Path, name: str) -> subprocess.Popen:
     log = open(run_dir / f"{name}.out", "ab")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen([sys.executable, "-m", "digenrl.actors.node", *args],
+    return subprocess.Popen([sys.executable, "-m", "digenrl.cli", "node", *args],
                             stdout=log, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 

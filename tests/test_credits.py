@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from digenrl.credits import CreditError, CreditLedger
+from digenrl.core.credits import CreditError, CreditLedger
 
 
 def ledger(**kw: int) -> CreditLedger:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from digenrl.config import load_config, resolve_mode
-from digenrl.learner import Learner
+from digenrl.rl.learner import Learner
 from digenrl.rl.sharding import pass_count, step_passes
 
 SMALL = ["run.steps=2", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
@@ -39,7 +39,7 @@ def one_rank_group(tmp_path: Path):
 
 
 def test_a_sharded_policy_pads_with_passes_that_move_no_gradient(one_rank_group: None) -> None:
-    from digenrl.colocated import build_policy
+    from digenrl.rl.policy import build_policy
 
     cfg = load_config(None, ["model.path=\"random\"", "model.fsdp=true", "train.group_size=2"])
     policy = build_policy(cfg, world_size=2)  # as a rank of 2 would; the group here has one

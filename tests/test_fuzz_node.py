@@ -24,11 +24,11 @@ import torch
 import zmq
 import zmq.asyncio
 
-from digenrl.actors import sockets as zs
 from digenrl.actors.coordinator import CoordinatorActor
 from digenrl.config import Config
-from digenrl.protocol import Chunk, Commit, Heartbeat, Hello, Welcome, decode, encode
+from digenrl.transport import factory as zs
 from digenrl.transport.errors import ProtocolError
+from digenrl.transport.protocol import Chunk, Commit, Heartbeat, Hello, Welcome, decode, encode
 from tests.test_security import config, hello, start_coordinator, wait_until
 
 STORM = 20_000
@@ -127,7 +127,7 @@ def spawn_trainer(endpoint: str, run_dir: Path, notify: Path) -> subprocess.Pope
     env.pop("WATCHDOG_PID", None)
     log = open(run_dir / "trainer.stderr", "wb")  # noqa: SIM115 - the child owns it
     return subprocess.Popen(
-        [sys.executable, "-m", "digenrl.actors.node", "--role", "trainer", "--coordinator", endpoint,
+        [sys.executable, "-m", "digenrl.cli", "node", "--role", "trainer", "--coordinator", endpoint,
          "--node-id", "trainer-0", "--run-dir", str(run_dir)], stdout=log, stderr=log, env=env)
 
 

@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
+from digenrl.core.plan import select_timesteps
 from digenrl.rl.grpo import (
     clipped_surrogate,
     group_advantages,
     kl_penalty,
     loss_weight,
-    select_timesteps,
 )
 
 

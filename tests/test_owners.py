@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from digenrl.sched_plan import owners_for
+from digenrl.core.plan import owners_for
 
 
 def test_tsp_spreads_timesteps_over_ranks_contiguously() -> None:

@@ -16,10 +16,10 @@ import zmq.asyncio
 
 from digenrl.actors.peers import NodePeers
 from digenrl.config import load_config
-from digenrl.protocol import VersionAnnounce, WeightsApplied, WeightsPart, WeightsRequest
 from digenrl.telemetry.trace import SpanRecorder
+from digenrl.transport.protocol import VersionAnnounce, WeightsApplied, WeightsPart, WeightsRequest
 from digenrl.transport.sockets import Dealer, Router, SocketOptions
-from digenrl.weights import publish_parts
+from digenrl.transport.weights import publish_parts
 
 OPTS = SocketOptions(max_frame_bytes=8 << 20, hwm=16)
 WAIT = 10.0

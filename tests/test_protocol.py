@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from digenrl import protocol
-from digenrl.protocol import (
+from digenrl.transport import protocol
+from digenrl.transport.protocol import (
     DTYPES,
     INT_MAX,
     INT_MIN,

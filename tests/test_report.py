@@ -17,8 +17,8 @@ from digenrl.telemetry.metrics import (
     documented_keys,
     is_documented,
     read_metrics,
-    start_prometheus,
 )
+from digenrl.telemetry.prometheus import start_prometheus
 from digenrl.telemetry.report import PNG_SIZES, make_report
 from digenrl.telemetry.trace import SpanRecorder, busy_by_node, merge_traces
 

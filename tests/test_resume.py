@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from digenrl.checkpoint import (
+from digenrl.rl.checkpoint import (
     CheckpointError,
     checkpoint_root,
     commit_checkpoint,
@@ -112,8 +112,8 @@ def test_fresh_launch_refuses_a_run_dir_that_holds_a_checkpoint(tmp_path: Path) 
 
 
 def _tiny_policy(seed: int = 0) -> Any:
-    from digenrl.colocated import build_policy
     from digenrl.config import load_config
+    from digenrl.rl.policy import build_policy
     torch.manual_seed(seed)
     cfg = load_config(None, ["model.path=\"random\"", f"run.seed={seed}"])
     return build_policy(cfg)

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from digenrl.config import load_config
-from digenrl.sched_bts import StepForecast, helper_shortens_step, predict_step_finish
-from digenrl.scheduler import (
+from digenrl.core.bts import StepForecast, helper_shortens_step, predict_step_finish
+from digenrl.core.scheduler import (
     AssignCmd,
     RevokeCmd,
     Scheduler,
@@ -297,7 +297,7 @@ def test_bts_predictor_counts_owner_groups_training_fragments_in_parallel():
 
 
 def test_train_groups_follow_the_owner_plan():
-    from digenrl.sched_plan import train_groups
+    from digenrl.core.plan import train_groups
     assert train_groups([0, 1], 8, True, 4) == 4     # 8 ranks, 4 fragments: 4 groups of 2
     assert train_groups([0, 1, 2, 3], 2, True, 1) == 1
     assert train_groups([0, 1], 3, False, 4) == 3    # TSP off: fragment f on rank f % 3
@@ -558,7 +558,7 @@ def test_random_seeds_give_distinct_trajectory_seeds_across_a_run():
 def test_credits_and_scheduler_import_neither_torch_nor_asyncio_nor_zmq():
     import subprocess
     import sys
-    code = ("import sys, digenrl.scheduler, digenrl.credits; "
+    code = ("import sys, digenrl.core.scheduler, digenrl.core.credits; "
             "print(sorted(m for m in ('torch', 'asyncio', 'zmq') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

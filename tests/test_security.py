@@ -11,16 +11,14 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from digenrl.actors import sockets as zs
 from digenrl.actors.cluster import make_scheduler
 from digenrl.actors.coordinator import CoordinatorActor
-from digenrl.actors.security import PlaintextRefused, node_security
 from digenrl.config import Config, load_config
-from digenrl.prompts import load_prompts
-from digenrl.protocol import Hello, Welcome
+from digenrl.data.prompts import load_prompts
 from digenrl.telemetry.logging import get_logger
 from digenrl.telemetry.metrics import MetricsWriter
 from digenrl.telemetry.trace import SpanRecorder
+from digenrl.transport import factory as zs
 from digenrl.transport.curve import (
     CurveClient,
     CurveKeyError,
@@ -28,6 +26,8 @@ from digenrl.transport.curve import (
     load_keypair,
     load_public_key,
 )
+from digenrl.transport.protocol import Hello, Welcome
+from digenrl.transport.security import PlaintextRefused, node_security
 from digenrl.transport.sockets import Dealer
 
 SMALL = ["run.steps=2", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",

@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from digenrl.data.prompts import PromptError, builtin_prompts, load_prompts
 from digenrl.data.shapes import (
     COLOURS,
     SHAPES,
@@ -16,7 +17,6 @@ from digenrl.data.shapes import (
     parse_prompt,
     render,
 )
-from digenrl.prompts import PromptError, builtin_prompts, load_prompts
 
 
 def test_same_seed_gives_same_images_and_prompts():

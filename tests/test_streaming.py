@@ -15,12 +15,12 @@ import structlog
 
 from digenrl.actors.base import Actor
 from digenrl.actors.peers import NodePeers
-from digenrl.colocated import build_policy
 from digenrl.config import load_config
-from digenrl.learner import plan_for_step
-from digenrl.protocol import Assign, Chunk, Commit
+from digenrl.core.plan import plan_for_step
+from digenrl.rl.policy import build_policy
 from digenrl.rl.rewards import build_reward
 from digenrl.telemetry.trace import SpanRecorder
+from digenrl.transport.protocol import Assign, Chunk, Commit
 
 SMALL = ["model.path=\"random\"", "train.prompts_per_step=1", "train.group_size=2",
          "sampler.num_steps=6"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from digenrl.config import load_config, resolve_mode, to_toml
-from digenrl.launch import free_port
+from digenrl.transport.sockets import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,17 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from digenrl.protocol import (
+from digenrl.transport.curve import (
+    Authenticator,
+    CurveClient,
+    CurveKeyError,
+    CurveServer,
+    generate_keys,
+    load_keypair,
+    load_public_key,
+)
+from digenrl.transport.errors import Closed, EndpointError, PeerLost
+from digenrl.transport.protocol import (
     PROTOCOL_VERSION,
     Chunk,
     Commit,
@@ -29,16 +39,6 @@ from digenrl.protocol import (
     encode,
     messages_equal,
 )
-from digenrl.transport.curve import (
-    Authenticator,
-    CurveClient,
-    CurveKeyError,
-    CurveServer,
-    generate_keys,
-    load_keypair,
-    load_public_key,
-)
-from digenrl.transport.errors import Closed, EndpointError, PeerLost
 from digenrl.transport.sockets import (
     Dealer,
     Endpoint,

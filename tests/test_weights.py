@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from digenrl.weights import WeightAssembly, publish_parts
+from digenrl.transport.weights import WeightAssembly, publish_parts
 
 
 def _sd(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -150,3 +150,12 @@ def default_node_id(role: str) -> str:
 def incarnation() -> int:
     """A per-process number that grows across restarts (fencing of zombie messages)."""
     return time.time_ns() // 1000
+
+
+def loop_factory() -> Any:
+    """The event loop every process runs: uvloop where it is installed (made once, at the entry)."""
+    try:
+        import uvloop
+        return uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+        return asyncio.new_event_loop

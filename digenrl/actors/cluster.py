@@ -21,22 +21,23 @@ from typing import Any
 
 import zmq.asyncio
 
-from digenrl.actors import sockets as zs
 from digenrl.actors.coordinator import CoordinatorActor
-from digenrl.checkpoint import CheckpointError, dedupe_metrics, latest_checkpoint, trim_metrics
 from digenrl.config import Config
-from digenrl.launch import free_port, write_json_atomic
-from digenrl.prompts import load_prompts
-from digenrl.scheduler import Scheduler, SchedulerParams
+from digenrl.core.scheduler import Scheduler, SchedulerParams
+from digenrl.data.prompts import load_prompts
+from digenrl.fileio import write_json_atomic
+from digenrl.rl.checkpoint import CheckpointError, dedupe_metrics, latest_checkpoint, trim_metrics
 from digenrl.telemetry.logging import get_logger
 from digenrl.telemetry.metrics import MetricsWriter
 from digenrl.telemetry.progress import Progress
 from digenrl.telemetry.trace import SpanRecorder, busy_share
+from digenrl.transport import factory as zs
+from digenrl.transport.sockets import free_port
 
 
 def bytes_per_trajectory(cfg: Config, latent_numel: int) -> int:
     """Latent bytes one trajectory puts in flight: (x_t, x_next) per trained step, wire dtype."""
-    from digenrl.learner import plan_for_step
+    from digenrl.core.plan import plan_for_step
     elem = 2 if cfg.sampler.wire_dtype == "bfloat16" else 4
     return 2 * latent_numel * elem * max(1, len(plan_for_step(cfg, 0)[0]))
 
@@ -44,7 +45,7 @@ def bytes_per_trajectory(cfg: Config, latent_numel: int) -> int:
 def make_scheduler(cfg: Config, prompt_count: int) -> Scheduler:
     from math import prod
 
-    from digenrl.learner import plan_for_step
+    from digenrl.core.plan import plan_for_step
     from digenrl.models import build_model
     # TODO(scale): read the latent shape from the model's config.json instead of building it;
     # fine for the tiny CPU models, wasteful for a 12B checkpoint on the coordinator host.
@@ -72,7 +73,7 @@ class Children:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.run.threads), PYTHONUNBUFFERED="1")
         err = open(self.run_dir / "logs" / f"{node_id}.stderr", "ab")  # noqa: SIM115 - child owns it
         self.procs[node_id] = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "digenrl.actors.node", "--role", role, "--coordinator", self.coordinator,
+            sys.executable, "-m", "digenrl.cli", "node", "--role", role, "--coordinator", self.coordinator,
             "--node-id", node_id, "--run-dir", str(self.run_dir), "--gpu", self.cfg.cluster.gpu,
             stdout=err, stderr=err, env=env)
         err.close()
@@ -152,7 +153,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     sched = make_scheduler(cfg, len(prompts))
 
     def new_scheduler() -> Scheduler:  # same params (no model build), for a rewind
-        from digenrl.learner import plan_for_step
+        from digenrl.core.plan import plan_for_step
         return Scheduler(sched.params, plan_timesteps=lambda step: plan_for_step(cfg, step))
 
     metrics = MetricsWriter(run_dir)
@@ -221,6 +222,6 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
 
 def run_local_cluster(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:
     """The coordinator here, the nodes as supervised children; ``resume``: from run_dir's checkpoint."""
-    from digenrl.actors.node import loop_factory
+    from digenrl.actors.base import loop_factory
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(serve_coordinator(cfg, run_dir, bind=None, spawn=True, resume=resume))

@@ -25,7 +25,7 @@ Failures (every one logged and counted in ``recovery``, reported in summary.json
   far (late messages of dead processes are then fenced as zombies), and the trainers load
   the same checkpoint and re-announce its version, which is checked.
 * the version announcement of a checkpointed version completes the checkpoint
-  (:mod:`digenrl.checkpoint`): the scheduler snapshot is taken right there, at the cut.
+  (:mod:`digenrl.rl.checkpoint`): the scheduler snapshot is taken right there, at the cut.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from digenrl.actors.base import Actor
-from digenrl.checkpoint import (
+from digenrl.config import Config, to_toml
+from digenrl.core.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerError, ShutdownCmd
+from digenrl.rl.checkpoint import (
     Checkpoint,
     CheckpointError,
     checkpoint_due,
@@ -48,9 +50,10 @@ from digenrl.checkpoint import (
     latest_checkpoint,
     trainer_part_ready,
 )
-from digenrl.config import Config, to_toml
-from digenrl.learner import step_metrics
-from digenrl.protocol import (
+from digenrl.telemetry.metrics import StepMetrics
+from digenrl.telemetry.trace import busy_share
+from digenrl.transport.errors import PeerLost
+from digenrl.transport.protocol import (
     Assign,
     Commit,
     Consumed,
@@ -63,9 +66,6 @@ from digenrl.protocol import (
     VersionAnnounce,
     Welcome,
 )
-from digenrl.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerError, ShutdownCmd
-from digenrl.telemetry.trace import busy_share
-from digenrl.transport.errors import PeerLost
 
 
 class CoordinatorActor(Actor):
@@ -182,7 +182,9 @@ class CoordinatorActor(Actor):
         self.waiting_rollouts.clear()
         self.latest_announce = None
         host = self.cfg.cluster.host
-        from digenrl.launch import free_port  # a fresh rendezvous: the old store died with rank 0
+        from digenrl.transport.sockets import (
+            free_port,  # a fresh rendezvous: the old store died with rank 0
+        )
         self.dist_endpoint = f"tcp://{host}:{free_port(host)}"
         self.restart_requested.set()
 
@@ -402,6 +404,6 @@ class CoordinatorActor(Actor):
             if wall > w0:
                 row[f"busy/{node}"] = busy_share(busy - b0, wall - w0)
             self.busy_last[node] = (busy, wall)
-        self.metrics.write(step_metrics(row))
+        self.metrics.write(StepMetrics.from_record(row))
         if self.progress is not None:
             self.progress.update(row)

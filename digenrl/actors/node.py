@@ -28,22 +28,14 @@ from typing import Any, NoReturn
 import torch
 import zmq.asyncio
 
-from digenrl.actors import sockets as zs
-from digenrl.actors.base import STOP_GRACE_S, default_node_id, incarnation
-from digenrl.actors.security import node_security, process_counters
+from digenrl.actors.base import STOP_GRACE_S, default_node_id, incarnation, loop_factory
 from digenrl.config import Config, config_from_dict, load_config
-from digenrl.protocol import Hello, Shutdown, Welcome
 from digenrl.telemetry import sdnotify
 from digenrl.telemetry.logging import configure_logging, get_logger
 from digenrl.telemetry.trace import SpanRecorder
-
-
-def loop_factory() -> Any:
-    try:
-        import uvloop
-        return uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
-        return asyncio.new_event_loop
+from digenrl.transport import factory as zs
+from digenrl.transport.protocol import Hello, Shutdown, Welcome
+from digenrl.transport.security import node_security, process_counters
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -79,7 +71,8 @@ def _start_prometheus(port: int | None) -> Any:
     """Serve the node's counters on ``port``; returns a server with ``shutdown()`` or None."""
     if port is None:
         return None
-    from digenrl.telemetry.metrics import MissingExtraError, start_prometheus
+    from digenrl.telemetry.metrics import MissingExtraError
+    from digenrl.telemetry.prometheus import start_prometheus
     try:
         started = start_prometheus(port, lambda: {**process_counters(), **_NODE_STATS})
     except MissingExtraError as e:
@@ -226,7 +219,7 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
             import torch.distributed as dist
 
             from digenrl.actors.trainer import TrainerActor
-            from digenrl.colocated import build_policy
+            from digenrl.rl.policy import build_policy
             peers = NodePeers(node_id=node_id, incarnation=inc, cfg=cfg, control=control,
                               pushes=pushes, data=data, weights=weights)
             if msg.world_size > 1:  # before the policy: FSDP shards over this group
@@ -290,8 +283,3 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
             s.close()
         ctx.term()
 
-
-if __name__ == "__main__":
-    from digenrl.cli import node_main
-
-    sys.exit(node_main())

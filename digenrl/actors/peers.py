@@ -18,9 +18,11 @@ from typing import Any
 
 import torch
 
-from digenrl.actors.generate import FragmentJob
 from digenrl.config import Config
-from digenrl.protocol import (
+from digenrl.rl.fragment import FragmentJob
+from digenrl.rl.sampler import WIRE_DTYPES
+from digenrl.telemetry.nvml import GpuProbe
+from digenrl.transport.protocol import (
     Assign,
     Chunk,
     Commit,
@@ -30,9 +32,7 @@ from digenrl.protocol import (
     WeightsPart,
     WeightsRequest,
 )
-from digenrl.rl.sampler import WIRE_DTYPES
-from digenrl.telemetry.nvml import GpuProbe
-from digenrl.weights import WeightAssembly
+from digenrl.transport.weights import WeightAssembly
 
 _EMPTY_IMAGES = torch.zeros(0, dtype=torch.uint8)
 

@@ -24,7 +24,7 @@ from typing import Any
 from digenrl.actors.base import Actor
 from digenrl.actors.peers import NodePeers
 from digenrl.config import Config
-from digenrl.protocol import Assign, Revoke, Shutdown, VersionAnnounce
+from digenrl.transport.protocol import Assign, Revoke, Shutdown, VersionAnnounce
 
 
 class RolloutActor(Actor):

@@ -11,7 +11,7 @@
 | ``in_thread(all_reduce)``   | every rank finishing the step            | the slowest rank              |
 | control ``recv()``          | Welcome, Assign (TAG), Revoke, Shutdown  | the coordinator               |
 
-Checkpoints (:mod:`digenrl.checkpoint`): every rank loads the newest checkpoint of its run
+Checkpoints (:mod:`digenrl.rl.checkpoint`): every rank loads the newest checkpoint of its run
 dir before anything else (a fresh run dir has none; the launcher refuses to start a fresh
 run over one), and rank 0 announces the restored version, so rollouts re-sync through the
 normal VersionAnnounce/WeightsRequest path. Rank 0 writes its part of a due checkpoint at
@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 
 from digenrl.actors.base import Actor
-from digenrl.actors.generate import FragmentJob
 from digenrl.actors.peers import NodePeers
-from digenrl.checkpoint import (
+from digenrl.config import Config
+from digenrl.core.plan import owners_for, plan_for_step
+from digenrl.rl.checkpoint import (
     checkpoint_due,
     crash_point,
     hang_point,
@@ -45,10 +46,13 @@ from digenrl.checkpoint import (
     load_trainer_state,
     save_trainer_state,
 )
-from digenrl.config import Config
-from digenrl.images import save_grid
-from digenrl.learner import Learner, plan_for_step, save_final
-from digenrl.protocol import (
+from digenrl.rl.fragment import FragmentJob
+from digenrl.rl.learner import Learner, save_final
+from digenrl.rl.policy import Policy
+from digenrl.rl.sde import sigma_schedule
+from digenrl.rl.sharding import pass_count, step_passes
+from digenrl.telemetry.images import save_grid
+from digenrl.transport.protocol import (
     Assign,
     Chunk,
     Commit,
@@ -61,11 +65,7 @@ from digenrl.protocol import (
     WeightsPart,
     WeightsRequest,
 )
-from digenrl.rl.policy import Policy
-from digenrl.rl.sde import sigma_schedule
-from digenrl.rl.sharding import pass_count, step_passes
-from digenrl.sched_plan import owners_for
-from digenrl.weights import publish_parts
+from digenrl.transport.weights import publish_parts
 
 
 class TrainerActor(Actor):

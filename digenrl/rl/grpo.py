@@ -1,4 +1,6 @@
-"""GRPO pieces of Flow-GRPO: group advantages, timestep plans, the clipped surrogate and KL.
+"""GRPO pieces of Flow-GRPO: group advantages, the clipped surrogate and KL.
+
+Which timesteps are trained (the step plan) lives in :mod:`digenrl.core.plan`.
 
 Loss normalisation (what makes GAP and TSP exact): the loss of one optimizer step is
 
@@ -12,9 +14,8 @@ full-batch gradient.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -36,13 +37,6 @@ class AdvStats:
     reward_std: float
     clipped: int = 0
 
-
-@dataclass
-class TimestepPlan:
-    """Which denoising steps of a training step are trained and which inject noise."""
-
-    trained: list[int]
-    sde: list[int] = field(default_factory=list)
 
 
 def group_advantages(
@@ -90,46 +84,6 @@ def group_advantages(
                      reward_mean=float(r.mean()), reward_std=float(global_std), clipped=clipped)
     return adv.float(), stats
 
-
-def select_timesteps(
-    mode: Literal["all", "fraction", "window"],
-    num_steps: int,
-    *,
-    fraction: float = 1.0,
-    window_size: int = 2,
-    window_lo: int = 0,
-    window_hi: int = 0,
-    rng: random.Random,
-) -> TimestepPlan:
-    """The steps to train and to sample with noise for one training step.
-
-    * ``all``: every step trained, every step SDE.
-    * ``fraction``: the first ``max(1, int(fraction * T))`` steps trained (Flow-GRPO's
-      ``timestep_fraction``), every step SDE.
-    * ``window`` (Flow-GRPO-Fast): start ``k`` drawn uniformly from ``[lo, hi - W]``
-      (``hi = 0`` means ``T // 2``); only ``[k, k + W)`` is SDE and trained, the rest ODE.
-
-    Rollouts and every trainer rank must agree on the plan, so seed ``rng`` from the run
-    seed and the step.
-    """
-    t_all = list(range(num_steps))
-    if mode == "all":
-        return TimestepPlan(trained=t_all, sde=list(t_all))
-    if mode == "fraction":
-        if not 0 < fraction <= 1:
-            raise ValueError(f"fraction = {fraction}: expected 0 < fraction <= 1")
-        return TimestepPlan(trained=t_all[:max(1, int(fraction * num_steps))], sde=list(t_all))
-    if mode == "window":
-        hi = window_hi or max(num_steps // 2, 1)
-        # the same acceptance rule as config._check_consistency (a 1-step window may sit at lo)
-        if window_size < 1 or window_lo + window_size > min(max(hi, window_lo + 1), num_steps):
-            raise ValueError(f"window_size = {window_size}: the window [{window_lo}, "
-                             f"{window_lo}+{window_size}) must fit in hi = {hi} and {num_steps} steps")
-        last_start = max(hi - window_size, window_lo)
-        k = rng.randint(window_lo, last_start)
-        window = list(range(k, k + window_size))
-        return TimestepPlan(trained=window, sde=list(window))
-    raise ValueError(f"timestep mode {mode!r}: expected 'all', 'fraction' or 'window'")
 
 
 def clipped_surrogate(

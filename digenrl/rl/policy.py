@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from digenrl.config import SamplerConfig, TrainConfig
+from digenrl.config import Config, SamplerConfig, TrainConfig
 from digenrl.models.base import Cond, FlowModel, cond_select
 from digenrl.rl.grpo import clipped_surrogate, kl_penalty, loss_weight
 from digenrl.rl.sampler import guided_velocity
@@ -282,3 +282,11 @@ class Policy:
         )
         set_optimizer_state_dict(self.model.transformer, self.optimizer, state,
                                  options=StateDictOptions(full_state_dict=True))
+
+def build_policy(cfg: Config, world_size: int = 1) -> Policy:
+    """The trainer's policy; with ``model.fsdp`` and several ranks (process group initialised)
+    its transformer is sharded over them (FSDP2). One rank has nothing to shard."""
+    from digenrl.models import build_model
+
+    model = build_model(cfg.model, seed=cfg.run.seed)
+    return Policy(model, cfg.train, cfg.sampler, shard=cfg.model.fsdp and world_size > 1)

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from digenrl.sched_plan import owners_for
+from digenrl.core.plan import owners_for
 
 
 def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:

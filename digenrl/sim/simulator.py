@@ -1,6 +1,6 @@
 """Discrete-event simulator: rollout GPUs, trainer ranks and the network around the REAL scheduler.
 
-The coordinator logic is :class:`digenrl.scheduler.Scheduler` itself, fed events with a virtual
+The coordinator logic is :class:`digenrl.core.scheduler.Scheduler` itself, fed events with a virtual
 ``now``; its commands (assign, revoke, shutdown) drive simulated nodes whose work takes the
 seconds of :mod:`digenrl.sim.costmodel`. Nodes behave like ``actors/rollout.py`` and
 ``actors/trainer.py``::
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from digenrl.config import Config
-from digenrl.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerParams, ShutdownCmd
+from digenrl.core.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerParams, ShutdownCmd
 from digenrl.sim.costmodel import (
     GPUS,
     MODELS,

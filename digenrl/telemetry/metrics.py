@@ -17,7 +17,7 @@ import dataclasses
 import importlib.util
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 
 __all__ = ["DOCS_PATH", "MetricsWriter", "MissingExtraError", "StepMetrics", "documented_keys",
-           "is_documented", "read_metrics", "start_prometheus"]
+           "is_documented", "read_metrics"]
 
 DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 # Dict-valued fields -> the key prefix of their entries: busy={"trainer-0": .9} -> "busy/trainer-0".
@@ -213,13 +213,3 @@ def is_documented(key: str, documented: Iterable[str]) -> bool:
             return True
     return False
 
-
-# ----------------------------------------------------------------------------- prometheus
-
-
-def start_prometheus(port: int, registry_fn: Callable[[], Mapping[str, float]], *,
-                     addr: str = "127.0.0.1") -> Any:
-    """Serve the latest record for Prometheus; see :func:`digenrl.telemetry.prometheus.start_prometheus`."""
-    from digenrl.telemetry.prometheus import start_prometheus as _start
-
-    return _start(port, registry_fn, addr=addr)

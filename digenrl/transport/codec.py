@@ -12,7 +12,7 @@ slot of its own rather than ``"field/key"``, because parameter names contain ``/
 :func:`decode` treats its input as hostile: whatever the bytes, it raises only
 :class:`ProtocolError`; it checks frame counts, frame sizes and declared shapes before
 it builds anything, and gives msgpack explicit container limits. The message set itself
-lives in :mod:`digenrl.protocol`.
+lives in :mod:`digenrl.transport.protocol`.
 """
 
 from __future__ import annotations

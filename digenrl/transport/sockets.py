@@ -1,4 +1,4 @@
-"""Thin asyncio wrappers over zmq.asyncio sockets that speak :mod:`digenrl.protocol`.
+"""Thin asyncio wrappers over zmq.asyncio sockets that speak :mod:`digenrl.transport.protocol`.
 
 One class, :class:`Socket`, with a subclass per ZeroMQ kind. Only the blocking
 operations are ``async`` (``send``, ``recv``, ``wait_subscribed``). The
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import socket as pysocket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -31,7 +32,6 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from digenrl.protocol import DEFAULT_MAX_FRAMES, Message, Shutdown, decode, encode
 from digenrl.transport.errors import (
     Closed,
     EndpointError,
@@ -39,6 +39,7 @@ from digenrl.transport.errors import (
     ProtocolError,
     VersionMismatch,
 )
+from digenrl.transport.protocol import DEFAULT_MAX_FRAMES, Message, Shutdown, decode, encode
 
 if TYPE_CHECKING:
     from digenrl.config import Config
@@ -391,3 +392,10 @@ class Sub(Socket):
 
     async def send(self, msg: Message, *, to: bytes | None = None) -> None:
         raise TypeError("a Sub socket cannot send")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (for rendezvous addresses)."""
+    with pysocket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -1,4 +1,4 @@
-"""Parameters and commands of :mod:`digenrl.scheduler` (plain data, torch-free)."""
+"""Parameters and commands of :mod:`digenrl.core.scheduler` (plain data, torch-free)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from digenrl.config import Config, resolve_mode
-from digenrl.sched_plan import DEFAULT_GPU_SPEEDS
+from digenrl.core.plan import DEFAULT_GPU_SPEEDS
 
 Role = Literal["rollout", "trainer"]
 

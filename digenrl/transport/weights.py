@@ -12,7 +12,7 @@ import hashlib
 
 import torch
 
-from digenrl.protocol import tensor_checksum
+from digenrl.transport.protocol import tensor_checksum
 
 PART_BYTES = 4 << 20
 

@@ -2,7 +2,7 @@
 
 The ledger is the single authority on *which* fragment may be generated next and on what
 happened to every admitted trajectory. It knows nothing about nodes, sockets or clocks
-beyond the ``now`` values it is handed; :mod:`digenrl.scheduler` decides *who* generates.
+beyond the ``now`` values it is handed; :mod:`digenrl.core.scheduler` decides *who* generates.
 
 Vocabulary (DESIGN.md, "Credits and staleness")::
 

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from digenrl.fileio import write_atomic, write_json_atomic, write_text_atomic
+
 FORMAT = 1
 TRAINER_FILES = ("policy.safetensors", "optimizer.pt", "trainer.json")
 ALL_FILES = (*TRAINER_FILES, "scheduler.json")
@@ -84,23 +86,6 @@ def _describe(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
 
 
-def _replace_synced(tmp: Path, path: Path) -> None:
-    with tmp.open("rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _tmp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to a temporary name, fsync, rename: readers see the old or the new file."""
-    tmp = _tmp(path)
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    _replace_synced(tmp, path)
-
-
 # ---------------------------------------------------------------------------- trainer side
 
 def save_trainer_state(run_dir: Path, policy: Any, counters: dict[str, Any], *,
@@ -118,12 +103,9 @@ def save_trainer_state(run_dir: Path, policy: Any, counters: dict[str, Any], *,
     if not write:
         return d
     d.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp(d / "policy.safetensors")
-    save_file(sd, str(tmp), metadata={"version": str(policy.version)})
-    _replace_synced(tmp, d / "policy.safetensors")
-    tmp = _tmp(d / "optimizer.pt")
-    torch.save(optimizer_state, tmp)
-    _replace_synced(tmp, d / "optimizer.pt")
+    write_atomic(d / "policy.safetensors",
+                 lambda tmp: save_file(sd, str(tmp), metadata={"version": str(policy.version)}))
+    write_atomic(d / "optimizer.pt", lambda tmp: torch.save(optimizer_state, tmp))
     py_state = random.getstate()
     write_json_atomic(d / "trainer.json", {
         "format": FORMAT, "version": policy.version, "counters": counters,
@@ -221,9 +203,7 @@ def trim_metrics(run_dir: Path, below_step: int) -> None:
         return
     keep = [line for line in path.read_text().splitlines()
             if line.strip() and json.loads(line).get("step", -1) < below_step]
-    tmp = _tmp(path)
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
 def dedupe_metrics(run_dir: Path) -> None:
@@ -235,9 +215,7 @@ def dedupe_metrics(run_dir: Path) -> None:
     for line in path.read_text().splitlines():
         if line.strip():
             rows[int(json.loads(line).get("step", -1))] = line
-    tmp = _tmp(path)
-    tmp.write_text("".join(rows[s] + "\n" for s in sorted(rows)))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(rows[s] + "\n" for s in sorted(rows)))
 
 
 # ---------------------------------------------------------------------------- fault injection

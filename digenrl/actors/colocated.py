@@ -5,7 +5,7 @@ trained policy (one process, no sockets). With ``world_size > 1`` each rank gene
 share of the step's groups and trains them; gradients are all-reduced (gloo on CPU).
 
     for step in range(steps):
-        prompts, seeds = step content (sched_plan: the same for every mode)
+        prompts, seeds = step content (core.plan: the same for every mode)
         records, result = generate my groups            # sample + reward
         learner.train_fragment(records, result)         # advantages, loss, backward
         learner.finish_step(all_reduce)                 # optimizer step -> version step+1
@@ -19,30 +19,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from digenrl.actors.generate import FragmentJob
-from digenrl.checkpoint import colocated_checkpoint, colocated_resume, crash_point
 from digenrl.config import Config
-from digenrl.images import save_grid
-from digenrl.learner import Learner, plan_for_step, save_final, step_metrics
-from digenrl.models import build_model
-from digenrl.prompts import load_prompts
-from digenrl.rl.policy import Policy
+from digenrl.core.plan import plan_for_step, step_prompts, trajectory_seed
+from digenrl.data.prompts import load_prompts
+from digenrl.rl.checkpoint import colocated_checkpoint, colocated_resume, crash_point
+from digenrl.rl.fragment import FragmentJob
+from digenrl.rl.learner import Learner, save_final
+from digenrl.rl.policy import build_policy
 from digenrl.rl.rewards import build_reward
 from digenrl.rl.sde import sigma_schedule
-from digenrl.sched_plan import step_prompts, trajectory_seed
-from digenrl.telemetry.metrics import MetricsWriter
+from digenrl.telemetry.images import save_grid
+from digenrl.telemetry.metrics import MetricsWriter, StepMetrics
 from digenrl.telemetry.trace import BusyClock, SpanRecorder, busy_share
 
 
 def _all_reduce(t: torch.Tensor) -> None:
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
-
-def build_policy(cfg: Config, world_size: int = 1) -> Policy:
-    """The trainer's policy; with ``model.fsdp`` and several ranks (process group initialised)
-    its transformer is sharded over them (FSDP2). One rank has nothing to shard."""
-    model = build_model(cfg.model, seed=cfg.run.seed)
-    return Policy(model, cfg.train, cfg.sampler, shard=cfg.model.fsdp and world_size > 1)
 
 
 def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int = 1,
@@ -113,7 +106,7 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
                 "wall_time": time.perf_counter() - t_start,
                 f"busy/{node}": step_busy}
         if writer is not None:
-            writer.write(step_metrics(last))
+            writer.write(StepMetrics.from_record(last))
             if progress is not None:
                 progress.update(last)  # type: ignore[attr-defined]
         if time.perf_counter() - flushed >= cfg.runtime.trace_flush_s:  # memory stays flat

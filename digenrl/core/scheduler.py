@@ -11,7 +11,7 @@ virtual clock, the property tests random programs::
     tag_offer (waiting trainer) -------> TAG / BTS grant or drop
                     every event ends with: dispatch -> AssignCmd ..., maybe ShutdownCmd
 
-Admission is the ledger's (:mod:`digenrl.credits`); this module picks the node. A rollout
+Admission is the ledger's (:mod:`digenrl.core.credits`); this module picks the node. A rollout
 node holds up to ``max_outstanding`` uncommitted fragments (one running, one queued, so
 it never idles on a round trip). Among nodes with room, a fragment goes to the one with
 the earliest predicted completion ``now + (queued + fragment) * spt(node)``, where
@@ -40,9 +40,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from digenrl.credits import CreditLedger
-from digenrl.sched_bts import StepForecast, ewma, helper_shortens_step
-from digenrl.sched_plan import (
+from digenrl.core.bts import StepForecast, ewma, helper_shortens_step
+from digenrl.core.credits import CreditLedger
+from digenrl.core.plan import (
     PlanFn,
     all_timesteps,
     check_plan,
@@ -50,7 +50,7 @@ from digenrl.sched_plan import (
     owners_for,
     train_groups,
 )
-from digenrl.sched_types import (
+from digenrl.core.types import (
     AssignCmd,
     Command,
     RevokeCmd,

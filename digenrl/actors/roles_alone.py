@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from digenrl.actors.generate import FragmentJob
-from digenrl.colocated import build_policy
 from digenrl.config import Config
-from digenrl.learner import Learner, plan_for_step
-from digenrl.prompts import load_prompts
+from digenrl.core.plan import fragment_content, plan_for_step
+from digenrl.data.prompts import load_prompts
+from digenrl.rl.fragment import FragmentJob
+from digenrl.rl.learner import Learner
+from digenrl.rl.policy import build_policy
 from digenrl.rl.rewards import build_reward
 from digenrl.rl.sde import sigma_schedule
-from digenrl.sched_plan import fragment_content
 
 
 def _fragments(cfg: Config, step: int, prompt_count: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

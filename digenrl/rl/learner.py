@@ -10,12 +10,10 @@ TSP ranks' disjoint timestep sets, after an all-reduce) is the full-batch gradie
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -167,19 +165,6 @@ class Learner:
         return metrics
 
 
-def plan_for_step(cfg: Config, step: int) -> tuple[list[int], list[int]]:
-    """(trained steps, SDE steps) of ``step``; deterministic from the run seed."""
-    from digenrl.rl.grpo import select_timesteps
-    from digenrl.sched_plan import stable_int
-
-    t = cfg.train
-    plan = select_timesteps(t.timesteps, cfg.sampler.num_steps, fraction=t.timestep_fraction,
-                            window_size=t.window_size, window_lo=t.window_lo,
-                            window_hi=t.window_hi,
-                            rng=random.Random(stable_int("timesteps", cfg.run.seed, step)))
-    sde = list(plan.sde) if cfg.sampler.sde_type != "ode" else []
-    return list(plan.trained), sde
-
 
 def save_final(policy: Policy, run_dir: Path, *, write: bool = True) -> Path:
     """The trained weights (LoRA: adapter only) as run_dir/final/policy.safetensors, atomically.
@@ -197,11 +182,3 @@ def save_final(policy: Policy, run_dir: Path, *, write: bool = True) -> Path:
     save_file(sd, str(tmp), metadata={"version": str(policy.version)})
     tmp.replace(out / "policy.safetensors")
     return out / "policy.safetensors"
-
-
-def step_metrics(row: dict[str, Any]) -> Any:
-    """A metrics row (flat dict, ``busy/<node>``, ``reward/<term>`` keys) as the typed record
-    the writer takes; no key is dropped (see ``StepMetrics.from_record``)."""
-    from digenrl.telemetry.metrics import StepMetrics
-
-    return StepMetrics.from_record(row)

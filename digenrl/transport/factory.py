@@ -1,7 +1,7 @@
 """Open the project's sockets by kind name, with the run's limits and security (one place).
 
 Every socket opened here is registered with its context's
-:class:`~digenrl.actors.security.NodeSecurity`, which picks CurveZMQ or plain text from the
+:class:`~digenrl.transport.security.NodeSecurity`, which picks CurveZMQ or plain text from the
 node's ``transport`` config and the address (see that module's table), refuses plain text
 on a non-loopback address unless allowed, and counts bad frames over all of them. Passing
 ``security=`` explicitly overrides the decision (tests, tools).
@@ -14,8 +14,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from digenrl.actors.security import NodeSecurity, node_security
 from digenrl.config import Config
+from digenrl.transport.security import NodeSecurity, node_security
 from digenrl.transport.sockets import Dealer, Pub, Pull, Push, Router, Socket, SocketOptions, Sub
 
 
@@ -49,7 +49,7 @@ def bind(ctx: zmq.asyncio.Context, kind: str, endpoint: str, cfg: Config, *,
          name: str = "") -> Socket:
     """A bound socket; ``sock.endpoint`` is the resolved address (a ``*`` port filled in).
 
-    Raises :class:`~digenrl.actors.security.PlaintextRefused` or
+    Raises :class:`~digenrl.transport.security.PlaintextRefused` or
     :class:`~digenrl.transport.curve.CurveKeyError` (both ValueError) when the address needs
     CurveZMQ and it cannot be had.
     """

@@ -7,8 +7,10 @@ prompts with the same noise seeds, and a restarted coordinator hands out the sam
   sequence of permutations of ``range(prompt_count)``; epoch ``e``'s permutation comes
   from ``random.Random(h(seed, e))``. Every prompt is used once per epoch.
 * seeds: a stable 63-bit integer per trajectory from ``blake2b(seed, step, prompt slot, g)``.
-* timesteps: an injected ``plan_timesteps(step) -> (trained, sde)``; :func:`all_timesteps`
-  is the default (every step trained, every step SDE).
+* timesteps: :func:`plan_for_step` (the run's plan: which denoising steps are SDE and
+  trained, from ``train.timesteps`` and a seed per step). The scheduler takes it injected as
+  ``plan_timesteps(step) -> (trained, sde)``; :func:`all_timesteps` is its default. The
+  coordinator, every trainer rank, every rollout and the simulator use this one plan.
 * owners: the trainer rank of each trained timestep (TSP), a contiguous balanced split.
 """
 
@@ -17,8 +19,13 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
 from types import MappingProxyType
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from digenrl.config import Config
 
 PlanFn = Callable[[int], tuple[list[int], list[int]]]
 
@@ -123,3 +130,60 @@ def check_plan(step: int, trained: Sequence[int], sde: Sequence[int], num_steps:
         if list(seq) != sorted(set(seq)) or any(not 0 <= t < num_steps for t in seq):
             raise ValueError(f"plan_timesteps({step}) {name} = {list(seq)!r}: expected "
                              f"ascending distinct indices in [0, {num_steps})")
+
+@dataclass
+class TimestepPlan:
+    """Which denoising steps of a training step are trained and which inject noise."""
+
+    trained: list[int]
+    sde: list[int] = field(default_factory=list)
+
+def select_timesteps(
+    mode: Literal["all", "fraction", "window"],
+    num_steps: int,
+    *,
+    fraction: float = 1.0,
+    window_size: int = 2,
+    window_lo: int = 0,
+    window_hi: int = 0,
+    rng: random.Random,
+) -> TimestepPlan:
+    """The steps to train and to sample with noise for one training step.
+
+    * ``all``: every step trained, every step SDE.
+    * ``fraction``: the first ``max(1, int(fraction * T))`` steps trained (Flow-GRPO's
+      ``timestep_fraction``), every step SDE.
+    * ``window`` (Flow-GRPO-Fast): start ``k`` drawn uniformly from ``[lo, hi - W]``
+      (``hi = 0`` means ``T // 2``); only ``[k, k + W)`` is SDE and trained, the rest ODE.
+
+    Rollouts and every trainer rank must agree on the plan, so seed ``rng`` from the run
+    seed and the step.
+    """
+    t_all = list(range(num_steps))
+    if mode == "all":
+        return TimestepPlan(trained=t_all, sde=list(t_all))
+    if mode == "fraction":
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction = {fraction}: expected 0 < fraction <= 1")
+        return TimestepPlan(trained=t_all[:max(1, int(fraction * num_steps))], sde=list(t_all))
+    if mode == "window":
+        hi = window_hi or max(num_steps // 2, 1)
+        # the same acceptance rule as config._check_consistency (a 1-step window may sit at lo)
+        if window_size < 1 or window_lo + window_size > min(max(hi, window_lo + 1), num_steps):
+            raise ValueError(f"window_size = {window_size}: the window [{window_lo}, "
+                             f"{window_lo}+{window_size}) must fit in hi = {hi} and {num_steps} steps")
+        last_start = max(hi - window_size, window_lo)
+        k = rng.randint(window_lo, last_start)
+        window = list(range(k, k + window_size))
+        return TimestepPlan(trained=window, sde=list(window))
+    raise ValueError(f"timestep mode {mode!r}: expected 'all', 'fraction' or 'window'")
+
+def plan_for_step(cfg: Config, step: int) -> tuple[list[int], list[int]]:
+    """(trained steps, SDE steps) of ``step``; deterministic from the run seed."""
+    t = cfg.train
+    plan = select_timesteps(t.timesteps, cfg.sampler.num_steps, fraction=t.timestep_fraction,
+                            window_size=t.window_size, window_lo=t.window_lo,
+                            window_hi=t.window_hi,
+                            rng=random.Random(stable_int("timesteps", cfg.run.seed, step)))
+    sde = list(plan.sde) if cfg.sampler.sde_type != "ode" else []
+    return list(plan.trained), sde

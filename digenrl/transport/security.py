@@ -1,7 +1,7 @@
 """Node hardening: which sockets speak CurveZMQ, the ZAP allow-list, and the node's counters.
 
 One :class:`NodeSecurity` per ZeroMQ context (= per node process) decides, from the node's
-own ``transport`` config, what security each socket gets (``actors/sockets.py`` asks it on
+own ``transport`` config, what security each socket gets (``transport/factory.py`` asks it on
 every bind and connect, so callers need not know):
 
 | transport.curve | loopback address (127/8, ::1, ipc) | any other address (``*``, ``0.0.0.0``, 10.x)     |
@@ -232,7 +232,7 @@ def node_security(ctx: zmq.Context, transport: TransportConfig | None = None) ->
     sec = _BY_CONTEXT.get(ctx)
     if sec is None:
         if transport is None:
-            raise KeyError("this zmq context has opened no socket through digenrl.actors.sockets")
+            raise KeyError("this zmq context has opened no socket through digenrl.transport.factory")
         sec = _BY_CONTEXT[ctx] = NodeSecurity(ctx, transport)
     return sec
 

@@ -1,0 +1,144 @@
+"""The package's shape: layers, no import cycle, and a README that lists every module.
+
+Layers, lowest first (DESIGN.md, "Layout"); a module may import its own layer or a lower one,
+never a higher one, and the import graph (every ``import``, also those inside functions) has
+no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "digenrl"
+
+LAYERS: dict[str, int] = {
+    "digenrl": 0, "config": 0, "fileio": 0, "faults": 0, "data": 0,
+    "core": 1, "transport": 1, "models": 1, "telemetry": 1,
+    "rl": 2,
+    "actors": 3, "sim": 3,
+    "launch": 4,
+    "cli": 5,
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """The digenrl modules ``name`` imports (resolved to a module, not a symbol)."""
+    found: set[str] = set()
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from pkg import submodule` depends on the submodule (the parent package's
+            # __init__ runs first for any submodule import; that is not a design dependency)
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t.startswith("digenrl") and t != name and t != "digenrl":
+                found.add(t)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, name, modules) for name, path in modules.items()}
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    key = parts[1] if len(parts) > 1 else parts[0]
+    assert key in LAYERS, f"{module}: not in a documented layer (tests/test_layout.py LAYERS, DESIGN.md)"
+    return LAYERS[key]
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{a} (layer {_layer(a)}) imports {b} (layer {_layer(b)})"
+            for a, deps in sorted(graph.items()) for b in sorted(deps) if _layer(b) > _layer(a)]
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(d):], d]))
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    return cycles
+
+
+def test_no_module_imports_one_from_a_higher_layer() -> None:
+    bad = _upward(_graph())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    cycles = _cycles(_graph())
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_checks_find_a_planted_cycle_and_an_upward_import() -> None:
+    planted = {"digenrl.core.a": {"digenrl.actors.b"}, "digenrl.actors.b": {"digenrl.core.a"}}
+    assert _upward(planted) == ["digenrl.core.a (layer 1) imports digenrl.actors.b (layer 3)"]
+    assert _cycles(planted) == ["digenrl.actors.b -> digenrl.core.a -> digenrl.actors.b"]
+
+
+def test_the_readme_file_tree_lists_exactly_the_package_modules() -> None:
+    text = (ROOT / "README.md").read_text()
+    tree = text.split("## Files", 1)[1].split("```", 2)[1]
+    listed: set[str] = set()
+    folder: list[str] = []
+    for line in tree.splitlines():
+        m = re.match(r"^( *)(\S+)", line)
+        if not m:
+            continue
+        depth, token = len(m.group(1)) // 2, m.group(2)
+        folder = folder[:depth]
+        if token.endswith("/"):
+            folder.append(token.rstrip("/"))
+            continue
+        if folder[:1] != ["digenrl"]:
+            continue
+        # a line may name several modules: "sd3.py flux.py qwenimage.py video.py   the adapters"
+        for word in line.split():
+            if word.endswith(".py"):
+                listed.add("/".join([*folder, word]))
+            elif listed and not word.endswith(".py"):
+                break
+    actual = {str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if p.name != "__init__.py"}
+    assert sorted(actual - listed) == [], "modules missing from README's file tree"
+    assert sorted(listed - actual) == [], "README lists modules that do not exist"
