@@ -43,13 +43,13 @@ def bytes_per_trajectory(cfg: Config, latent_numel: int) -> int:
 
 
 def make_scheduler(cfg: Config, prompt_count: int) -> Scheduler:
+    """The run's scheduler. The latent shape comes from the config (and a checkpoint folder's
+    ``config.json``): the coordinator never builds, or even reads the weights of, the model."""
     from math import prod
 
     from digenrl.core.plan import plan_for_step
-    from digenrl.models import build_model
-    # TODO(scale): read the latent shape from the model's config.json instead of building it;
-    # fine for the tiny CPU models, wasteful for a 12B checkpoint on the coordinator host.
-    numel = prod(build_model(cfg.model, seed=cfg.run.seed).latent_shape)
+    from digenrl.models.meta import latent_shape_of
+    numel = prod(latent_shape_of(cfg.model))
     params = SchedulerParams.from_config(cfg, prompt_count=prompt_count,
                                          bytes_per_trajectory=bytes_per_trajectory(cfg, numel))
     return Scheduler(params, plan_timesteps=lambda step: plan_for_step(cfg, step))

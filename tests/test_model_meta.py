@@ -1,0 +1,77 @@
+"""The coordinator learns the latent shape from configuration alone, never from a built model.
+
+Checked against ``build_model`` family by family (the two must agree), on folders whose
+weights file was removed (only ``config.json`` is read), and through ``make_scheduler``
+with ``build_model`` made to fail, so a model build anywhere on that path is caught.
+"""
+
+from __future__ import annotations
+
+import json
+from math import prod
+from pathlib import Path
+
+import pytest
+
+from digenrl.config import ModelConfig, load_config
+from digenrl.models import build_model
+from digenrl.models.meta import ModelConfigError, latent_shape_of
+
+FAMILIES = ["sd3", "flux", "qwenimage", "wan", "hunyuanvideo"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_shape_from_the_config_is_the_built_models_shape(family: str) -> None:
+    cfg = ModelConfig(family=family, path="random")
+    assert latent_shape_of(cfg) == build_model(cfg).latent_shape
+
+
+def _weightless_transformer_folder(tmp_path: Path, family: str) -> Path:
+    folder = tmp_path / f"{family}-transformer"
+    build_model(ModelConfig(family=family, path="random")).save(folder)
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    assert (folder / "config.json").is_file() and not list(folder.glob("*.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_a_transformer_folder_without_its_weights_file_gives_the_shape(tmp_path: Path, family: str) -> None:
+    folder = _weightless_transformer_folder(tmp_path, family)
+    cfg = ModelConfig(family=family, path=str(folder))
+    assert latent_shape_of(cfg) == build_model(ModelConfig(family=family, path="random")).latent_shape
+    with pytest.raises(OSError):  # the folder really has no weights: a build could not succeed
+        build_model(cfg)
+
+
+def test_a_pipeline_folder_without_weights_gives_the_pipeline_shape(tmp_path: Path) -> None:
+    # a pipeline folder (model_index.json + transformer/config.json) of a 1024 px FLUX: the
+    # packed latent is in_channels / 4 channels at 128 x 128, read from transformer/config.json
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(
+        {"_class_name": "FluxTransformer2DModel", "in_channels": 64, "num_layers": 19}))
+    assert latent_shape_of(ModelConfig(family="flux", path=str(tmp_path))) == (16, 128, 128)
+
+
+def test_a_folder_without_a_config_is_named_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ModelConfigError, match=r"config\.json does not exist"):
+        latent_shape_of(ModelConfig(family="flux", path=str(tmp_path)))
+
+
+def test_make_scheduler_sizes_trajectories_without_building_a_model(tmp_path: Path, monkeypatch) -> None:
+    import digenrl.models as models
+    import digenrl.models.registry as registry
+    from digenrl.actors.cluster import bytes_per_trajectory, make_scheduler
+
+    folder = _weightless_transformer_folder(tmp_path, "sd3")
+    cfg = load_config(None, [f"model.path=\"{folder}\""])
+
+    def refuse(*a, **k):
+        raise AssertionError("the coordinator built a model")
+
+    monkeypatch.setattr(registry, "build_model", refuse)
+    monkeypatch.setattr(models, "build_model", refuse)
+    sched = make_scheduler(cfg, prompt_count=8)
+    numel = prod(latent_shape_of(cfg.model))
+    assert sched.params.bytes_per_trajectory == bytes_per_trajectory(cfg, numel) > 0
