@@ -8,8 +8,8 @@ import json
 import pytest
 
 from digenrl.config import load_config
+from digenrl.core.costmodel import CostModelError, Network, Workload, load_calibration, node_costs
 from digenrl.sim.cluster import Cluster, ClusterError, GpuGroup, cluster_from_dict
-from digenrl.sim.costmodel import CostModelError, Network, Workload, load_calibration, node_costs
 from digenrl.sim.plan import mode_run, plan
 from digenrl.sim.simulator import simulate, trained_timesteps
 

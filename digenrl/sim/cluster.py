@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from digenrl.sim.costmodel import GPUS, Network
+from digenrl.core.costmodel import GPUS, Network
 
 ROLES = ("trainer", "rollout", "any")
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from digenrl.config import Config, load_config, resolve_mode
+from digenrl.core.costmodel import load_calibration
 from digenrl.sim.calibrate import calibrate
 from digenrl.sim.cluster import Cluster, load_cluster
-from digenrl.sim.costmodel import load_calibration
 from digenrl.sim.simulator import SimResult, SimSetup, simulate, trained_timesteps
 
 ABLATIONS = ("gap", "tsp", "k1", "tag")

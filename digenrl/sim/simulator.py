@@ -2,7 +2,7 @@
 
 The coordinator logic is :class:`digenrl.core.scheduler.Scheduler` itself, fed events with a virtual
 ``now``; its commands (assign, revoke, shutdown) drive simulated nodes whose work takes the
-seconds of :mod:`digenrl.sim.costmodel`. Nodes behave like ``actors/rollout.py`` and
+seconds of :mod:`digenrl.core.costmodel`. Nodes behave like ``actors/rollout.py`` and
 ``actors/trainer.py``::
 
     rollout:  every announced version is fetched in the background (one fetch at a time, as
@@ -33,19 +33,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from digenrl.config import Config
-from digenrl.core.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerParams, ShutdownCmd
-from digenrl.sim.costmodel import (
+from digenrl.core.costmodel import (
     GPUS,
-    MODELS,
     Network,
     NodeCosts,
     Workload,
-    allreduce_s,
     chunk_bytes,
     node_costs,
-    trainable_bytes,
+    step_sync_s,
     weight_sync_s,
 )
+from digenrl.core.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerParams, ShutdownCmd
 
 
 class SimulationError(RuntimeError):
@@ -182,11 +180,7 @@ class Simulator:
                                                                     setup.network)))
         self.apply_s = float(cal.get("weight_apply_s", 0.0))
         self.latency_s = float(cal.get("latency_s", setup.network.latency_s))
-        ar_gpu = min(setup.trainer_gpus, key=lambda g: GPUS[g].nvlink_gbs)
-        self.ar_s = allreduce_s(self.wl.model, self.wl.lora_rank, self.R, ar_gpu)
-        if self.R > 8:  # ranks span hosts (8 GPUs each): the ring runs at the NIC's speed (cm 6)
-            grad = trainable_bytes(MODELS[self.wl.model], self.wl.lora_rank)
-            self.ar_s = max(self.ar_s, 2.0 * (self.R - 1) / self.R * grad / (setup.network.link_gbs * 1e9))
+        self.ar_s = step_sync_s(self.wl.model, self.wl.lora_rank, setup.trainer_gpus, setup.network)
         self.nodes: dict[str, _Node] = {}
         self.trainers: list[_Node] = []
         for r, g in enumerate(setup.trainer_gpus):

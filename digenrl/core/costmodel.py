@@ -21,7 +21,9 @@ Where generation runs matters. A dedicated rollout node runs an inference engine
 no FSDP): ``gen_tflops``. Generation inside a training process (colocated baseline and TAG)
 runs eager through the FSDP-wrapped model: ``colo_gen_tflops`` (cm 3a: FLUX on H100 eager
 6.71 s vs compiled 4.30 s, a 1.56x gap; cm 4c: veRL-Omni rollout ~445 vs trainer ~150-230).
-No torch here: the coordinator's BTS predictor and the planner import this module.
+No torch here: the planner, the simulator and the emulated accelerators
+(:mod:`digenrl.models.emulated`, which sleep these seconds instead of computing) import this
+module, so an emulated run and its plan price work with the same constants.
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ class ModelSpec:
     """Total parameters (billions); bf16 bytes = 2 x params."""
     latent_bytes: int
     """bf16 latent of one sample (cm 1)."""
+    latent_shape: tuple[int, ...] = ()
+    """The latent of one sample at the recipe's resolution (and frames): C, (F,) H, W (cm 1)."""
     reward_tflop: float
     """Reward model FLOPs per sample (cm 5)."""
     reward_fixed_s: float
@@ -123,26 +127,26 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     # latent 259,200 B (cm 1). Reward: PickScore/HPS ViT-H 0.38 TF (cm 5) + VAE decode 0.028 s
     # (cm 3a, SGLang trace).
     ModelSpec(name="flux", fwd_tflop=37.3, params_b=11.8, latent_bytes=259_200,
-              reward_tflop=0.38, reward_fixed_s=0.028),
+              latent_shape=(16, 90, 90), reward_tflop=0.38, reward_fixed_s=0.028),
     # Qwen-Image 512x512 (Flow-GRPO / veRL-Omni recipe): 18.6 TF/fwd (cm 2), 20.4 B (cm 0),
     # latent 131,072 B (cm 1). Reward as FLUX (CLIP-class).
     ModelSpec(name="qwenimage", fwd_tflop=18.6, params_b=20.4, latent_bytes=131_072,
-              reward_tflop=0.38, reward_fixed_s=0.028),
+              latent_shape=(16, 64, 64), reward_tflop=0.38, reward_fixed_s=0.028),
     # Wan2.1-T2V-14B 480p 81f: 1.68 PF/fwd (cm 2), 14.0 B (cm 0), latent 4,193,280 B (cm 1).
     # Reward: VideoAlign-class ~8 TF/video (cm 5, derived 6-10 TF); decode not in cm: 0.5 s
     # (assumption).
     ModelSpec(name="wan", fwd_tflop=1680.0, params_b=14.0, latent_bytes=4_193_280,
-              reward_tflop=8.0, reward_fixed_s=0.5),
+              latent_shape=(16, 21, 60, 104), reward_tflop=8.0, reward_fixed_s=0.5),
     # HunyuanVideo 480x480x53f (DanceGRPO open-source setting): 0.297 PF/fwd (cm 2), 12.8 B
     # (cm 0), latent 1,612,800 B (cm 1). Reward as Wan.
     ModelSpec(name="hunyuanvideo", fwd_tflop=297.0, params_b=12.8, latent_bytes=1_612_800,
-              reward_tflop=8.0, reward_fixed_s=0.5),
+              latent_shape=(16, 14, 60, 60), reward_tflop=8.0, reward_fixed_s=0.5),
     # Tiny SD3 on CPU: cpu-feasibility.md 3, e2e GRPO iteration, 1 thread, batch 8 x 10 steps:
     # rollout 0.20-0.27 s -> 0.235 / 80 = 2.9 ms per sample-step; 2 training passes 1.12-1.30 s
     # -> 1.21 / 160 = 7.6 ms per sample-timestep (derived). `plan --calibrate` replaces these.
     # Latent 12x16x16 fp32 = 12,288 B (digenrl/models/sd3.py tiny config; fp32 on the wire).
     ModelSpec(name="sd3", fwd_tflop=0.0, params_b=0.0003, latent_bytes=12_288,
-              reward_tflop=0.0, reward_fixed_s=0.0002, cpu_seconds=(0.0029, 0.0076)),
+              latent_shape=(12, 16, 16), reward_tflop=0.0, reward_fixed_s=0.0002, cpu_seconds=(0.0029, 0.0076)),
 )}
 
 
@@ -197,17 +201,67 @@ def trainable_bytes(model: ModelSpec, lora_rank: int) -> float:
     return full if lora_rank <= 0 else full * 0.01 * lora_rank / 64.0
 
 
+def _specs(gpu: str, model: str) -> tuple[GpuSpec, ModelSpec]:
+    if gpu not in GPUS:
+        raise CostModelError(f"gpu = {gpu!r}: expected one of {', '.join(GPUS)}")
+    if model not in MODELS:
+        raise CostModelError(f"model = {model!r}: expected one of {', '.join(MODELS)}")
+    return GPUS[gpu], MODELS[model]
+
+
+WHERE = ("rollout", "trainer_gen", "train")
+"""Where a forward runs: a rollout's inference engine, eager generation inside a trainer
+(colocated, TAG), or the trainer's training pass (its KL reference forward too)."""
+
+
+def forward_s(gpu: str, model: str, where: str) -> float:
+    """Seconds of one forward of one sample through one CFG branch: fwd_tflop / achieved TFLOP/s."""
+    g, m = _specs(gpu, model)
+    rate = {"rollout": g.gen_tflops, "trainer_gen": g.colo_gen_tflops, "train": g.train_tflops}
+    if where not in rate:
+        raise CostModelError(f"where = {where!r}: expected one of {', '.join(WHERE)}")
+    return m.fwd_tflop / rate[where]
+
+
+def backward_factor(grad_ckpt: bool) -> int:
+    """A backward in forwards: 2 (fwd+bwd = 3x fwd), 3 with activation checkpointing (4x), cm 0."""
+    return 3 if grad_ckpt else 2
+
+
+def reward_s(gpu: str, model: str) -> float:
+    """One sample: reward model FLOPs at the generation rate + decode latency (cm 5, 3a)."""
+    g, m = _specs(gpu, model)
+    return m.reward_tflop / g.gen_tflops + m.reward_fixed_s
+
+
+def optimizer_s(model: str, lora_rank: int, shards: int) -> float:
+    """One AdamW step over a shard of the trainable parameters (derived: param, grad, m, v,
+    master ~16 B/param read and written once at ~half of HBM bandwidth, 1.5 TB/s)."""
+    tparams = trainable_bytes(MODELS[model], lora_rank) / 2.0
+    return 16.0 * tparams / max(1, shards) / 1.5e12
+
+
+def step_sync_s(model: str, lora_rank: int, trainer_gpus: list[str] | tuple[str, ...], net: Network) -> float:
+    """The gradient all-reduce at a step's end over ``trainer_gpus``: a ring over the slowest
+    NVLink, or over the NIC once the ranks span hosts (more than 8 GPUs, cm 6)."""
+    R = len(trainer_gpus)
+    if R <= 1:
+        return 0.0
+    slowest = min(trainer_gpus, key=lambda g: GPUS[g].nvlink_gbs)
+    out = allreduce_s(model, lora_rank, R, slowest)
+    if R > 8:
+        grad = trainable_bytes(MODELS[model], lora_rank)
+        out = max(out, 2.0 * (R - 1) / R * grad / (net.link_gbs * 1e9))
+    return out
+
+
 def node_costs(gpu: str, wl: Workload, *, trainer_ranks: int = 1,
                calibration: dict[str, Any] | None = None) -> NodeCosts:
     """Per-unit seconds of ``wl`` on ``gpu``; a calibration (``plan --calibrate`` JSON) overrides."""
-    if gpu not in GPUS:
-        raise CostModelError(f"gpu = {gpu!r}: expected one of {', '.join(GPUS)}")
-    if wl.model not in MODELS:
-        raise CostModelError(f"model = {wl.model!r}: expected one of {', '.join(MODELS)}")
-    g, m = GPUS[gpu], MODELS[wl.model]
+    g, m = _specs(gpu, wl.model)
     cfg_gen = 2 if wl.cfg_gen else 1
     # cm 0: 3x fwd (fwd+bwd), 4x with checkpointing, +1 fwd reference when KL > 0, x2 with CFG.
-    train_mult = ((4 if wl.grad_ckpt else 3) + (1 if wl.kl else 0)) * (2 if wl.cfg_train else 1)
+    train_mult = (1 + backward_factor(wl.grad_ckpt) + (1 if wl.kl else 0)) * (2 if wl.cfg_train else 1)
     if m.cpu_seconds is not None or gpu == "cpu":
         gen1, train1 = m.cpu_seconds or (0.0029, 0.0076)
         # cpu-feasibility numbers are for 3x fwd, no CFG; scale by the same multipliers (derived).
@@ -215,17 +269,15 @@ def node_costs(gpu: str, wl: Workload, *, trainer_ranks: int = 1,
         train = train1 * train_mult / 3.0
         reward = m.reward_fixed_s
     else:
-        gen = m.fwd_tflop * cfg_gen / g.gen_tflops
-        colo_gen = m.fwd_tflop * cfg_gen / g.colo_gen_tflops
-        train = m.fwd_tflop * train_mult / g.train_tflops
-        reward = m.reward_tflop / g.gen_tflops + m.reward_fixed_s
-    # AdamW touches param, grad, m, v, master (fp32): ~16 B/param read+write once at ~half HBM
-    # bandwidth; derived as 16 x trainable params / (1.5 TB/s), sharded over FSDP ranks.
-    tparams = trainable_bytes(m, wl.lora_rank) / 2.0
+        gen = forward_s(gpu, wl.model, "rollout") * cfg_gen
+        colo_gen = forward_s(gpu, wl.model, "trainer_gen") * cfg_gen
+        train = forward_s(gpu, wl.model, "train") * train_mult
+        reward = reward_s(gpu, wl.model)
     shards = trainer_ranks if wl.fsdp else 1
-    optimizer = 16.0 * tparams / shards / 1.5e12
+    optimizer = optimizer_s(wl.model, wl.lora_rank, shards)
     # Colocated switch (derived): offload/reload the fp32 optimizer shard (12 B/param) over PCIe
     # and all-gather bf16 weights for generation over NVLink.
+    tparams = trainable_bytes(m, wl.lora_rank) / 2.0
     switch = (12.0 * tparams / shards) / (g.pcie_gbs * 1e9) + trainable_bytes(m, 0) / (g.nvlink_gbs * 1e9)
     if calibration:
         gen = float(calibration.get("gen_step_s", gen))
