@@ -44,6 +44,8 @@ class RunConfig:
     threads: int = _f(1, "torch intra-op threads per process", ge=1)
     checkpoint_every: int = _f(0, "write a checkpoint every N steps (0 = only at the end)", ge=0)
     sample_grid_every: int = _f(0, "also save a sample grid every N steps (0 = first and last only)", ge=0)
+    eval_every: int = _f(0, "held-out evaluation ([eval]) of the policy at version 0, every N "
+                         "versions and at the end; 0 = none (needs a test split, [prompts])", ge=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,8 +98,13 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RewardTerm:
-    name: str = _f("jpeg_compressibility", "built-in reward name or 'module:function'")
+    name: str = _f("jpeg_compressibility", "built-in reward name or 'module:function' (a function "
+                   "or a class); docs/rewards.md")
     weight: float = _f(1.0, "weight in the summed reward")
+    args: dict[str, Any] = _f({}, "passed to the term: a class's constructor arguments (weights "
+                              "folder, device, batch_size, url, ...) or a function's keyword arguments")
+    label: str = _f("", "the term's name in metrics (default: name); needed to list one reward twice")
+    key: str = _f("", "for a term returning several values (a mapping), the one that is the reward")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +114,28 @@ class RewardConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PromptConfig:
-    file: str = _f("", "text file with one prompt per line; empty uses the built-in shapes set")
+    file: str = _f("", "prompt file: .jsonl (one JSON object a line with a 'prompt' field plus any "
+                   "metadata, e.g. flow_grpo's GenEval metadata.jsonl) or text (one prompt a "
+                   "line); empty uses the built-in shapes set")
+    test_file: str = _f("", "held-out prompts for evaluation (same formats); empty: see test_fraction")
+    test_fraction: float = _f(0.0, "without test_file: hold this fraction of the prompt file out "
+                              "of training as the test split (deterministic, from split_seed)",
+                              ge=0, lt=1)
+    split_seed: int = _f(0, "seed of the held-out split (not run.seed: runs with different seeds "
+                         "share one test set)", ge=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    terms: list[RewardTerm] = _f([], "what evaluation scores (same entries as reward.terms, "
+                                 "weights ignored); empty: the training reward's terms")
+    prompts: int = _f(0, "evaluate the first N test prompts (0 = all)", ge=0)
+    samples_per_prompt: int = _f(1, "samples per test prompt, each with its own fixed seed", ge=1)
+    seed: int = _f(0, "seed of the evaluation noise (fixed: every evaluation of a run and of "
+                   "runs with other run.seed values sees the same noise)", ge=0)
+    num_steps: int = _f(0, "denoising steps of evaluation sampling (ODE); 0 = sampler.num_steps",
+                        ge=0, le=1000)
+    batch_size: int = _f(16, "samples generated per batch during evaluation", ge=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,6 +191,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     prompts: PromptConfig = field(default_factory=PromptConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
@@ -205,6 +234,10 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} = {value!r}: expected a table")
         return _build(tp, value, key)
+    if origin is dict:  # a free-form table (a reward term's args): TOML values as they are
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r}: expected a table")
+        return {str(k): v for k, v in value.items()}
     if origin is list:
         (inner,) = get_args(tp)
         if not isinstance(value, list):
@@ -277,6 +310,10 @@ def _check_consistency(cfg: Config) -> None:
             "rewards arrive, which defeats GAP; use 'group' or set runtime.fragments_per_step = 1")
     if not cfg.reward.terms:
         raise ConfigError("reward.terms = []: expected at least one reward term")
+    if cfg.run.eval_every and not (cfg.prompts.test_file or cfg.prompts.test_fraction > 0):
+        raise ConfigError(
+            f"run.eval_every = {cfg.run.eval_every}: evaluation needs held-out prompts; set "
+            "prompts.test_file or prompts.test_fraction")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

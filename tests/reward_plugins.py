@@ -34,3 +34,27 @@ def nan_second(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
 
 
 NOT_A_FUNCTION = 3
+
+
+def prompt_length(images: torch.Tensor, prompts: Sequence[str], metadata, *, scale: float = 1.0) -> torch.Tensor:
+    """Reads metadata: ``scale * metadata[i]["count"]`` (a plug-in with args and metadata)."""
+    return torch.tensor([scale * float(m["count"]) for m in metadata])
+
+
+class Threshold:
+    """A class term: built once with its args, then called (as model rewards are)."""
+
+    built = 0
+
+    def __init__(self, *, level: int) -> None:
+        Threshold.built += 1
+        self.level = level
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        return (images.float().mean(dim=(1, 2, 3)) > self.level).float()
+
+
+def attributes(images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Several values per image, as a judge returns them."""
+    b = images.shape[0]
+    return {"shape": torch.ones(b), "all": torch.full((b,), 0.5)}

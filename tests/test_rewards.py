@@ -153,3 +153,75 @@ def test_bad_inputs_and_duplicate_terms_are_rejected():
         build_reward([RewardTerm(name="brightness"), RewardTerm(name="brightness", weight=2.0)])
     with pytest.raises(RewardError, match="at least one"):
         build_reward([])
+
+
+# ----------------------------------------------------------------------------- args and metadata
+
+
+def test_function_term_gets_its_args_and_the_prompts_metadata():
+    reward = build_reward([RewardTerm(name="reward_plugins:prompt_length", args={"scale": 2.0})])
+    total, _ = reward(flat((0, 0, 0), n=2), ["a", "b"], [{"prompt": "a", "count": 1},
+                                                          {"prompt": "b", "count": 3}])
+    assert total.tolist() == [2.0, 6.0]
+
+
+def test_plain_function_of_images_and_prompts_still_works_when_metadata_is_given():
+    reward = build_reward([RewardTerm(name="reward_plugins:green_fraction")])
+    total, _ = reward(flat((0, 200, 0)), ["x"], [{"prompt": "x", "tag": "t"}])
+    assert total.tolist() == [1.0]
+
+
+def test_class_term_is_built_once_with_its_args():
+    import reward_plugins
+    before = reward_plugins.Threshold.built
+    reward = build_reward([RewardTerm(name="reward_plugins:Threshold", args={"level": 100})])
+    for _ in range(3):
+        total, _ = reward(torch.cat([flat((200, 200, 200)), flat((10, 10, 10))]), ["", ""])
+        assert total.tolist() == [1.0, 0.0]
+    assert reward_plugins.Threshold.built == before + 1
+
+
+@pytest.mark.parametrize("name, args, message", [
+    ("reward_plugins:Threshold", {"levle": 1}, "args .*levle.* do not fit Threshold"),
+    ("reward_plugins:prompt_length", {"sclae": 1.0}, "args .*sclae.* do not fit its signature"),
+])
+def test_args_that_do_not_fit_the_term_are_rejected_at_build_time(name, args, message):
+    with pytest.raises(RewardError, match=message):
+        build_reward([RewardTerm(name=name, args=args)])
+
+
+def test_mapping_term_needs_a_key_for_training_and_reports_every_value_in_evaluation():
+    images, prompts = flat((0, 0, 0), n=2), ["", ""]
+    with pytest.raises(RewardError, match=r"several values .*shape, all.*set the term's key"):
+        build_reward([RewardTerm(name="reward_plugins:attributes")])(images, prompts)
+    keyed = build_reward([RewardTerm(name="reward_plugins:attributes", key="all", label="judge")])
+    total, parts = keyed(images, prompts)
+    assert total.tolist() == [0.5, 0.5] and set(parts) == {"judge"}
+    assert set(keyed.evaluate(images, prompts)) == {"judge/shape", "judge/all"}
+    with pytest.raises(RewardError, match="key = 'colour' is not among its values"):
+        build_reward([RewardTerm(name="reward_plugins:attributes", key="colour")])(images, prompts)
+
+
+def test_one_reward_listed_twice_needs_distinct_labels():
+    reward = build_reward([RewardTerm(name="brightness"),
+                           RewardTerm(name="brightness", label="brightness_x2", weight=2.0)])
+    total, parts = reward(flat((255, 255, 255)), [""])
+    assert set(parts) == {"brightness", "brightness_x2"} and total.item() == pytest.approx(3.0)
+
+
+def test_metadata_count_must_match_the_prompts():
+    reward = build_reward([RewardTerm(name="reward_plugins:prompt_length")])
+    with pytest.raises(RewardError, match="2 prompts but 1 metadata records"):
+        reward(flat((0, 0, 0), n=2), ["a", "b"], [{"count": 1}])
+
+
+def test_reward_args_round_trip_through_the_config_toml(tmp_path):
+    from digenrl.config import load_config, to_toml
+    path = tmp_path / "c.toml"
+    path.write_text('[reward]\nterms = [{ name = "http", weight = 0.5, label = "geneval", '
+                    'args = { url = "http://127.0.0.1:1/", timeout_s = 3.0, headers = { a = "b" } } }]\n')
+    cfg = load_config(path)
+    (term,) = cfg.reward.terms
+    assert term.args == {"url": "http://127.0.0.1:1/", "timeout_s": 3.0, "headers": {"a": "b"}}
+    path.write_text(to_toml(cfg))
+    assert load_config(path) == cfg

@@ -24,7 +24,7 @@ import zmq.asyncio
 from digenrl.actors.coordinator import CoordinatorActor
 from digenrl.config import Config
 from digenrl.core.scheduler import Scheduler, SchedulerParams
-from digenrl.data.prompts import load_prompts
+from digenrl.data.prompts import load_splits
 from digenrl.fileio import write_json_atomic
 from digenrl.rl.checkpoint import CheckpointError, dedupe_metrics, latest_checkpoint, trim_metrics
 from digenrl.telemetry.logging import get_logger
@@ -149,7 +149,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     host = cfg.cluster.host
     control = zs.bind(ctx, "router", bind or f"tcp://{host}:*", cfg, handover=True)
     pub = zs.bind(ctx, "pub", f"tcp://{host}:*", cfg)
-    prompts = load_prompts(cfg.prompts.file)
+    prompts = load_splits(cfg.prompts)[0].prompts
     sched = make_scheduler(cfg, len(prompts))
 
     def new_scheduler() -> Scheduler:  # same params (no model build), for a rewind

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from digenrl.config import Config
 from digenrl.core.plan import plan_for_step, step_prompts, trajectory_seed
-from digenrl.data.prompts import load_prompts
+from digenrl.data.prompts import load_splits
 from digenrl.rl.checkpoint import colocated_checkpoint, colocated_resume, crash_point
 from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.learner import Learner, save_final
@@ -55,7 +55,8 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
     start, done_trained, done_discarded = (colocated_resume(run_dir, policy, rank) if resume
                                            else (0, 0, {}))
     reward_fn = build_reward(cfg.reward.terms)
-    prompts = load_prompts(cfg.prompts.file)
+    train_set, _test_set = load_splits(cfg.prompts)
+    prompts = train_set.prompts
     sigma_max = float(sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)[1])
     node = f"colocated-{rank}"
     recorder = SpanRecorder(node, "colocated")
@@ -75,7 +76,8 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
         trained, sde = plan_for_step(cfg, step)
         job = FragmentJob(model=policy.model, cfg=cfg, prompts=[prompts[ids[g]] for g in my_groups],
                           seeds=[trajectory_seed(cfg.run.seed, step, q, g) for q in my_groups for g in range(G)],
-                          sde_steps=sde, trained_steps=trained, reward_fn=reward_fn)
+                          sde_steps=sde, trained_steps=trained, reward_fn=reward_fn,
+                          metadata=[train_set.metadata[ids[g]] for g in my_groups])
         with recorder.span("generate", step=step):
             records, result = job.run_all()
         crash_point("generate", step)  # TEST-ONLY fault hook (DIGENRL_TEST_CRASH)

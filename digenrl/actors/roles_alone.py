@@ -18,7 +18,7 @@ import torch
 
 from digenrl.config import Config
 from digenrl.core.plan import fragment_content, plan_for_step
-from digenrl.data.prompts import load_prompts
+from digenrl.data.prompts import load_splits
 from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.learner import Learner
 from digenrl.rl.policy import build_policy
@@ -41,7 +41,7 @@ def rollout_only(cfg: Config, steps: int, record: Path | None = None) -> dict[st
     torch.set_num_threads(cfg.run.threads)
     policy = build_policy(cfg)
     reward_fn = build_reward(cfg.reward.terms)
-    prompts = load_prompts(cfg.prompts.file)
+    prompts = load_splits(cfg.prompts)[0].prompts
     recording: list[dict[str, Any]] = []
     times, cpu = [], []
     for step in range(steps):

@@ -1,18 +1,59 @@
-"""Prompt sets: a text file with one prompt per line, or the built-in shapes set.
+"""Prompt sets with metadata, and their train/test split.
 
-Blank lines and lines starting with ``#`` are ignored; surrounding whitespace is stripped.
-The built-in set (``digenrl/data/prompts.txt``) holds prompts of the shapes grammar that the
-shipped base model was trained on (see :mod:`digenrl.data.shapes`).
+Two file formats, told apart by the name:
+
+* ``*.jsonl``: one JSON object a line with a string ``prompt`` field; every other field is the
+  prompt's metadata and reaches the reward functions unchanged (flow_grpo's GenEval
+  ``metadata.jsonl``, with ``tag``, ``include``, ``exclude``, loads as it is).
+* anything else: one prompt a line. Blank lines and lines starting with ``#`` are ignored;
+  surrounding whitespace is stripped. A text file whose lines are all JSON objects is refused
+  (name it ``.jsonl``): used as text, each JSON line would become a prompt.
+
+A prompt's metadata record is its whole jsonl object (``prompt`` included), or
+``{"prompt": text}`` for a text line. The built-in set (``digenrl/data/prompts.txt``) holds
+prompts of the shapes grammar that the shipped base model was trained on (see
+:mod:`digenrl.data.shapes`).
+
+The test split (:func:`load_splits`) is ``prompts.test_file`` or, without one, a
+``prompts.test_fraction`` of the prompt file held out by a permutation seeded with
+``prompts.split_seed`` -- not the run seed, so runs with different seeds share a test set.
+Held-out prompts are never trained on.
 """
 
 from __future__ import annotations
 
 import importlib.resources
+import json
+import random
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from digenrl.config import PromptConfig
 
 
 class PromptError(ValueError):
-    """A prompt file is missing, unreadable or holds no prompts; the message names the file."""
+    """A prompt file is missing, unreadable, malformed or holds no prompts; names the file."""
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """Prompts and their metadata records, index for index."""
+
+    prompts: list[str]
+    metadata: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.metadata:
+            self.metadata.extend({"prompt": p} for p in self.prompts)
+        if len(self.metadata) != len(self.prompts):
+            raise ValueError(f"{len(self.prompts)} prompts but {len(self.metadata)} metadata records")
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def subset(self, indices: list[int]) -> PromptSet:
+        return PromptSet([self.prompts[i] for i in indices], [self.metadata[i] for i in indices])
 
 
 def parse_prompts(text: str, origin: str = "<text>") -> list[str]:
@@ -20,7 +61,40 @@ def parse_prompts(text: str, origin: str = "<text>") -> list[str]:
     prompts = [s for line in text.splitlines() if (s := line.strip()) and not s.startswith("#")]
     if not prompts:
         raise PromptError(f"prompt file {origin}: holds no prompts (only blank or # lines)")
+    if all(p.startswith("{") and p.endswith("}") for p in prompts):
+        try:
+            [json.loads(p) for p in prompts]
+        except json.JSONDecodeError:
+            pass  # braces in plain prompts: text after all
+        else:
+            raise PromptError(f"prompt file {origin}: every line is a JSON object; name the file "
+                              "*.jsonl to read its 'prompt' fields and metadata")
     return prompts
+
+
+def parse_jsonl(text: str, origin: str = "<jsonl>") -> PromptSet:
+    """Prompts and metadata of JSON lines (blank lines skipped); each needs a string ``prompt``."""
+    prompts: list[str] = []
+    metadata: list[dict[str, Any]] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptError(f"prompt file {origin} line {n}: not JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise PromptError(f"prompt file {origin} line {n}: expected a JSON object, got "
+                              f"{type(record).__name__}")
+        prompt = record.get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise PromptError(f"prompt file {origin} line {n}: expected a non-empty string field "
+                              f"'prompt', got {prompt!r}")
+        prompts.append(prompt.strip())
+        metadata.append(record)
+    if not prompts:
+        raise PromptError(f"prompt file {origin}: holds no prompts (no JSON lines)")
+    return PromptSet(prompts, metadata)
 
 
 def builtin_prompts() -> list[str]:
@@ -29,10 +103,10 @@ def builtin_prompts() -> list[str]:
     return parse_prompts(text, "<built-in prompts.txt>")
 
 
-def load_prompts(path: str) -> list[str]:
-    """Prompts from the text file at ``path``; an empty ``path`` gives the built-in set."""
+def load_prompt_set(path: str) -> PromptSet:
+    """The prompt set in the file at ``path`` (format by name); empty ``path``: the built-in set."""
     if not path:
-        return builtin_prompts()
+        return PromptSet(builtin_prompts())
     p = Path(path)
     if not p.is_file():
         raise PromptError(f"prompt file {path!r} does not exist")
@@ -40,4 +114,36 @@ def load_prompts(path: str) -> list[str]:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise PromptError(f"prompt file {path!r} cannot be read: {e}") from None
-    return parse_prompts(text, repr(path))
+    if p.suffix.lower() == ".jsonl":
+        return parse_jsonl(text, repr(path))
+    return PromptSet(parse_prompts(text, repr(path)))
+
+
+def load_prompts(path: str) -> list[str]:
+    """The prompt texts of :func:`load_prompt_set` (no split, no metadata)."""
+    return load_prompt_set(path).prompts
+
+
+def split_off(prompts: PromptSet, fraction: float, seed: int) -> tuple[PromptSet, PromptSet]:
+    """(train, test): ``round(fraction * n)`` prompts (at least one) held out, chosen by a
+    permutation seeded with ``seed``; both keep the file's order."""
+    n = len(prompts)
+    k = max(1, round(fraction * n))
+    if k >= n:
+        raise PromptError(f"prompts.test_fraction = {fraction}: holds out {k} of {n} prompts, "
+                          "leaving none to train on")
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    test = sorted(order[:k])
+    held = set(test)
+    return prompts.subset([i for i in range(n) if i not in held]), prompts.subset(test)
+
+
+def load_splits(cfg: PromptConfig) -> tuple[PromptSet, PromptSet | None]:
+    """(train, test) prompt sets of a run; test is None without a test split."""
+    full = load_prompt_set(cfg.file)
+    if cfg.test_file:
+        return full, load_prompt_set(cfg.test_file)
+    if cfg.test_fraction > 0:
+        return split_off(full, cfg.test_fraction, cfg.split_seed)
+    return full, None

@@ -9,8 +9,9 @@ last step. All torch work here is synchronous; actors run it in a thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,7 @@ class FragmentJob:
     sde_steps: Sequence[int]
     trained_steps: Sequence[int]
     reward_fn: Reward
+    metadata: Sequence[Mapping[str, Any]] | None = None  # per prompt; None: {"prompt": text}
     _final: torch.Tensor | None = field(default=None, init=False)
     _cond: Cond | None = field(default=None, init=False)
     _t0: float = field(default=0.0, init=False)
@@ -63,7 +65,8 @@ class FragmentJob:
         g = self.cfg.train.group_size
         images = self.model.decode(self._final)
         prompts = [p for p in self.prompts for _ in range(g)]
-        total, terms = self.reward_fn(images, prompts)
+        meta = None if self.metadata is None else [m for m in self.metadata for _ in range(g)]
+        total, terms = self.reward_fn(images, prompts, meta)
         return FragmentResult(
             rewards=[float(r) for r in total],
             reward_terms={k: [float(x) for x in v] for k, v in terms.items()},

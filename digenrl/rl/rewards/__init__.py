@@ -1,0 +1,75 @@
+"""Rewards: decoded images + prompts (+ each prompt's metadata) -> one float per image.
+
+The simplest reward, built-in or plug-in, is a function::
+
+    def reward(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor
+        # images: uint8 (B, 3, H, W) RGB; prompts: B strings
+        # returns a floating tensor of shape (B,); it is cast to float32
+
+It may also take ``metadata`` (each prompt's record of a jsonl prompt file) and keyword
+``args`` from its ``[reward] terms`` entry, or be a class built once with those args (model
+rewards load their weights there): :mod:`digenrl.rl.rewards.base` has the rules.
+:func:`build_reward` returns a :class:`Reward` whose call gives the weighted sum and each
+term's own values (for logging and hacking monitors); :meth:`Reward.evaluate` gives every
+value of every term (held-out evaluation). Errors are :class:`RewardError`, naming the term.
+
+Cheap built-ins (offline, no model weights; :mod:`digenrl.rl.rewards.stats`):
+
+========================  ==================================================================
+``jpeg_compressibility``  ``-kB`` of the image as JPEG at quality 95 (Pillow, 4:2:0, no
+                          optimise), kB = 1000 bytes. We do *not* apply Flow-GRPO's ``/500``:
+                          on 32x32 images sizes are ~0.5-2 kB, and GRPO normalises per group
+                          anyway; multiply the term's ``weight`` by 1/500 to reproduce it.
+``jpeg_incompressibility`` ``+kB`` of the same JPEG.
+``brightness``            mean BT.709 luma ``0.2126 R + 0.7152 G + 0.0722 B`` of the sRGB
+                          values (no linearisation), in [0, 1].
+``saturation``            mean HSV saturation ``(max - min) / max`` per pixel, in [0, 1].
+``colourfulness``         Hasler & Suesstrunk (2003) M = sigma_rgyb + 0.3 mu_rgyb, divided by
+                          100 (about 0-1.5 for natural images).
+``redness``               mean ``(R - (G + B) / 2) / 255``, in [-0.5, 1].
+``prompt_colour_match``   how well the pixels show the colours the prompt names (shapes
+                          world): see :func:`prompt_colour_match`. In [0, 1].
+========================  ==================================================================
+Remote rewards:
+
+========================  ==================================================================
+``http``                  a flow_grpo reward server (pickled JPEG batches over HTTP)
+``vlm_judge``             an OpenAI-compatible chat endpoint asked for a score
+========================  ==================================================================
+
+Their modules (``remote``, ``vlm``) document
+their ``args``; docs/rewards.md has the whole picture.
+"""
+
+from __future__ import annotations
+
+from digenrl.rl.rewards.base import (
+    Metadata,
+    Reward,
+    RewardError,
+    RewardFn,
+    Term,
+    build_reward,
+    builtin_names,
+    call_reward,
+    check_images,
+    check_values,
+    register,
+    resolve_reward,
+)
+from digenrl.rl.rewards.stats import STATS, prompt_colour_match, prompt_colours
+
+__all__ = ["BUILTIN", "Metadata", "Reward", "RewardError", "RewardFn", "Term", "build_reward",
+           "builtin_names", "call_reward", "check_images", "check_values", "prompt_colour_match",
+           "prompt_colours", "register", "resolve_reward"]
+
+BUILTIN: dict[str, RewardFn] = dict(STATS)
+"""The cheap built-ins by name (plain functions of images and prompts)."""
+
+for _name, _fn in STATS.items():
+    register(_name, _fn)
+for _name, _target in {
+    "http": "digenrl.rl.rewards.remote:FlowGRPOServer",
+    "vlm_judge": "digenrl.rl.rewards.vlm:VLMJudge",
+}.items():
+    register(_name, _target)  # imported when a config names it

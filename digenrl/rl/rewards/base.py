@@ -1,0 +1,266 @@
+"""The reward framework: term specs -> scorers, one checked call per term, the weighted sum.
+
+A ``[reward] terms`` entry is ``{ name, weight, args, label, key }``
+(:class:`digenrl.config.RewardTerm`). ``name`` resolves to a built-in or to a
+``"package.module:attr"`` plug-in, imported when the reward is built. The named object is
+
+* a **function** ``f(images, prompts[, metadata], **args)``: ``args`` are passed as keyword
+  arguments on every call (checked against its signature at build time); or
+* a **class**: instantiated once with ``**args`` (load weights, open sessions there); its
+  instances are called ``scorer(images, prompts[, metadata])``.
+
+``images`` are uint8 ``(B, 3, H, W)`` RGB on the CPU, ``prompts`` B strings, ``metadata`` B
+dicts: the prompt's record in the prompt file (a jsonl line as it is; ``{"prompt": text}``
+for a txt line). Metadata is passed, as the keyword ``metadata``, only to callables that
+declare a ``metadata`` parameter or ``**kwargs``, so plain ``(images, prompts)`` functions
+keep working. A term returns a floating tensor ``(B,)`` or a mapping ``name -> (B,)`` (several
+values, e.g. a judge's per-attribute scores); with a mapping, the term's ``key`` names the
+value that is its reward, and :meth:`Reward.evaluate` reports every value.
+
+Anything wrong with a term -- unknown name, import failure, bad ``args``, an exception inside
+it, a result of the wrong type, shape or dtype, NaN or infinity -- raises :class:`RewardError`
+naming the term and what was wrong.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from digenrl.config import RewardTerm
+
+RewardFn = Callable[..., Any]
+Metadata = Sequence[Mapping[str, Any]]
+
+
+class RewardError(ValueError):
+    """A reward term is unknown, failed or returned something unusable; names the term."""
+
+
+# name -> the object itself, or "module:attr" imported on first use (model rewards pull in
+# transformers / open_clip / onnxruntime only when a config names them)
+_REGISTRY: dict[str, RewardFn | str] = {}
+
+
+def register(name: str, target: RewardFn | str) -> None:
+    """Make ``name`` a built-in term: a function, a class, or ``"module:attr"`` (lazy)."""
+    if ":" in name:
+        raise ValueError(f"reward name {name!r}: built-in names have no ':' (that is a plug-in)")
+    _REGISTRY[name] = target
+
+
+def builtin_names() -> list[str]:
+    """Every built-in term name, in registration order."""
+    return list(_REGISTRY)
+
+
+def _import(name: str, spec: str) -> RewardFn:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RewardError(f"reward {name!r}: cannot import module {module_name!r}: {e}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise RewardError(f"reward {name!r}: module {module_name!r} has no function {attr!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """The function or class for a built-in name or a ``module:attr`` plug-in."""
+    if name in _REGISTRY:
+        target = _REGISTRY[name]
+        return _import(name, target) if isinstance(target, str) else target
+    if ":" not in name:
+        raise RewardError(
+            f"reward {name!r}: unknown; expected a built-in ({', '.join(_REGISTRY)}) or "
+            "'module:function'")
+    return _import(name, name)
+
+
+def check_images(images: torch.Tensor, prompts: Sequence[str]) -> None:
+    """Raise :class:`RewardError` unless images are uint8 (B, 3, H, W) with B prompts."""
+    if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.dim() != 4 \
+            or images.shape[1] != 3:
+        what = (f"{images.dtype} {tuple(images.shape)}" if isinstance(images, torch.Tensor)
+                else type(images).__name__)
+        raise RewardError(f"reward input: expected uint8 images (B, 3, H, W), got {what}")
+    if len(prompts) != images.shape[0]:
+        raise RewardError(
+            f"reward input: {images.shape[0]} images but {len(prompts)} prompts")
+
+
+def check_values(name: str, out: Any, b: int) -> torch.Tensor:
+    """``out`` as a float32 CPU tensor (B,) of finite values, else :class:`RewardError`."""
+    if not isinstance(out, torch.Tensor):
+        raise RewardError(f"reward {name!r}: returned {type(out).__name__}, expected a tensor of shape ({b},)")
+    if tuple(out.shape) != (b,):
+        raise RewardError(f"reward {name!r}: returned shape {tuple(out.shape)}, expected ({b},)")
+    if not out.is_floating_point():
+        raise RewardError(f"reward {name!r}: returned dtype {out.dtype}, expected a floating dtype")
+    out = out.detach().to(device="cpu", dtype=torch.float32)
+    bad = ~torch.isfinite(out)
+    if bad.any():
+        idx = int(bad.nonzero()[0])
+        raise RewardError(f"reward {name!r}: value {out[idx].item()} at index {idx} is not finite")
+    return out
+
+
+def call_reward(name: str, fn: RewardFn, images: torch.Tensor, prompts: Sequence[str],
+                **kwargs: Any) -> torch.Tensor:
+    """``fn(images, prompts, **kwargs)`` checked: a float32 tensor (B,) of finite values."""
+    return check_values(name, _invoke(name, fn, images, prompts, kwargs), images.shape[0])
+
+
+def _invoke(name: str, fn: RewardFn, images: torch.Tensor, prompts: Sequence[str],
+            kwargs: Mapping[str, Any]) -> Any:
+    try:
+        return fn(images, prompts, **kwargs)
+    except RewardError:
+        raise
+    except Exception as e:  # a plug-in's bug must surface with the term's name, not be lost
+        raise RewardError(f"reward {name!r} raised {type(e).__name__}: {e}") from e
+
+
+def _takes_metadata(fn: RewardFn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: (images, prompts) only
+        return False
+    return any(p.name == "metadata" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+@dataclass
+class Term:
+    """One resolved term: its scorer, how to call it, and where its value goes."""
+
+    label: str
+    weight: float
+    scorer: RewardFn
+    kwargs: dict[str, Any] = field(default_factory=dict)  # per call (function terms' args)
+    takes_metadata: bool = False
+    key: str = ""
+
+    def values(self, images: torch.Tensor, prompts: Sequence[str], metadata: Metadata) -> dict[str, torch.Tensor]:
+        """Every value the term returns: ``{label: (B,)}`` or ``{label/<name>: (B,)}``."""
+        kw = dict(self.kwargs)
+        if self.takes_metadata:
+            kw["metadata"] = metadata
+        out = _invoke(self.label, self.scorer, images, prompts, kw)
+        b = images.shape[0]
+        if isinstance(out, Mapping):
+            if not out:
+                raise RewardError(f"reward {self.label!r}: returned an empty mapping")
+            return {f"{self.label}/{k}": check_values(f"{self.label}/{k}", v, b) for k, v in out.items()}
+        return {self.label: check_values(self.label, out, b)}
+
+    def reward(self, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The term's reward among ``values`` (its only value, or the one ``key`` names)."""
+        if self.label in values:
+            if self.key:
+                raise RewardError(f"reward {self.label!r}: key = {self.key!r} given but the term "
+                                  "returned a single tensor")
+            return values[self.label]
+        if not self.key:
+            names = ", ".join(k.split("/", 1)[1] for k in values)
+            raise RewardError(f"reward {self.label!r}: returned several values ({names}); "
+                              "set the term's key to the one that is the reward")
+        want = f"{self.label}/{self.key}"
+        if want not in values:
+            names = ", ".join(k.split("/", 1)[1] for k in values)
+            raise RewardError(f"reward {self.label!r}: key = {self.key!r} is not among its values ({names})")
+        return values[want]
+
+
+def _metadata(prompts: Sequence[str], metadata: Metadata | None) -> Metadata:
+    if metadata is None:
+        return [{"prompt": p} for p in prompts]
+    if len(metadata) != len(prompts):
+        raise RewardError(f"reward input: {len(prompts)} prompts but {len(metadata)} metadata records")
+    return metadata
+
+
+class Reward:
+    """A weighted sum of reward terms: ``reward(images, prompts, metadata) -> (total[B], {label: [B]})``."""
+
+    def __init__(self, terms: Sequence[Term | tuple[str, float, RewardFn]]) -> None:
+        self.terms = [t if isinstance(t, Term) else
+                      Term(label=t[0], weight=float(t[1]), scorer=t[2], takes_metadata=_takes_metadata(t[2]))
+                      for t in terms]
+
+    @property
+    def names(self) -> list[str]:
+        """The terms' labels, in config order."""
+        return [t.label for t in self.terms]
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str],
+                 metadata: Metadata | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        check_images(images, prompts)
+        images, meta = images.cpu(), _metadata(prompts, metadata)
+        total = torch.zeros(images.shape[0], dtype=torch.float32)
+        parts: dict[str, torch.Tensor] = {}
+        for term in self.terms:
+            parts[term.label] = term.reward(term.values(images, prompts, meta))
+            total += term.weight * parts[term.label]
+        return total, parts
+
+    def evaluate(self, images: torch.Tensor, prompts: Sequence[str],
+                 metadata: Metadata | None = None) -> dict[str, torch.Tensor]:
+        """Every value of every term (a mapping term gives ``label/<name>`` for each of its
+        values), unweighted: what held-out evaluation reports."""
+        check_images(images, prompts)
+        images, meta = images.cpu(), _metadata(prompts, metadata)
+        out: dict[str, torch.Tensor] = {}
+        for term in self.terms:
+            out.update(term.values(images, prompts, meta))
+        return out
+
+
+def _build_term(spec: RewardTerm) -> Term:
+    label = spec.label or spec.name
+    if not math.isfinite(spec.weight):
+        raise RewardError(f"reward {label!r}: weight {spec.weight} is not finite")
+    target = resolve_reward(spec.name)
+    args = dict(spec.args)
+    if inspect.isclass(target):
+        try:
+            scorer = target(**args)
+        except RewardError:
+            raise
+        except TypeError as e:
+            raise RewardError(f"reward {label!r}: args {args!r} do not fit {target.__name__}: {e}") from None
+        except Exception as e:  # loading weights failed: name the term, keep the cause
+            raise RewardError(f"reward {label!r}: building {target.__name__} raised "
+                              f"{type(e).__name__}: {e}") from e
+        return Term(label=label, weight=float(spec.weight), scorer=scorer,
+                    takes_metadata=_takes_metadata(scorer), key=spec.key)
+    if args:
+        try:
+            inspect.signature(target).bind_partial(None, None, **args)
+        except TypeError as e:
+            raise RewardError(f"reward {label!r}: args {args!r} do not fit its signature: {e}") from None
+        except ValueError:  # no signature to check against: the first call will tell
+            pass
+    return Term(label=label, weight=float(spec.weight), scorer=target, kwargs=args,
+                takes_metadata=_takes_metadata(target), key=spec.key)
+
+
+def build_reward(terms: Sequence[RewardTerm]) -> Reward:
+    """Resolve (and build) each term now, so a typo or a missing weights folder fails at
+    start-up, not after the first rollout."""
+    if not terms:
+        raise RewardError("reward terms: expected at least one term")
+    built: list[Term] = []
+    for spec in terms:
+        label = spec.label or spec.name
+        if label in {t.label for t in built}:
+            raise RewardError(f"reward {label!r}: listed twice; give it one weight (or each "
+                              "entry its own label)")
+        built.append(_build_term(spec))
+    return Reward(built)
