@@ -30,6 +30,17 @@ Cheap built-ins (offline, no model weights; :mod:`digenrl.rl.rewards.stats`):
 ``prompt_colour_match``   how well the pixels show the colours the prompt names (shapes
                           world): see :func:`prompt_colour_match`. In [0, 1].
 ========================  ==================================================================
+
+Shapes judges (tiny learned classifiers shipped as package data; :mod:`digenrl.rl.rewards.judge`):
+
+========================  ==================================================================
+``shapes_judge``          the reward judge's log-probability of the prompt's shape, shape
+                          colour and background colour, <= 0; a prompt outside the shapes
+                          grammar is a RewardError
+``shapes_attributes``     the independent eval judge's per-image correctness: a mapping
+                          ``shape``, ``colour``, ``background``, ``all`` of 0/1 (for ``[eval]``)
+========================  ==================================================================
+
 Remote rewards:
 
 ========================  ==================================================================
@@ -71,5 +82,7 @@ for _name, _fn in STATS.items():
 for _name, _target in {
     "http": "digenrl.rl.rewards.remote:FlowGRPOServer",
     "vlm_judge": "digenrl.rl.rewards.vlm:VLMJudge",
+    "shapes_judge": "digenrl.rl.rewards.judge:ShapesJudgeReward",
+    "shapes_attributes": "digenrl.rl.rewards.judge:ShapesAttributes",
 }.items():
     register(_name, _target)  # imported when a config names it
