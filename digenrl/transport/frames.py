@@ -14,6 +14,7 @@ import zlib
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 
 from digenrl.transport.errors import ProtocolError
@@ -37,24 +38,42 @@ def tensor_to_frame(where: str, t: Any) -> tuple[str, list[int], memoryview]:
     """(dtype name, shape, bytes view) of ``t``; ``where`` names the field in errors.
 
     The view shares the tensor's memory when it is a contiguous CPU tensor (the common
-    case); otherwise a contiguous CPU copy is made first.
+    case); otherwise a contiguous CPU copy is made first. A GPU tensor should be staged
+    into pinned host memory first (:mod:`digenrl.transport.staging`): this copy blocks.
     """
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{where} = {type(t).__name__}: expected a torch.Tensor")
     name = DTYPE_NAMES.get(t.dtype)
     if name is None:
         raise ValueError(f"{where}: dtype {t.dtype} is not one of {', '.join(DTYPES)}")
-    t = t.detach().cpu().contiguous()
-    return name, list(t.shape), t.reshape(-1).view(torch.uint8).numpy().data
+    if not (t.is_cpu and t.is_contiguous()) or t.requires_grad:
+        t = t.detach().cpu().contiguous()
+    # Through numpy: ~1.5 us against ~4 us for reshape/view(uint8)/numpy (per tensor, per
+    # message, on both the hot chunk path and every control message).
+    if t.numel() == 0:
+        return name, list(t.shape), memoryview(b"")
+    arr = (t.view(torch.int16) if name == "bfloat16" else t).numpy()
+    return name, list(t.shape), arr.data.cast("B")
 
 
 def as_buffer(frame: Any) -> memoryview:
     """A flat byte view of bytes, bytearray, memoryview or zmq.Frame, without copying."""
-    buf = getattr(frame, "buffer", None)  # zmq.Frame
-    view = memoryview(buf if buf is not None else frame)
+    tp = type(frame)
+    if tp is memoryview:
+        view = frame
+    elif tp is bytes or tp is bytearray:
+        view = memoryview(frame)
+    else:
+        buf = getattr(frame, "buffer", None)  # zmq.Frame: already a memoryview
+        view = buf if type(buf) is memoryview else memoryview(frame if buf is None else buf)
     if view.ndim != 1 or view.itemsize != 1:
         view = view.cast("B")
     return view
+
+
+_NUMPY: dict[str, Any] = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16,
+                          "int64": np.int64, "int32": np.int32, "uint8": np.uint8, "bool": np.bool_}
+"""Wire dtype -> the numpy dtype its bytes are read as (bfloat16 as int16, then viewed)."""
 
 
 def frame_to_tensor(where: str, dtype_name: Any, shape: Any, nbytes: Any, frame: memoryview,
@@ -64,7 +83,7 @@ def frame_to_tensor(where: str, dtype_name: Any, shape: Any, nbytes: Any, frame:
     Every check runs on the header's numbers (in Python ints, so no overflow) before a
     tensor object exists; the result shares memory with ``frame``.
     """
-    dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
     if dtype is None:
         raise ProtocolError(f"{where}: unknown dtype {dtype_name!r:.80}", reason="tensor")
     if not (type(shape) is list and len(shape) <= MAX_NDIM
@@ -81,17 +100,19 @@ def frame_to_tensor(where: str, dtype_name: Any, shape: Any, nbytes: Any, frame:
                             f"says {nbytes}, frame has {len(frame)}", reason="tensor")
     if expected == 0:
         return torch.empty(shape, dtype=dtype)  # frombuffer refuses empty buffers
+    if dtype is torch.bool and bool((np.frombuffer(frame, dtype=np.uint8) > 1).any()):
+        # torch assumes bools are 0 or 1; other bytes give undefined results downstream.
+        raise ProtocolError(f"{where}: bool tensor holds bytes other than 0 and 1", reason="tensor")
+    # numpy's frombuffer + from_numpy: ~2.5 us against ~8 us for torch.frombuffer/view/reshape.
+    arr = np.frombuffer(frame, dtype=_NUMPY[dtype_name]).reshape(shape)
     if frame.readonly:
         # bytes input (tests, files): torch warns that the tensor cannot be made read-only.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(frame, dtype=torch.uint8)
+            out = torch.from_numpy(arr)
     else:
-        flat = torch.frombuffer(frame, dtype=torch.uint8)
-    if dtype is torch.bool and bool((flat > 1).any()):
-        # torch assumes bools are 0 or 1; other bytes give undefined results downstream.
-        raise ProtocolError(f"{where}: bool tensor holds bytes other than 0 and 1", reason="tensor")
-    return flat.view(dtype).reshape(shape)
+        out = torch.from_numpy(arr)
+    return out.view(torch.bfloat16) if dtype is torch.bfloat16 else out
 
 
 def tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
