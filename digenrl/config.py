@@ -54,9 +54,26 @@ class ModelConfig:
         "sd3", "diffusers transformer family: sd3, flux, wan, qwenimage, hunyuanvideo")
     path: str = _f("builtin", "'builtin' (the shipped tiny base model), 'random' (tiny random "
                    "init) or a local diffusers folder loaded with from_pretrained, offline")
-    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "parameter / compute dtype")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32", "compute dtype of the transformer and text encoders; trained parameters and "
+        "optimizer state stay float32 (master weights) whatever this is")
+    height: int = _f(0, "image height in pixels; 0 = the pipeline's default (SD3: sample_size x VAE "
+                     "factor, FLUX/Qwen-Image 1024, Wan 480, HunyuanVideo 720; tiny models 32)", ge=0)
+    width: int = _f(0, "image width in pixels; 0 = the pipeline's default (Wan 832, HunyuanVideo 1280)", ge=0)
+    num_frames: int = _f(0, "video frames (wan, hunyuanvideo); 0 = the pipeline's default (81, 129); "
+                         "must be 1 + a multiple of the VAE's time factor", ge=0)
+    text_encoder: Literal["auto", "pipeline", "hash"] = _f(
+        "auto", "prompt encoder: 'pipeline' = the folder's own text encoders (as its diffusers "
+        "pipeline encodes), 'hash' = the toy hash-of-words encoder; 'auto' = pipeline for a "
+        "pipeline folder, hash for 'builtin' / 'random' (any other folder must say which)")
+    max_text_tokens: int = _f(0, "prompt tokens the text encoders keep; 0 = the pipeline's default "
+                              "(SD3 256, FLUX 512, Wan 226, Qwen-Image 1024, HunyuanVideo 256)", ge=0)
     lora_rank: int = _f(0, "LoRA rank via peft; 0 trains all parameters", ge=0)
     lora_alpha: float = _f(0.0, "LoRA alpha; 0 means 2 * rank (the Flow-GRPO default)", ge=0)
+    lora_targets: list[str] = _f(
+        ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
+        "module names LoRA adapts (peft target_modules; flow_grpo's set: the image and text "
+        "attention projections)")
     gradient_checkpointing: bool = _f(False, "activation checkpointing in the trainer")
     fsdp: bool = _f(False, "shard parameters/grads/optimizer state over trainer ranks (FSDP2)")
 
@@ -70,6 +87,9 @@ class SamplerConfig:
     eta: float = _f(0.3, "DanceGRPO constant eta", ge=0)
     shift: float = _f(3.0, "sigma shift s: sigma -> s*sigma/(1+(s-1)*sigma)", gt=0)
     guidance_scale: float = _f(1.0, "classifier-free guidance; 1 disables CFG (recommended)", ge=0)
+    embedded_guidance: float = _f(
+        0.0, "guidance value fed to a guidance-distilled transformer (FLUX.1-dev, HunyuanVideo); "
+        "0 = the pipeline's default (FLUX 3.5, HunyuanVideo 6.0)", ge=0)
     wire_dtype: Literal["float32", "bfloat16"] = _f(
         "float32", "dtype latents are stored/sent in; log-probs are computed on the rounded value")
 

@@ -99,7 +99,7 @@ def test_saved_model_reloads_with_identical_velocity(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lora_trains_only_the_adapter_and_disabling_it_gives_the_base_model(family, tmp_path):
+def test_lora_trains_only_the_adapter_and_disabling_it_gives_the_base_model(family):
     base, lora = tiny(family), tiny(family, lora_rank=2)
     perturb_lora(lora)
     names = [n for n, p in lora.transformer.named_parameters() if p.requires_grad]
@@ -118,13 +118,9 @@ def test_lora_trains_only_the_adapter_and_disabling_it_gives_the_base_model(fami
     assert sd and all("lora_" in k for k in sd)
     peer = tiny(family, lora_rank=2)
     peer.load_sync_state_dict(sd)
-    lora.save(tmp_path)
-    reloaded = build_model(ModelConfig(family=family, path=str(tmp_path), lora_rank=2), seed=5)
     assert_same_weights(peer.sync_state_dict(), sd)
-    assert_same_weights(reloaded.sync_state_dict(), sd)
     with torch.no_grad():
         assert_close_across_instances(peer.velocity(x, 0.5, cond), v_lora)
-        assert_close_across_instances(reloaded.velocity(x, 0.5, cond), v_lora)
 
 
 def test_sync_state_dict_with_wrong_keys_is_rejected_naming_them():
@@ -195,89 +191,6 @@ def test_missing_builtin_folder_error_names_the_folder():
 def test_folder_without_a_config_is_rejected(tmp_path):
     with pytest.raises(ModelFolderError, match=r"config\.json"):
         build_model(ModelConfig(family="sd3", path=str(tmp_path)))
-
-
-def write_vae(folder, latent_channels: int):
-    from diffusers import AutoencoderKL
-
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(8, 8),
-                            down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                            norm_num_groups=4, layers_per_block=1)
-    vae.save_pretrained(folder / "vae")
-    return vae
-
-
-def write_text_encoders(folder, family: str) -> None:
-    """Tiny CLIP(s) + T5 with hand-made vocabularies, saved the way the SD3 / FLUX pipelines lay them out."""
-    import json
-    import string
-
-    from transformers import (
-        CLIPTextConfig,
-        CLIPTextModel,
-        CLIPTextModelWithProjection,
-        CLIPTokenizer,
-        T5Config,
-        T5EncoderModel,
-        T5TokenizerFast,
-    )
-
-    words = ["a", "red", "blue", "green", "circle", "square", "triangle", "on", "the", "left"]
-    clip_vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for ch in string.ascii_lowercase:
-        clip_vocab[ch], clip_vocab[ch + "</w>"] = len(clip_vocab), len(clip_vocab) + 1
-    (folder / "vocab.json").write_text(json.dumps(clip_vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    t5_vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)] + [("\u2581" + w, -1.0) for w in words]
-    clip_cfg = dict(vocab_size=len(clip_vocab), hidden_size=8, intermediate_size=16, num_hidden_layers=2,
-                    num_attention_heads=2, max_position_embeddings=16, projection_dim=8)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        clips = [CLIPTextModelWithProjection if family == "sd3" else CLIPTextModel] * (2 if family == "sd3" else 1)
-        for i, cls in enumerate(clips):
-            suffix = "" if i == 0 else "_2"
-            CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=16).save_pretrained(
-                folder / f"tokenizer{suffix}")
-            cls(CLIPTextConfig(**clip_cfg)).save_pretrained(folder / f"text_encoder{suffix}")
-        t5_suffix = "_3" if family == "sd3" else "_2"
-        T5TokenizerFast(vocab=t5_vocab, extra_ids=0).save_pretrained(folder / f"tokenizer{t5_suffix}")
-        T5EncoderModel(T5Config(vocab_size=len(t5_vocab), d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
-                       ).save_pretrained(folder / f"text_encoder{t5_suffix}")
-
-
-def test_pipeline_folder_decodes_with_its_vae(tmp_path):
-    tiny("sd3").transformer.save_pretrained(tmp_path / "transformer")
-    vae = write_vae(tmp_path, 12)
-    loaded = build_model(ModelConfig(family="sd3", path=str(tmp_path)))
-    x = latents(loaded, 2)
-    img = loaded.decode(x)
-    assert img.dtype == torch.uint8 and img.shape == (2, 3, 32, 32)  # one 2x downsampling stage
-    with torch.no_grad():
-        ref = vae.decode(x / vae.config.scaling_factor).sample
-    expected = ((ref.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    # Two AutoencoderKL instances with the same weights: their float outputs may differ in the
-    # last bits (seen: 6e-7 on an AMD EPYC), which can flip the rounding of a pixel by one level.
-    # Forgetting the scaling factor (1.5305 here) or the shift would move pixels by tens of levels.
-    assert (img.int() - expected.int()).abs().max() <= 1
-
-
-@pytest.mark.parametrize(("family", "pooled_dim"), [("sd3", 16), ("flux", 8)])
-def test_pipeline_folder_encodes_prompts_with_its_own_clip_and_t5(family, pooled_dim, tmp_path):
-    overrides = {"joint_attention_dim": 32, "pooled_projection_dim": pooled_dim}
-    model = build_model(ModelConfig(family=family, path="random"), tiny_overrides=overrides)
-    model.transformer.save_pretrained(tmp_path / "transformer")
-    write_vae(tmp_path, model.latent_shape[0])
-    write_text_encoders(tmp_path, family)
-    loaded = build_model(ModelConfig(family=family, path=str(tmp_path)))
-    cond = loaded.encode_prompts(["a red circle", "a blue square"])
-    assert cond["prompt_embeds"].shape[::2] == (2, 32) and cond["pooled_embeds"].shape == (2, pooled_dim)
-    assert not torch.allclose(cond["prompt_embeds"][0], cond["prompt_embeds"][1])
-    x = torch.randn(2, *loaded.latent_shape, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        v = loaded.velocity(x, 0.5, cond)
-    assert torch.isfinite(v).all() and v.shape == x.shape
 
 
 # -- prompts -------------------------------------------------------------------------------------

@@ -2,25 +2,37 @@
 
 A family adapter subclasses :class:`DiffusersFlowModel` and implements only
 :meth:`DiffusersFlowModel._forward` (how its transformer wants latents, timesteps and text).
+
+Precision: the transformer's parameters are in the *compute* dtype (``model.dtype``;
+bfloat16 on GPUs), LoRA matrices included, exactly as diffusers runs a pipeline loaded with
+``torch_dtype=bfloat16``. The float32 master copy of the trained parameters and the
+optimizer state live in :class:`~digenrl.rl.policy.Policy`, so a rollout holding only this
+model computes bit-identically to the trainer (DESIGN.md's precision trap).
+
+Saved outputs load with diffusers itself (:meth:`DiffusersFlowModel.save`): a full fine-tune
+is a transformer folder (``config.json`` + ``diffusion_pytorch_model.safetensors``, what
+``save_pretrained`` writes), a LoRA is ``pytorch_lora_weights.safetensors`` in diffusers' own
+LoRA format (``transformer.``-prefixed keys, the peft config in its metadata) that the family
+pipeline's ``load_lora_weights`` reads.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-from collections.abc import Callable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
-from safetensors.torch import load_file, save_file
 
+from digenrl.config import ConfigError
 from digenrl.models.base import Cond
 
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
-LORA_WEIGHTS = "digenrl_lora.safetensors"
-LORA_META = "digenrl_lora.json"
+#: flow_grpo's LoRA targets (train_sd3.py / train_flux.py): image and text attention projections.
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+LORA_FILE = "pytorch_lora_weights.safetensors"
 BASE_WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
@@ -40,22 +52,35 @@ class DiffusersFlowModel:
     """
 
     family = ""
+    pipeline_class = ""
+    """the diffusers pipeline this transformer belongs to (its LoRA loader reads our LoRA files)"""
+    guidance = 0.0
+    """embedded guidance for guidance-distilled transformers (set from sampler.embedded_guidance)"""
 
     def __init__(self, transformer: torch.nn.Module, *, encoder: Callable[[Sequence[str]], Cond],
                  decoder: Callable[[torch.Tensor], torch.Tensor], latent_shape: tuple[int, ...],
-                 lora_rank: int = 0, lora_alpha: float = 0.0, gradient_checkpointing: bool = False) -> None:
+                 lora_rank: int = 0, lora_alpha: float = 0.0, lora_targets: Sequence[str] = LORA_TARGETS,
+                 gradient_checkpointing: bool = False, dtype: torch.dtype | None = None) -> None:
         self.transformer = transformer
         self.encoder, self.decoder = encoder, decoder
         self.latent_shape = tuple(latent_shape)
         self.lora_rank = lora_rank
+        #: the compute dtype: every input is cast to it (FSDP's sharded masters may be float32)
+        self.compute_dtype = dtype or next(transformer.parameters()).dtype
         self._sync_targets: dict[str, torch.Tensor] | None = None  # live tensors, by sync key
         self.lora_alpha = lora_alpha or 2.0 * lora_rank  # Flow-GRPO's default alpha = 2 * rank
         if lora_rank > 0:
             transformer.requires_grad_(False)
-            transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=self.lora_alpha,
-                                               init_lora_weights="gaussian", target_modules=LORA_TARGETS))
+            try:
+                transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=self.lora_alpha,
+                                                   init_lora_weights="gaussian", target_modules=list(lora_targets)))
+            except ValueError as e:  # peft: no module matched
+                raise ConfigError(f"model.lora_targets = {list(lora_targets)}: no module of this "
+                                  f"{type(transformer).__name__} matches ({str(e).splitlines()[0]})") from None
             for name, p in transformer.named_parameters():
                 p.requires_grad_("lora_" in name)
+                if "lora_" in name and p.dtype != self.compute_dtype:
+                    p.data = p.data.to(self.compute_dtype)  # peft makes them float32
         if gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
 
@@ -66,7 +91,8 @@ class DiffusersFlowModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
+        """The compute dtype (inputs are cast to it; velocities come back float32)."""
+        return self.compute_dtype
 
     def encode_prompts(self, prompts: Sequence[str]) -> Cond:
         """Conditioning for ``prompts`` (batch-first tensors on the model's device)."""
@@ -143,33 +169,45 @@ class DiffusersFlowModel:
             raise SyncStateError(f"{self.family}: sync state dict keys differ: missing {missing}, unexpected {extra}")
 
     # -- persistence ---------------------------------------------------------------------------
-    def save(self, folder: str | Path) -> None:
-        """A diffusers transformer folder (config.json + safetensors) that ``build_model`` loads.
+    def save(self, folder: str | Path, state: Mapping[str, torch.Tensor] | None = None, *,
+             dtype: torch.dtype | None = None, same_as: str | Path | None = None) -> Path:
+        """Write what diffusers loads; returns the weights file.
 
-        With LoRA the base weights are saved unmerged and the adapter next to them
-        (``digenrl_lora.safetensors`` + ``digenrl_lora.json``), reloaded on top of the base.
+        Full fine-tune: ``config.json`` + ``diffusion_pytorch_model.safetensors`` (load with
+        ``<Transformer>.from_pretrained(folder)``). LoRA: ``pytorch_lora_weights.safetensors``
+        (load with ``<Pipeline>.load_lora_weights(folder)``). ``state`` is a
+        :meth:`sync_state_dict` to write instead of this model's own tensors (the float32
+        masters, or a sharded model's gathered weights); ``dtype`` casts floating tensors
+        (default: as they are). ``same_as``: a safetensors file already holding exactly
+        ``state`` (a full fine-tune's sync keys are the transformer's own), hard-linked
+        instead of written again.
         """
+        from safetensors.torch import save_file
+
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
+        sd = dict(self.sync_state_dict() if state is None else state)
+        sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().to("cpu").contiguous()
+              for k, v in sd.items()}
         if not self.lora_rank:
-            self.transformer.save_pretrained(folder)
-            return
-        base = {}
-        for k, v in self.transformer.state_dict().items():
-            if "lora_" not in k:
-                base[k.replace(".base_layer.", ".")] = v.detach().contiguous()
-        self.transformer.save_config(folder)
-        save_file(base, folder / BASE_WEIGHTS)
-        save_file({k: v.contiguous() for k, v in self.sync_state_dict().items()}, folder / LORA_WEIGHTS)
-        (folder / LORA_META).write_text(json.dumps({"rank": self.lora_rank, "alpha": self.lora_alpha}))
+            self.transformer.save_config(folder)
+            target = folder / BASE_WEIGHTS
+            if same_as is not None and dtype is None:
+                try:
+                    os.link(same_as, target)
+                    return target
+                except OSError:  # another file system: write it
+                    pass
+            save_file(sd, str(target), metadata={"format": "pt"})
+            return target
+        import diffusers
 
-    def load_saved_adapter(self, folder: str | Path) -> bool:
-        """Load ``digenrl_lora.safetensors`` from ``folder`` if present; True when loaded."""
-        path = Path(folder) / LORA_WEIGHTS
-        if not path.exists():
-            return False
-        meta = json.loads((Path(folder) / LORA_META).read_text())
-        if not self.lora_rank or meta["rank"] != self.lora_rank:
-            raise ValueError(f"{folder} holds a LoRA of rank {meta['rank']}, but model.lora_rank={self.lora_rank}")
-        self.load_sync_state_dict({k: v.to(self.device) for k, v in load_file(path).items()})
-        return True
+        pipeline = getattr(diffusers, self.pipeline_class)
+        pipeline.save_lora_weights(folder, transformer_lora_layers=sd, weight_name=LORA_FILE,
+                                   transformer_lora_adapter_metadata=self.lora_config())
+        return folder / LORA_FILE
+
+    def lora_config(self) -> dict:
+        """The peft LoraConfig of the adapter as a dict (what diffusers stores with a LoRA)."""
+        cfg = self.transformer.peft_config["default"].to_dict()
+        return {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.items()}

@@ -51,11 +51,24 @@ def cond_select(cond: Cond, index: torch.Tensor | slice | Sequence[int]) -> Cond
 
 
 def cond_cat(conds: Sequence[Cond]) -> Cond:
-    """Concatenate conditionings along the batch."""
+    """Concatenate conditionings along the batch.
+
+    Token sequences of different lengths (Qwen-Image pads each batch to its longest prompt)
+    are zero-padded to the longest first: zero embeddings under a zero ``prompt_mask``, the
+    padding the pipeline itself adds.
+    """
     if not conds:
         raise ValueError("cond_cat needs at least one conditioning")
     keys = conds[0].keys()
-    return {k: torch.cat([c[k] for c in conds], dim=0) for k in keys}
+    out = {}
+    for k in keys:
+        parts = [c[k] for c in conds]
+        if parts[0].dim() >= 2 and len({p.shape[1] for p in parts}) > 1:
+            n = max(p.shape[1] for p in parts)
+            parts = [torch.cat([p, p.new_zeros(p.shape[0], n - p.shape[1], *p.shape[2:])], dim=1)
+                     if p.shape[1] < n else p for p in parts]
+        out[k] = torch.cat(parts, dim=0)
+    return out
 
 
 def cond_repeat(cond: Cond, times: int) -> Cond:

@@ -35,6 +35,7 @@ class FluxModel(DiffusersFlowModel):
     """FLUX adapter; ``guidance`` is the distilled guidance value (used when the model embeds it)."""
 
     family = "flux"
+    pipeline_class = "FluxPipeline"
     guidance = 3.5
 
     def _forward(self, x: torch.Tensor, sigma_B: torch.Tensor, cond: Cond) -> torch.Tensor:
@@ -50,9 +51,3 @@ class FluxModel(DiffusersFlowModel):
             return_dict=False,
         )[0]
         return unpack_2x2(out, h, w)
-
-
-def flux_latent_shape(config, real: bool) -> tuple[int, ...]:
-    """(in_channels/4, s, s): s = 128 (1024 px) for a pipeline folder, else 16."""
-    s = 128 if real else 16
-    return (config.in_channels // 4, s, s)

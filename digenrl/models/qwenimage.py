@@ -27,6 +27,7 @@ class QwenImageModel(DiffusersFlowModel):
     """Qwen-Image adapter; see the module docstring for the conventions."""
 
     family = "qwenimage"
+    pipeline_class = "QwenImagePipeline"
     guidance = 1.0  # only used by a guidance-embedding variant
 
     def _forward(self, x: torch.Tensor, sigma_B: torch.Tensor, cond: Cond) -> torch.Tensor:
@@ -40,9 +41,3 @@ class QwenImageModel(DiffusersFlowModel):
             img_shapes=[[(1, h // 2, w // 2)]] * b, guidance=guidance, return_dict=False,
         )[0]
         return unpack_2x2(out, h, w)
-
-
-def qwenimage_latent_shape(config, real: bool) -> tuple[int, ...]:
-    """(out_channels, s, s): s = 128 (1024 px) for a pipeline folder, else 16."""
-    s = 128 if real else 16
-    return (config.out_channels or config.in_channels // 4, s, s)

@@ -6,13 +6,17 @@
   from ``seed`` inside ``torch.random.fork_rng`` so the caller's global RNG is untouched;
 * ``"builtin"``: the shipped tiny base model ``digenrl/data/base-<family>-tiny/`` (a transformer
   folder; its ``config.json`` is authoritative);
-* anything else: a local diffusers folder, either a transformer folder (``config.json`` +
-  safetensors) or a full pipeline folder (``model_index.json``, ``transformer/``, ``vae/``, text
-  encoders). Everything loads with ``local_files_only=True``: nothing is ever downloaded.
+* a pipeline folder (``model_index.json``; :mod:`digenrl.models.folder`): its transformer, its
+  VAE (latents decoded as the pipeline decodes them) and, with ``model.text_encoder`` "auto" or
+  "pipeline", its own text encoders run through the pipeline's ``encode_prompt``;
+* a transformer folder (``config.json`` + safetensors, what a full fine-tune's ``final/`` holds).
 
 Tiny models use :class:`~digenrl.models.text.HashPromptEncoder` and the fixed
-:class:`~digenrl.models.pixels.PixelDecoder`; pipeline folders use their VAE and (SD3/FLUX) their
-own CLIP/T5 encoders.
+:class:`~digenrl.models.pixels.PixelDecoder`. That toy pair is never chosen silently for a real
+transformer: a folder without text encoders is refused unless ``model.text_encoder = "hash"``,
+except a pixel-space transformer (``3 r^2`` latent channels, what the builtin base model and the
+tiny random ones are), whose pixel decoder is exact. Everything loads with
+``local_files_only=True``: nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -24,8 +28,14 @@ import torch
 from digenrl.config import ModelConfig
 from digenrl.models import families
 from digenrl.models.adapter import DiffusersFlowModel
-from digenrl.models.pixels import PixelDecoder, VaeDecoder
-from digenrl.models.text import ClipT5PromptEncoder, HashPromptEncoder
+from digenrl.models.folder import (
+    TEXT_COMPONENTS,
+    ModelFolderError,
+    PipelineFolder,
+    is_pipeline_folder,
+)
+from digenrl.models.pixels import PixelDecoder, VaeDecoder, shuffle_factor
+from digenrl.models.text import HashPromptEncoder, PipelinePromptEncoder
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 TINY_CONFIGS = families.TINY_CONFIGS
@@ -33,9 +43,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 #: Seed of the tiny models' word vectors: fixed, so a saved model and its prompts stay paired.
 PROMPT_SEED = 0
 
-
-class ModelFolderError(ValueError):
-    """A model path that is missing or is not a diffusers transformer / pipeline folder."""
+__all__ = ["TINY_CONFIGS", "ModelFolderError", "build_model", "builtin_folder", "check_model_path"]
 
 
 def builtin_folder(family: str) -> Path:
@@ -43,65 +51,105 @@ def builtin_folder(family: str) -> Path:
     return DATA_DIR / f"base-{family}-tiny"
 
 
+def _folder(model_cfg: ModelConfig) -> Path:
+    folder = builtin_folder(model_cfg.family) if model_cfg.path == "builtin" else Path(model_cfg.path)
+    if not folder.is_dir():
+        what = "the builtin base model folder" if model_cfg.path == "builtin" else "model.path"
+        raise ModelFolderError(f"{what} {str(folder)!r} does not exist")
+    return folder
+
+
+def check_model_path(model_cfg: ModelConfig) -> None:
+    """The cheap checks of ``build_model`` (no weights read): the folder exists, is a pipeline
+    folder of ``model.family`` with its text encoders (unless the hash encoder is asked for)
+    and VAE, or a transformer folder. Raises :class:`ModelFolderError` (a ConfigError)."""
+    if model_cfg.family not in families.SPECS:
+        raise ModelFolderError(f"model.family = {model_cfg.family!r}: expected one of {sorted(families.SPECS)}")
+    if model_cfg.path == "random":
+        if model_cfg.text_encoder == "pipeline":
+            raise ModelFolderError("model.text_encoder = 'pipeline' needs a pipeline folder; model.path = 'random' "
+                                   "has no text encoders")
+        return
+    folder = _folder(model_cfg)
+    if is_pipeline_folder(folder):
+        pf = PipelineFolder(folder)
+        pf.check_family(model_cfg.family)
+        pf.require({"transformer": f"the {pf.pipeline_class}'s transformer",
+                    "vae": f"the {pf.pipeline_class}'s VAE ({families.SPECS[pf.family].vae_class})"})
+        if model_cfg.text_encoder != "hash":
+            pf.require(TEXT_COMPONENTS[pf.family])
+        return
+    if (folder / "transformer").is_dir():
+        raise ModelFolderError(f"model.path {str(folder)!r} has transformer/ but no model_index.json: "
+                               "point model.path at a whole pipeline folder (as diffusers saves one)")
+    if not (folder / "config.json").is_file():
+        raise ModelFolderError(f"model.path {str(folder)!r} has neither config.json (transformer folder) "
+                               "nor model_index.json (pipeline folder)")
+    if model_cfg.text_encoder == "pipeline":
+        raise ModelFolderError(f"model.text_encoder = 'pipeline': {str(folder)!r} is a transformer folder, "
+                               "it has no text encoders; point model.path at the pipeline folder")
+
+
 def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu",
-                tiny_overrides: dict | None = None) -> DiffusersFlowModel:
-    """The adapter for ``model_cfg`` (see the module docstring for ``path``).
+                tiny_overrides: dict | None = None, embedded_guidance: float = 0.0) -> DiffusersFlowModel:
+    """The adapter for ``model_cfg`` (see the module docstring for ``path``), on ``device``.
 
     ``seed`` initialises random weights (path ``"random"``) and LoRA matrices; ``tiny_overrides``
-    replaces entries of ``TINY_CONFIGS[family]`` for ``"random"``.
+    replaces entries of ``TINY_CONFIGS[family]`` for ``"random"``; ``embedded_guidance`` is
+    ``sampler.embedded_guidance`` (0: the pipeline's default). The transformer and text
+    encoders are in ``model.dtype``; the VAE decodes in float32 (as flow_grpo and the Wan
+    model card do).
     """
+    check_model_path(model_cfg)
     family = model_cfg.family
-    if family not in families.SPECS:
-        raise ValueError(f"model.family={family!r} is not one of {sorted(families.SPECS)}")
     spec = families.SPECS[family]
     dtype = DTYPES[model_cfg.dtype]
-    vae = text_root = None
-    adapter_folder = None
+    device = torch.device(device)
+    pf: PipelineFolder | None = None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if model_cfg.path == "random":
             transformer = spec.cls(**{**TINY_CONFIGS[family], **(tiny_overrides or {})})
         else:
-            folder = builtin_folder(family) if model_cfg.path == "builtin" else Path(model_cfg.path)
-            if not folder.is_dir():
-                what = "the builtin base model folder" if model_cfg.path == "builtin" else "model.path"
-                raise ModelFolderError(f"{what} {str(folder)!r} does not exist")
-            if (folder / "model_index.json").exists() or (folder / "transformer").is_dir():
-                transformer = spec.cls.from_pretrained(folder, subfolder="transformer", local_files_only=True)
-                vae = _load_vae(folder, family)
-                text_root = folder if (folder / "text_encoder").is_dir() else None
-            elif (folder / "config.json").exists():
-                transformer = spec.cls.from_pretrained(folder, local_files_only=True)
-                adapter_folder = folder
+            folder = _folder(model_cfg)
+            if is_pipeline_folder(folder):
+                pf = PipelineFolder(folder)
+                transformer = pf.load("transformer", dtype=dtype, frozen=False)
             else:
-                raise ModelFolderError(f"model.path {str(folder)!r} has neither config.json (transformer "
-                                       "folder) nor model_index.json / transformer/ (pipeline folder)")
+                transformer = spec.cls.from_pretrained(folder, local_files_only=True)
         transformer.to(device=device)
         if transformer.dtype != dtype:  # a no-op cast still makes diffusers warn about fp32 modules
             transformer.to(dtype=dtype)
         cfg = transformer.config
-        latent_shape = spec.latent_shape(cfg, vae is not None)
-        if text_root is not None:
-            if family not in ("sd3", "flux"):
-                raise NotImplementedError(f"{family}: loading the pipeline's own text encoders is not "
-                                          f"implemented (only sd3 and flux); folder {str(text_root)!r}")
-            encoder = ClipT5PromptEncoder(text_root, family, device=device, dtype=dtype)
+        vae = pf.load("vae", dtype=torch.float32, device=device) if pf is not None else None
+        geometry = spec.geometry(cfg, vae)
+        latent_shape = geometry.latent_shape(model_cfg.height, model_cfg.width, model_cfg.num_frames)
+        encoder = _encoder(model_cfg, pf, device, dtype, cfg)
+        if vae is not None:
+            decoder = VaeDecoder(vae, family)
         else:
-            dim, pooled = spec.text_dims(cfg)
-            encoder = HashPromptEncoder(dim, pooled, max_tokens=spec.max_tokens, seed=PROMPT_SEED)
-        decoder = VaeDecoder(vae.to(device), family) if vae is not None else PixelDecoder(latent_shape[0])
+            if shuffle_factor(latent_shape[0]) is None and model_cfg.text_encoder != "hash" and model_cfg.path != "random":
+                raise ModelFolderError(
+                    f"model.path {model_cfg.path!r} is a transformer folder of {latent_shape[0]}-channel latents "
+                    "with no VAE or text encoders: point model.path at its pipeline folder, or set "
+                    "model.text_encoder = 'hash' to train it on the toy encoder and a random linear decoder")
+            decoder = PixelDecoder(latent_shape[0])
         model = spec.adapter(transformer, encoder=encoder, decoder=decoder, latent_shape=latent_shape,
                              lora_rank=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha,
-                             gradient_checkpointing=model_cfg.gradient_checkpointing)
-        if adapter_folder is not None:
-            model.load_saved_adapter(adapter_folder)
+                             lora_targets=model_cfg.lora_targets,
+                             gradient_checkpointing=model_cfg.gradient_checkpointing, dtype=dtype)
+        model.guidance = embedded_guidance or spec.guidance
     return model
 
 
-def _load_vae(folder: Path, family: str) -> torch.nn.Module:
+def _encoder(model_cfg: ModelConfig, pf: PipelineFolder | None, device: torch.device, dtype: torch.dtype,
+             cfg: object):
+    spec = families.SPECS[model_cfg.family]
+    if pf is None or model_cfg.text_encoder == "hash":
+        dim, pooled = spec.text_dims(cfg)
+        return HashPromptEncoder(dim, pooled, max_tokens=spec.max_tokens, seed=PROMPT_SEED)
     import diffusers
 
-    name = families.SPECS[family].vae_class
-    if not (folder / "vae").is_dir():
-        raise ModelFolderError(f"pipeline folder {str(folder)!r} has no vae/ subfolder")
-    return getattr(diffusers, name).from_pretrained(folder, subfolder="vae", local_files_only=True)
+    parts = {name: pf.load(name, dtype=dtype, device=device) for name in TEXT_COMPONENTS[pf.family]}
+    pipe = getattr(diffusers, pf.pipeline_class)(transformer=None, vae=None, scheduler=None, **parts)
+    return PipelinePromptEncoder(pipe, pf.family, device=device, max_tokens=model_cfg.max_text_tokens)

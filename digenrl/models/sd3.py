@@ -25,20 +25,10 @@ class SD3Model(DiffusersFlowModel):
     """SD3 adapter; see the module docstring for the conventions."""
 
     family = "sd3"
+    pipeline_class = "StableDiffusion3Pipeline"
 
     def _forward(self, x: torch.Tensor, sigma_B: torch.Tensor, cond: Cond) -> torch.Tensor:
         return self.transformer(
             hidden_states=x, encoder_hidden_states=cond["prompt_embeds"],
             pooled_projections=cond["pooled_embeds"], timestep=sigma_B * 1000, return_dict=False,
         )[0]
-
-
-def sd3_latent_shape(config, latent_hw: int | None = None) -> tuple[int, ...]:
-    """(in_channels, s, s) with s = ``sample_size`` unless given."""
-    s = latent_hw or config.sample_size
-    return (config.in_channels, s, s)
-
-
-def sd3_text_dims(config) -> tuple[int, int]:
-    """(prompt word dim, pooled dim) the transformer expects."""
-    return config.joint_attention_dim, config.pooled_projection_dim

@@ -1,4 +1,4 @@
-"""Prompt encoders: a deterministic hash encoder for tiny configs, and local CLIP/T5 encoders.
+"""Prompt encoders: a deterministic hash encoder for tiny models, and a pipeline folder's own.
 
 The tiny models in tests and on CPU have no real text encoder (nothing may be downloaded), yet
 prompts must matter to the policy, or RL has nothing to learn per prompt. :class:`HashPromptEncoder`
@@ -10,6 +10,11 @@ Every encoder returns the same conditioning keys (batch-first, see :mod:`digenrl
 * ``prompt_embeds``  ``(B, L, dim)`` float32, zero rows after the last word;
 * ``prompt_mask``    ``(B, L)`` int64, 1 for a real token, 0 for padding;
 * ``pooled_embeds``  ``(B, pooled_dim)`` float32 (zeros-wide when an encoder has no pooled output).
+
+:class:`PipelinePromptEncoder` runs a pipeline folder's text encoders through the family's
+diffusers pipeline's own ``encode_prompt`` (so tokenisation, templates, the hidden layer
+taken, padding and CLIP/T5 joining are exactly the pipeline's); its tensors come in the text
+encoders' dtype (bfloat16 in a bfloat16 run), with the same keys.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import re
 import zlib
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -73,66 +78,67 @@ class HashPromptEncoder:
         return {"prompt_embeds": embeds, "prompt_mask": mask, "pooled_embeds": pooled}
 
 
-class ClipT5PromptEncoder:
-    """The SD3 / FLUX text stack loaded offline from a local pipeline folder (``transformers``).
 
-    SD3: CLIP-L and CLIP-G penultimate hidden states are concatenated, zero-padded to T5's width and
-    joined with the T5 sequence; pooled = both CLIP pooled outputs concatenated (as in
-    ``StableDiffusion3Pipeline.encode_prompt``). FLUX: T5 sequence + CLIP-L pooled output.
+#: The diffusers pipelines' default prompt lengths (``max_sequence_length``).
+DEFAULT_TEXT_TOKENS = {"sd3": 256, "flux": 512, "wan": 226, "qwenimage": 1024, "hunyuanvideo": 256}
+
+
+def template_prefix_tokens(tokenizer: Any, template: str) -> int:
+    """Tokens of ``template`` before its ``{}`` (what the pipeline crops off the encoder output).
+
+    diffusers hard-codes this count for the published tokenizers (Qwen-Image 34, HunyuanVideo
+    95); measuring it gives the same number for those and the right one for any other.
+    """
+    return len(tokenizer(template.split("{}")[0]).input_ids)
+
+
+class PipelinePromptEncoder:
+    """Prompts -> conditioning through the family pipeline's ``encode_prompt``.
+
+    ``pipe`` is the family's diffusers pipeline holding (at least) its text encoders and
+    tokenizers on ``device``; ``max_tokens`` is its ``max_sequence_length`` (0: its default).
+    No classifier-free-guidance batch is made here (the sampler encodes ``""`` itself).
     """
 
-    def __init__(self, folder: str | Path, family: str, *, max_tokens: int = 256,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
-        try:
-            from transformers import (
-                CLIPTextModel,
-                CLIPTextModelWithProjection,
-                CLIPTokenizer,
-                T5EncoderModel,
-                T5TokenizerFast,
+    def __init__(self, pipe: Any, family: str, *, device: str | torch.device = "cpu", max_tokens: int = 0) -> None:
+        self.pipe, self.family, self.device = pipe, family, torch.device(device)
+        self.max_tokens = max_tokens or DEFAULT_TEXT_TOKENS[family]
+        self._template: dict[str, Any] | None = None
+        if family == "qwenimage":
+            pipe.prompt_template_encode_start_idx = template_prefix_tokens(pipe.tokenizer, pipe.prompt_template_encode)
+        elif family == "hunyuanvideo":
+            from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import (
+                DEFAULT_PROMPT_TEMPLATE,
             )
-        except ImportError as err:  # pragma: no cover - transformers is a declared dependency here
-            raise NotImplementedError(
-                f"the text encoders of {folder} need the 'transformers' package") from err
-        if family not in ("sd3", "flux"):
-            raise NotImplementedError(f"ClipT5PromptEncoder supports sd3 and flux, not {family!r}")
-        root = Path(folder)
-        kw = {"local_files_only": True}
-        self.family, self.max_tokens, self.device = family, max_tokens, torch.device(device)
-        clip_cls = CLIPTextModelWithProjection if family == "sd3" else CLIPTextModel
-        self.tok1 = CLIPTokenizer.from_pretrained(root / "tokenizer", **kw)
-        self.enc1 = clip_cls.from_pretrained(root / "text_encoder", torch_dtype=dtype, **kw)
-        self.enc1.to(self.device).requires_grad_(False).eval()
-        self.tok2 = self.enc2 = None
-        if family == "sd3":
-            self.tok2 = CLIPTokenizer.from_pretrained(root / "tokenizer_2", **kw)
-            self.enc2 = CLIPTextModelWithProjection.from_pretrained(root / "text_encoder_2", torch_dtype=dtype, **kw)
-            self.enc2.to(self.device).requires_grad_(False).eval()
-        t5_dir, t5_tok_dir = ("text_encoder_3", "tokenizer_3") if family == "sd3" else ("text_encoder_2", "tokenizer_2")
-        self.tok_t5 = T5TokenizerFast.from_pretrained(root / t5_tok_dir, **kw)
-        self.enc_t5 = T5EncoderModel.from_pretrained(root / t5_dir, torch_dtype=dtype, **kw)
-        self.enc_t5.to(self.device).requires_grad_(False).eval()
 
-    def _clip(self, tok, enc, prompts):
-        ids = tok(list(prompts), padding="max_length", max_length=tok.model_max_length, truncation=True,
-                  return_tensors="pt").input_ids.to(self.device)
-        out = enc(ids, output_hidden_states=True)
-        pooled = out.text_embeds if hasattr(out, "text_embeds") else out.pooler_output
-        return out.hidden_states[-2], pooled
+            template = DEFAULT_PROMPT_TEMPLATE["template"]
+            self._template = {"template": template,
+                              "crop_start": template_prefix_tokens(pipe.tokenizer, template)}
 
     @torch.no_grad()
     def __call__(self, prompts: Sequence[str]) -> Cond:
-        t5 = self.tok_t5(list(prompts), padding="max_length", max_length=self.max_tokens, truncation=True,
-                         return_tensors="pt")
-        mask = t5.attention_mask.to(self.device)
-        t5_embeds = self.enc_t5(t5.input_ids.to(self.device))[0]
-        h1, p1 = self._clip(self.tok1, self.enc1, prompts)
-        if self.family == "flux":
-            return {"prompt_embeds": t5_embeds.float(), "prompt_mask": mask.long(), "pooled_embeds": p1.float()}
-        h2, p2 = self._clip(self.tok2, self.enc2, prompts)
-        clip = torch.cat([h1, h2], dim=-1)
-        clip = torch.nn.functional.pad(clip, (0, t5_embeds.shape[-1] - clip.shape[-1]))
-        embeds = torch.cat([clip, t5_embeds], dim=-2)
-        full_mask = torch.cat([torch.ones(clip.shape[:2], dtype=torch.long, device=self.device), mask.long()], 1)
-        return {"prompt_embeds": embeds.float(), "prompt_mask": full_mask,
-                "pooled_embeds": torch.cat([p1, p2], dim=-1).float()}
+        prompts, pipe, dev, n = list(prompts), self.pipe, self.device, self.max_tokens
+        pooled = None
+        mask = None
+        if self.family == "sd3":
+            embeds, _, pooled, _ = pipe.encode_prompt(prompts, prompts, prompts, device=dev,
+                                                      do_classifier_free_guidance=False, max_sequence_length=n)
+        elif self.family == "flux":
+            embeds, pooled, _ = pipe.encode_prompt(prompts, prompts, device=dev, max_sequence_length=n)
+        elif self.family == "wan":
+            embeds = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=n,
+                                        device=dev)[0]
+            # the pipeline zero-fills each row after its last token (and passes no mask on)
+            mask = embeds.ne(0).any(-1)
+        elif self.family == "qwenimage":
+            # padded to the batch's longest prompt, as the pipeline does; cond_cat pads further
+            embeds, mask = pipe.encode_prompt(prompts, device=dev, max_sequence_length=n)
+        else:
+            embeds, pooled, mask = pipe.encode_prompt(prompts, prompt_template=self._template, device=dev,
+                                                      max_sequence_length=n)
+        b = embeds.shape[0]
+        if mask is None:  # SD3 / FLUX attend to every (padded) token; Qwen drops an all-ones mask
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        if pooled is None:
+            pooled = embeds.new_zeros(b, 0)
+        return {"prompt_embeds": embeds, "prompt_mask": mask.long(), "pooled_embeds": pooled.to(embeds.dtype)}

@@ -34,6 +34,7 @@ class WanModel(DiffusersFlowModel):
     """Wan2.1 text-to-video adapter."""
 
     family = "wan"
+    pipeline_class = "WanPipeline"
 
     def _forward(self, x: torch.Tensor, sigma_B: torch.Tensor, cond: Cond) -> torch.Tensor:
         return self.transformer(hidden_states=x, timestep=sigma_B * 1000,
@@ -44,6 +45,7 @@ class HunyuanVideoModel(DiffusersFlowModel):
     """HunyuanVideo adapter; ``guidance`` is the distilled guidance scale."""
 
     family = "hunyuanvideo"
+    pipeline_class = "HunyuanVideoPipeline"
     guidance = 6.0
 
     def _forward(self, x: torch.Tensor, sigma_B: torch.Tensor, cond: Cond) -> torch.Tensor:
@@ -59,13 +61,3 @@ class HunyuanVideoModel(DiffusersFlowModel):
             encoder_attention_mask=mask, pooled_projections=cond["pooled_embeds"], guidance=guidance,
             return_dict=False,
         )[0]
-
-
-def wan_latent_shape(config, real: bool) -> tuple[int, ...]:
-    """(C, 21, 60, 104) = 81 frames of 480x832 for a pipeline folder, else (C, 2, 8, 8)."""
-    return (config.in_channels, 21, 60, 104) if real else (config.in_channels, 2, 8, 8)
-
-
-def hunyuan_latent_shape(config, real: bool) -> tuple[int, ...]:
-    """(C, 33, 90, 160) = 129 frames of 720x1280 for a pipeline folder, else (C, 2, 8, 8)."""
-    return (config.in_channels, 33, 90, 160) if real else (config.in_channels, 2, 8, 8)

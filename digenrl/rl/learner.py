@@ -167,10 +167,16 @@ class Learner:
 
 
 def save_final(policy: Policy, run_dir: Path, *, write: bool = True) -> Path:
-    """The trained weights (LoRA: adapter only) as run_dir/final/policy.safetensors, atomically.
+    """The trained weights in run_dir/final/: ``policy.safetensors`` (the exact float32 state,
+    LoRA: the adapter only) and what diffusers loads, in float32 (a LoRA as
+    ``pytorch_lora_weights.safetensors`` for the pipeline's ``load_lora_weights``; a full
+    fine-tune as a transformer folder: ``config.json`` + ``diffusion_pytorch_model.safetensors``,
+    a hard link to policy.safetensors). Each file appears whole (written aside, then renamed).
 
     Sharded: a collective (every rank gathers), only the caller with ``write`` writes.
     """
+    import shutil
+
     from safetensors.torch import save_file
 
     out = run_dir / "final"
@@ -179,6 +185,16 @@ def save_final(policy: Policy, run_dir: Path, *, write: bool = True) -> Path:
         return out / "policy.safetensors"
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "policy.safetensors.tmp"
-    save_file(sd, str(tmp), metadata={"version": str(policy.version)})
+    save_file(sd, str(tmp), metadata={"version": str(policy.version), "format": "pt"})
     tmp.replace(out / "policy.safetensors")
+    save = getattr(policy.model, "save", None)
+    if save is not None:  # a diffusers adapter (test fakes have no diffusers format)
+        aside = run_dir / "final.tmp"
+        shutil.rmtree(aside, ignore_errors=True)
+        # float32 as trained: diffusers casts at load (torch_dtype=bfloat16 rounds exactly as the
+        # trainer's bf16 compute did); a full fine-tune shares policy.safetensors' bytes
+        save(aside, state=sd, same_as=out / "policy.safetensors")
+        for f in aside.iterdir():
+            f.replace(out / f.name)
+        aside.rmdir()
     return out / "policy.safetensors"

@@ -1,0 +1,132 @@
+"""Diffusers pipeline folders: which family one holds, whether it is complete, its parts loaded.
+
+A pipeline folder is what ``DiffusionPipeline.save_pretrained`` writes and what a download
+of ``stable-diffusion-3.5-medium``, ``FLUX.1-dev``, ``Wan2.1-T2V-1.3B-Diffusers``,
+``Qwen-Image`` or ``HunyuanVideo`` holds: ``model_index.json`` (the pipeline class and,
+per component, its library and class) and one subfolder per component. The family comes
+from ``model_index.json``'s ``_class_name``, never from a guess; every component is loaded
+with the class ``model_index.json`` names, ``local_files_only=True`` (nothing is
+downloaded). What is missing or inconsistent is a :class:`ModelFolderError`, one line that
+names the path and what belongs there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from digenrl.config import ConfigError
+
+#: Pipeline class (``model_index.json``'s ``_class_name``) -> family.
+PIPELINE_FAMILIES = {
+    "StableDiffusion3Pipeline": "sd3",
+    "FluxPipeline": "flux",
+    "WanPipeline": "wan",
+    "QwenImagePipeline": "qwenimage",
+    "HunyuanVideoPipeline": "hunyuanvideo",
+}
+FAMILY_PIPELINES = {f: p for p, f in PIPELINE_FAMILIES.items()}
+
+#: The text stack each family's pipeline encodes prompts with: component -> what it is.
+TEXT_COMPONENTS: dict[str, dict[str, str]] = {
+    "sd3": {"text_encoder": "CLIP-L (CLIPTextModelWithProjection)", "tokenizer": "CLIP-L's CLIPTokenizer",
+            "text_encoder_2": "CLIP-G (CLIPTextModelWithProjection)", "tokenizer_2": "CLIP-G's CLIPTokenizer",
+            "text_encoder_3": "T5-XXL (T5EncoderModel)", "tokenizer_3": "T5's T5TokenizerFast"},
+    "flux": {"text_encoder": "CLIP-L (CLIPTextModel)", "tokenizer": "CLIP-L's CLIPTokenizer",
+             "text_encoder_2": "T5-XXL (T5EncoderModel)", "tokenizer_2": "T5's T5TokenizerFast"},
+    "wan": {"text_encoder": "umT5-XXL (UMT5EncoderModel)", "tokenizer": "umT5's T5TokenizerFast"},
+    "qwenimage": {"text_encoder": "Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration)",
+                  "tokenizer": "Qwen2.5-VL's Qwen2Tokenizer"},
+    "hunyuanvideo": {"text_encoder": "LLaVA-Llama-3 (LlamaModel)", "tokenizer": "its LlamaTokenizerFast",
+                     "text_encoder_2": "CLIP-L (CLIPTextModel)", "tokenizer_2": "CLIP-L's CLIPTokenizer"},
+}
+
+
+class ModelFolderError(ConfigError):
+    """A model path that is missing, incomplete or not what the config says it is."""
+
+
+def is_pipeline_folder(folder: Path) -> bool:
+    return (folder / "model_index.json").is_file()
+
+
+class PipelineFolder:
+    """A pipeline folder's ``model_index.json``, read and checked; components load on demand."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        path = self.root / "model_index.json"
+        try:
+            self.index: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelFolderError(f"{path}: not a readable model_index.json ({e})") from None
+        self.pipeline_class = str(self.index.get("_class_name", ""))
+        if self.pipeline_class not in PIPELINE_FAMILIES:
+            raise ModelFolderError(
+                f"{path} names pipeline {self.pipeline_class!r}; DigenRL trains "
+                f"{', '.join(sorted(PIPELINE_FAMILIES))}")
+        self.family = PIPELINE_FAMILIES[self.pipeline_class]
+
+    def check_family(self, family: str) -> None:
+        """A config whose ``model.family`` disagrees with the folder is a one-line error."""
+        if family != self.family:
+            raise ModelFolderError(
+                f"model.family = {family!r}, but {self.root / 'model_index.json'} names "
+                f"{self.pipeline_class} (family {self.family!r}): set model.family = {self.family!r}")
+
+    def entry(self, name: str) -> tuple[str, str] | None:
+        """(library, class) ``model_index.json`` gives component ``name``; None when it has none."""
+        value = self.index.get(name)
+        if not isinstance(value, list) or len(value) != 2 or None in value:
+            return None
+        return str(value[0]), str(value[1])
+
+    def require(self, names: dict[str, str]) -> None:
+        """Every component in ``names`` (name -> what it is) is listed and its folder exists."""
+        for name, what in names.items():
+            sub = self.root / name
+            if self.entry(name) is None:
+                raise ModelFolderError(
+                    f"{self.root / 'model_index.json'} lists no {name!r}; a {self.pipeline_class} "
+                    f"folder needs {name}/ with {what}")
+            if not sub.is_dir() or not any(sub.iterdir()):
+                raise ModelFolderError(
+                    f"{sub}/ is missing or empty: it should hold {what} "
+                    f"({'.'.join(self.entry(name) or ())}, as model_index.json says)")
+
+    def has_text_encoders(self) -> bool:
+        return all((self.root / n).is_dir() for n in TEXT_COMPONENTS[self.family])
+
+    def load(self, name: str, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+             frozen: bool = True) -> Any:
+        """Component ``name`` with the class model_index.json names, offline (modules frozen and in
+        eval mode unless ``frozen`` is False)."""
+        entry = self.entry(name)
+        if entry is None:
+            raise ModelFolderError(f"{self.root / 'model_index.json'} lists no {name!r}")
+        library, cls_name = entry
+        try:
+            cls = getattr(importlib.import_module(library), cls_name)
+        except (ImportError, AttributeError):
+            raise ModelFolderError(
+                f"{self.root / 'model_index.json'}: {name} is {library}.{cls_name}, which this "
+                f"{library} does not have") from None
+        if library == "transformers":
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # a bar per component in every node's log otherwise
+        kw: dict[str, Any] = {"local_files_only": True}
+        is_module = isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+        if dtype is not None and is_module:
+            kw["dtype" if library == "transformers" else "torch_dtype"] = dtype
+        obj = cls.from_pretrained(self.root / name, **kw)
+        if is_module:
+            if frozen:
+                obj.requires_grad_(False).eval()
+            if device is not None:
+                obj.to(device)
+        return obj

@@ -1,0 +1,278 @@
+"""Tiny random pipeline folders of the five families, laid out as downloaded ones are.
+
+Each builder makes the *real* diffusers / transformers classes with tiny random configs
+(transformer, VAE, text encoders, tokenizers, scheduler), assembles the family's diffusers
+pipeline from them and writes it with ``save_pretrained``, so the folder has exactly the
+standard layout (``model_index.json``, ``transformer/``, ``vae/``, ``text_encoder*/``,
+``tokenizer*/``, ``scheduler/``). Nothing is downloaded: the tokenizers are built here from
+character- or byte-level vocabularies (any prompt tokenizes, different prompts differ).
+
+Shared by the model tests, the end-to-end launches and ``bench/gpu_check.py --cpu``.
+Sizes: every transformer is 1-2 blocks of width 32, every encoder 1-3 layers of width 8-32,
+so a folder builds in about a second and a forward pass at 32x48 px takes milliseconds.
+
+Geometry (what ``model.height`` / ``model.width`` / ``model.num_frames`` must respect):
+
+============  =====================  =============================================
+family        VAE downsampling       a valid small size
+============  =====================  =============================================
+sd3           2x (2 blocks)          32 x 48 px (latent 16 x 24, patch 2)
+flux          2x                     32 x 48 px (latent 16 x 24, packed 2x2)
+qwenimage     2x                     32 x 48 px
+wan           2x space, 2x time      5 frames of 32 x 48 px (latent 3 x 16 x 24)
+hunyuanvideo  2x space, 4x time      5 frames of 32 x 48 px (latent 2 x 16 x 24)
+============  =====================  =============================================
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("sd3", "flux", "wan", "qwenimage", "hunyuanvideo")
+#: A size every tiny folder accepts (height, width, frames for the video families).
+SMALL = {"height": 32, "width": 48, "num_frames": 5}
+#: Tiny text encoders are cheap, but the pipelines' default lengths (256-512 tokens) are not.
+MAX_TEXT_TOKENS = 24
+
+
+# -- tokenizers -----------------------------------------------------------------------------------
+def clip_tokenizer(folder: Path):
+    """CLIP BPE over single letters (one token per character; ``</w>`` ends a word)."""
+    import json
+
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for ch in string.ascii_lowercase + string.digits:
+        vocab[ch], vocab[ch + "</w>"] = len(vocab), len(vocab) + 1
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=77)
+
+
+def t5_tokenizer():
+    """A T5 unigram tokenizer over single letters (also UMT5's: Wan's ``T5TokenizerFast``)."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [(ch, -3.0) for ch in string.ascii_lowercase + string.digits]
+    pieces += [("\u2581" + ch, -2.5) for ch in string.ascii_lowercase]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0)
+
+
+def _byte_vocab() -> dict[str, int]:
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    return {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+
+
+def qwen_tokenizer():
+    """Qwen2's byte-level BPE with no merges (one token per byte) and its chat markers."""
+    from transformers import Qwen2Tokenizer
+
+    tok = Qwen2Tokenizer(vocab=_byte_vocab(), merges=[])
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return tok
+
+
+def llama_tokenizer():
+    """A Llama BPE with no merges over bytes, with Llama-3's header markers as special tokens."""
+    from transformers import LlamaTokenizerFast
+
+    vocab = _byte_vocab()
+    for special in ("<|begin_of_text|>", "<|end_of_text|>"):
+        vocab[special] = len(vocab)
+    tok = LlamaTokenizerFast(vocab=vocab, merges=[], bos_token="<|begin_of_text|>",
+                             eos_token="<|end_of_text|>", unk_token=None, pad_token="<|end_of_text|>")
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    return tok
+
+
+# -- text encoders --------------------------------------------------------------------------------
+def clip_encoder(with_projection: bool, hidden: int = 8, projection: int = 8):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    cfg = CLIPTextConfig(vocab_size=2 + 2 * 36, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77,
+                         projection_dim=projection, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    return (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(cfg)
+
+
+def t5_encoder(d_model: int = 32):
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(vocab_size=len(t5_tokenizer()), d_model=d_model, d_kv=8, d_ff=32,
+                                   num_layers=1, num_heads=2))
+
+
+def umt5_encoder(d_model: int = 32):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(vocab_size=len(t5_tokenizer()), d_model=d_model, d_kv=8, d_ff=32,
+                                       num_layers=1, num_heads=2))
+
+
+def qwen_vl_encoder(hidden: int = 32, vocab: int = 260):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=2048, bos_token_id=None, eos_token_id=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [4, 2, 2]}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                           out_hidden_size=hidden, fullatt_block_indexes=[0]),
+        image_token_id=vocab - 1, video_token_id=vocab - 1, vision_start_token_id=vocab - 1,
+        vision_end_token_id=vocab - 1)
+    return Qwen2_5_VLForConditionalGeneration(cfg)
+
+
+def llama_encoder(hidden: int = 32, vocab: int = 264):
+    from transformers import LlamaConfig, LlamaModel
+
+    # three layers: the pipeline reads the hidden state three from the end (it skips two)
+    return LlamaModel(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                  num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                                  max_position_embeddings=4096))
+
+
+# -- VAEs -----------------------------------------------------------------------------------------
+def kl_vae(latent_channels: int, *, scaling: float, shift: float | None):
+    """SD3 / FLUX's ``AutoencoderKL``: one 2x downsampling, no quant convs (as SD3/FLUX have)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(8, 8),
+                         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                         norm_num_groups=4, layers_per_block=1, scaling_factor=scaling, shift_factor=shift,
+                         use_quant_conv=False, use_post_quant_conv=False)
+
+
+def _mean_std(z_dim: int) -> tuple[list[float], list[float]]:
+    gen = torch.Generator().manual_seed(11)
+    return (torch.randn(z_dim, generator=gen).mul(0.5).tolist(),
+            torch.rand(z_dim, generator=gen).add(0.5).tolist())
+
+
+def wan_vae(z_dim: int = 4):
+    from diffusers import AutoencoderKLWan
+
+    mean, std = _mean_std(z_dim)
+    return AutoencoderKLWan(base_dim=8, z_dim=z_dim, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+                            latents_mean=mean, latents_std=std, scale_factor_temporal=2, scale_factor_spatial=2)
+
+
+def qwen_vae(z_dim: int = 4):
+    from diffusers import AutoencoderKLQwenImage
+
+    mean, std = _mean_std(z_dim)
+    return AutoencoderKLQwenImage(base_dim=8, z_dim=z_dim, dim_mult=[1, 2], num_res_blocks=1,
+                                  temperal_downsample=[False], latents_mean=mean, latents_std=std)
+
+
+def hunyuan_vae(latent_channels: int = 4):
+    """HunyuanVideo's causal 3D VAE; it only supports 4x (or 8x) in time, so three blocks."""
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    return AutoencoderKLHunyuanVideo(
+        latent_channels=latent_channels, block_out_channels=(8, 8, 8), layers_per_block=1, norm_num_groups=4,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 3, up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+        spatial_compression_ratio=2, temporal_compression_ratio=4)
+
+
+# -- the pipelines --------------------------------------------------------------------------------
+def _sd3(folder: Path):
+    import diffusers
+
+    return diffusers.StableDiffusion3Pipeline(
+        transformer=diffusers.SD3Transformer2DModel(
+            sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=16,
+            pos_embed_max_size=32),
+        vae=kl_vae(4, scaling=1.5305, shift=0.0609),
+        text_encoder=clip_encoder(True), tokenizer=clip_tokenizer(folder / "_clip"),
+        text_encoder_2=clip_encoder(True), tokenizer_2=clip_tokenizer(folder / "_clip"),
+        text_encoder_3=t5_encoder(32), tokenizer_3=t5_tokenizer(),
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
+
+
+def _flux(folder: Path):
+    import diffusers
+
+    return diffusers.FluxPipeline(
+        transformer=diffusers.FluxTransformer2DModel(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=8, guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6)),
+        vae=kl_vae(4, scaling=0.3611, shift=0.1159),
+        text_encoder=clip_encoder(False), tokenizer=clip_tokenizer(folder / "_clip"),
+        text_encoder_2=t5_encoder(32), tokenizer_2=t5_tokenizer(),
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
+
+
+def _wan(folder: Path):
+    import diffusers
+
+    return diffusers.WanPipeline(
+        transformer=diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+            text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32),
+        vae=wan_vae(4), text_encoder=umt5_encoder(32), tokenizer=t5_tokenizer(),
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0))
+
+
+def _qwenimage(folder: Path):
+    import diffusers
+
+    tok = qwen_tokenizer()
+    return diffusers.QwenImagePipeline(
+        transformer=diffusers.QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6)),
+        vae=qwen_vae(4), text_encoder=qwen_vl_encoder(32, vocab=len(tok) + 1), tokenizer=tok,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
+
+
+def _hunyuanvideo(folder: Path):
+    import diffusers
+
+    tok = llama_tokenizer()
+    return diffusers.HunyuanVideoPipeline(
+        transformer=diffusers.HunyuanVideoTransformer3DModel(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+            num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
+            text_embed_dim=32, pooled_projection_dim=8, rope_axes_dim=(4, 6, 6)),
+        vae=hunyuan_vae(4), text_encoder=llama_encoder(32, vocab=len(tok)), tokenizer=tok,
+        text_encoder_2=clip_encoder(False), tokenizer_2=clip_tokenizer(folder / "_clip"),
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0))
+
+
+_BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "qwenimage": _qwenimage, "hunyuanvideo": _hunyuanvideo}
+
+
+def build_pipeline(family: str, folder: Path, *, seed: int = 0):
+    """The tiny diffusers pipeline object of ``family`` (random weights from ``seed``)."""
+    import shutil
+
+    folder = Path(folder)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        pipe = _BUILDERS[family](folder)
+    shutil.rmtree(folder / "_clip", ignore_errors=True)
+    return pipe
+
+
+def write_pipeline_folder(family: str, folder: Path, *, seed: int = 0) -> Path:
+    """A tiny random pipeline folder of ``family`` at ``folder`` (created); returns it."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    build_pipeline(family, folder / "_build", seed=seed).save_pretrained(folder)
+    import shutil
+
+    shutil.rmtree(folder / "_build", ignore_errors=True)
+    return folder
