@@ -58,6 +58,31 @@ def test_a_sharded_policy_pads_with_passes_that_move_no_gradient(one_rank_group:
     assert policy.version == 1 and metrics["grad_norm"] == 0.0
 
 
+def test_a_sharded_bf16_policy_keeps_float32_masters_and_computes_what_a_bf16_rollout_does(
+        one_rank_group: None) -> None:
+    from digenrl.colocated import build_policy
+    from digenrl.models import build_model
+    from digenrl.rl.grpo import group_advantages
+    from digenrl.rl.sampler import rollout, seeded_generators
+
+    cfg = load_config(None, ["model.path=\"random\"", "model.fsdp=true", "model.dtype=\"bfloat16\"",
+                             "model.lora_rank=2", "sampler.num_steps=2", "train.timesteps=\"all\"",
+                             "train.lr=1e-2"])
+    policy = build_policy(cfg, world_size=2)
+    assert policy.sharded and all(p.dtype == torch.float32 for p in policy.params)  # the masters
+    cond = policy.model.encode_prompts(["a red square", "a red square", "a blue circle", "a blue circle"])
+    adv, stats = group_advantages(torch.tensor([0.1, 0.5, 0.2, 0.9]), [0, 0, 1, 1])
+    for _ in range(2):  # at the initial weights, then after a step
+        # a rollout's copy: every parameter bf16, the trainer's float32 masters rounded into it
+        rollout_model = build_model(cfg.model, seed=cfg.run.seed)  # the same base weights
+        rollout_model.load_sync_state_dict(policy.state_dict_for_sync())
+        records = {r.index: r for r in rollout(rollout_model, cond, generator=seeded_generators([1, 2, 3, 4]),
+                                               sampler_cfg=cfg.sampler)}
+        out = policy.fragment_loss_backward(records, cond, adv, stats.keep, batch_size_total=4, n_trained_total=2)
+        assert out["n"] == 8 and out["ratio_max_dev"] == 0.0
+        policy.optimizer_step()
+
+
 def _run(tmp_path: Path, mode: str, fsdp: bool, extra: list[str]) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

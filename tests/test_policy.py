@@ -259,3 +259,74 @@ def test_real_tiny_sd3_lora_adapter_recomputes_ratio_one_and_kl_against_disabled
     assert out["kl"] > 0  # the adapter-disabled base is the reference
     assert any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in policy.params)
     assert all("lora_" in k for k in policy.state_dict_for_sync())
+
+
+def _bf16_lora_policy(cfg, seed=0):
+    from digenrl.models import build_model
+
+    model = build_model(ModelConfig(family="sd3", path="random", lora_rank=2, dtype="bfloat16"), seed=seed)
+    with torch.no_grad():  # peft starts lora_B at 0, where lora_A gets no gradient: move it off
+        for name, p in model.transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    return model, Policy(model, cfg.train, cfg.sampler)
+
+
+def _sd3_batch(model, cfg):
+    cond = model.encode_prompts(["a red square", "a red square", "a blue circle", "a blue circle"])
+    records = {r.index: r for r in rollout(model, cond, generator=seeded_generators([1, 2, 3, 4]),
+                                           sampler_cfg=cfg.sampler)}
+    adv, stats = group_advantages(torch.tensor([0.1, 0.5, 0.2, 0.9]), [0, 0, 1, 1])
+    return cond, records, adv, stats.keep
+
+
+def test_a_bf16_lora_step_at_lr_1e5_changes_every_trained_weight_through_float32_masters():
+    cfg = _cfg("sampler.num_steps=2", "train.lr=1e-5")
+    model, policy = _bf16_lora_policy(cfg)
+    assert policy.has_masters and all(p.dtype == torch.float32 for p in policy.params)
+    assert all(p.dtype == torch.bfloat16 for p in policy.model_params)
+    before = [p.detach().clone() for p in policy.params]
+    cond, records, adv, keep = _sd3_batch(model, cfg)
+    policy.fragment_loss_backward(records, cond, adv, keep, batch_size_total=4, n_trained_total=2)
+    assert all(p.grad is None for p in policy.model_params)  # moved into the masters as they came
+    assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in policy.params)
+    moved = [m.grad != 0 for m in policy.params]  # the last block's text query feeds nothing: 0
+    policy.optimizer_step()
+    changed = [a != p for a, p in zip(before, policy.params)]
+    # every element with a gradient moved (a bf16 AdamW leaves 84% of them where they were)
+    assert all(torch.equal(c, m) for c, m in zip(changed, moved))
+    assert sum(int(c.sum()) for c in changed) > 0.95 * sum(p.numel() for p in policy.params)
+    state = policy.optimizer.state[policy.params[0]]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+    # the model the passes run holds the masters rounded to bf16
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(policy.model_params, policy.params))
+
+
+def test_a_bf16_rollout_copy_synced_from_the_masters_gives_ratio_exactly_one_after_a_step():
+    from digenrl.models import build_model
+
+    cfg = _cfg("sampler.num_steps=2", "train.lr=1e-3")
+    model, policy = _bf16_lora_policy(cfg)
+    cond, records, adv, keep = _sd3_batch(model, cfg)
+    policy.fragment_loss_backward(records, cond, adv, keep, batch_size_total=4, n_trained_total=2)
+    policy.optimizer_step()
+    sd = policy.state_dict_for_sync()
+    assert all(v.dtype == torch.float32 for v in sd.values())  # the masters, not their rounding
+    rollout_model = build_model(ModelConfig(family="sd3", path="random", lora_rank=2, dtype="bfloat16"), seed=0)
+    rollout_model.load_sync_state_dict(sd)
+    cond, records, adv, keep = _sd3_batch(rollout_model, cfg)
+    out = policy.fragment_loss_backward(records, cond, adv, keep, batch_size_total=4, n_trained_total=2)
+    assert out["n"] > 0 and out["ratio_max_dev"] == 0.0  # bit-identical bf16 compute on both sides
+
+
+def test_masters_survive_a_sync_state_round_trip_exactly():
+    cfg = _cfg("sampler.num_steps=2", "train.lr=1e-5")
+    model, policy = _bf16_lora_policy(cfg)
+    cond, records, adv, keep = _sd3_batch(model, cfg)
+    policy.fragment_loss_backward(records, cond, adv, keep, batch_size_total=4, n_trained_total=2)
+    policy.optimizer_step()
+    saved = policy.state_dict_for_sync()  # what a checkpoint writes
+    _, fresh = _bf16_lora_policy(cfg, seed=1)
+    fresh.load_sync_state(saved)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.params, policy.params))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model_params, policy.model_params))

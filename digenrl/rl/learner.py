@@ -131,7 +131,7 @@ class Learner:
                                        f"step's {pad_to}: sharded ranks fell out of lockstep")
                 self.idle(pad_to - self.stats.passes)
         elif all_reduce is not None:
-            params = [p for p in self.policy.model.trainable_parameters()]
+            params = self.policy.params  # the float32 masters where the model computes in bf16
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g_.reshape(-1) for g_ in grads])
             all_reduce(flat)

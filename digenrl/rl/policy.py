@@ -17,12 +17,25 @@ full-batch gradient. ``backward`` runs once per timestep, so one step's graph is
 At the rollout's weights, dtype and batch layout the recomputed log-prob is bit-identical,
 so the first ratio is exactly 1; dropping zero-advantage rows (``keep``) changes the layout,
 which moves the ratio of the kept rows by ~1e-7 in float32.
+
+Mixed precision (``model.dtype = "bfloat16"``): the model computes in bfloat16 with every
+parameter in bfloat16, which is what a rollout holds and what diffusers runs; the optimizer
+owns float32 *master* copies of the trained parameters (:attr:`Policy.params`), gradients are
+accumulated into them in float32 (a hook moves each bf16 gradient over as autograd produces
+it), AdamW's state is float32, and after each step the masters are rounded back into the
+model. Without masters a bf16 AdamW step of lr 1e-5 leaves most weights unchanged (the
+update is below bf16's resolution). Sharded (FSDP2), the sharded parameters *are* the float32
+masters and ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` gives the same
+bf16 compute. Not autocast: autocast keeps some ops (norms, parameter arithmetic) in float32
+on float32 weights, so a trainer under autocast would not compute what a bf16 rollout
+computes, and the first ratio would not be exactly 1.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -63,14 +76,26 @@ class Policy:
         #: FSDP2: parameters, gradients and optimizer state are DTensor shards over the trainer
         #: ranks (see digenrl.rl.sharding); every pass must then run in lockstep on all ranks
         self.sharded = shard
+        compute = getattr(model, "dtype", torch.float32)
         if shard:
             from digenrl.rl.sharding import shard_transformer
-            shard_transformer(model.transformer)
+            with torch.no_grad():  # the sharded trained parameters are the float32 masters
+                for p in model.trainable_parameters():
+                    p.data = p.data.float()
+            shard_transformer(model.transformer, param_dtype=compute)
             if self._ref is not None:
-                shard_transformer(self._ref.transformer)
-        self.params = list(model.trainable_parameters())
-        if not self.params:
+                shard_transformer(self._ref.transformer, param_dtype=compute)
+        #: the model's own trained parameters (compute dtype)
+        self.model_params = list(model.trainable_parameters())
+        if not self.model_params:
             raise ValueError("the model has no trainable parameters")
+        #: what the optimizer updates: float32 masters of model_params, or model_params themselves
+        self.params = self.model_params
+        self.has_masters = any(p.dtype != torch.float32 for p in self.model_params)
+        if self.has_masters:
+            self.params = [p.detach().float().requires_grad_(True) for p in self.model_params]
+            for p, master in zip(self.model_params, self.params):
+                p.register_post_accumulate_grad_hook(partial(_to_master, master))
         self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, betas=train_cfg.adam_betas,
                                            weight_decay=train_cfg.weight_decay)
         self.version = 0
@@ -198,6 +223,9 @@ class Policy:
         skipped = not bool(torch.isfinite(grad_norm))
         if not skipped:
             self.optimizer.step()
+            if self.has_masters:  # round the new masters into the model the passes run
+                with torch.no_grad():
+                    torch._foreach_copy_(self.model_params, self.params)
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         return {"grad_norm": float(grad_norm), "skipped": skipped, "version": self.version,
@@ -206,6 +234,8 @@ class Policy:
     def zero_grad(self) -> None:
         """Drop accumulated gradients (an aborted step)."""
         self.optimizer.zero_grad(set_to_none=True)
+        for p in self.model_params:
+            p.grad = None
 
     def grads_snapshot(self) -> list[torch.Tensor]:
         """Clones of the trainable parameters' ``.grad`` (zeros where None); for tests/checks."""
@@ -221,9 +251,22 @@ class Policy:
         """
         from digenrl.rl.sharding import full
         if hasattr(self.model, "sync_state_dict"):
-            return {k: full(v.detach()).clone() for k, v in self.model.sync_state_dict().items()}
-        return {k: full(p.detach()).clone() for k, p in self.model.transformer.named_parameters()
-                if p.requires_grad}
+            sd = {k: full(v.detach()).clone() for k, v in self.model.sync_state_dict().items()}
+        else:
+            sd = {k: full(p.detach()).clone() for k, p in self.model.transformer.named_parameters()
+                  if p.requires_grad}
+        for key, i in self._master_keys().items():  # the float32 masters, not their rounding
+            sd[key] = self.params[i].detach().clone()
+        return sd
+
+    def _master_keys(self) -> dict[str, int]:
+        """Sync key -> index in :attr:`params` of each float32 master (none without masters)."""
+        if not self.has_masters:
+            return {}
+        index = {id(p): i for i, p in enumerate(self.model_params)}
+        lora = getattr(self.model, "lora_rank", 0)
+        return {(k.replace(".default", "") if lora else k): index[id(p)]
+                for k, p in self.model.transformer.named_parameters() if id(p) in index}
 
     def load_sync_state(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Apply a :meth:`state_dict_for_sync` (ValueError naming the keys on mismatch)."""
@@ -232,16 +275,19 @@ class Policy:
             return
         if hasattr(self.model, "load_sync_state_dict"):
             self.model.load_sync_state_dict(dict(sd))
-            return
-        named = {k: p for k, p in self.model.transformer.named_parameters() if p.requires_grad}
-        if set(sd) != set(named):
-            raise ValueError(f"sync state keys differ: missing {sorted(set(named) - set(sd))[:3]}, "
-                             f"unexpected {sorted(set(sd) - set(named))[:3]}")
-        with torch.no_grad():
-            for k, p in named.items():
-                if sd[k].shape != p.shape:
-                    raise ValueError(f"sync state {k}: shape {tuple(sd[k].shape)}, expected {tuple(p.shape)}")
-                p.copy_(sd[k])
+        else:
+            named = {k: p for k, p in self.model.transformer.named_parameters() if p.requires_grad}
+            if set(sd) != set(named):
+                raise ValueError(f"sync state keys differ: missing {sorted(set(named) - set(sd))[:3]}, "
+                                 f"unexpected {sorted(set(sd) - set(named))[:3]}")
+            with torch.no_grad():
+                for k, p in named.items():
+                    if sd[k].shape != p.shape:
+                        raise ValueError(f"sync state {k}: shape {tuple(sd[k].shape)}, expected {tuple(p.shape)}")
+                    p.copy_(sd[k])
+        with torch.no_grad():  # masters take the values exactly (a checkpoint's float32)
+            for key, i in self._master_keys().items():
+                self.params[i].copy_(sd[key])
 
     def _load_sharded(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Whole tensors (a checkpoint) into this rank's shards; sync keys -> module keys."""
@@ -290,3 +336,15 @@ def build_policy(cfg: Config, world_size: int = 1) -> Policy:
 
     model = build_model(cfg.model, seed=cfg.run.seed)
     return Policy(model, cfg.train, cfg.sampler, shard=cfg.model.fsdp and world_size > 1)
+
+
+def _to_master(master: torch.Tensor, param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: move ``param``'s (bf16) gradient into ``master.grad`` (fp32)."""
+    grad = param.grad
+    if grad is None:
+        return
+    if master.grad is None:
+        master.grad = grad.float()
+    else:
+        master.grad.add_(grad)
+    param.grad = None

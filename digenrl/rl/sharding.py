@@ -42,20 +42,26 @@ def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [b for b in out if id(b) not in inner]
 
 
-def shard_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
+def shard_transformer(transformer: torch.nn.Module, param_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Wrap ``transformer`` in place with FSDP2 (per block, then the root); returns it.
 
-    Needs an initialised default process group (gloo on CPU, NCCL on GPU).
+    ``param_dtype`` other than float32 computes with parameters all-gathered in that dtype
+    and reduce-scatters gradients in float32 (``MixedPrecisionPolicy``): the sharded
+    parameters stay the float32 masters. Needs an initialised default process group (gloo on
+    CPU, NCCL on GPU).
     """
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("model.fsdp: torch.distributed is not initialised; FSDP2 needs the "
                            "trainer ranks' process group")
+    kw = {}
+    if param_dtype != torch.float32:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in _blocks(transformer):
-        fully_shard(block)
-    fully_shard(transformer)
+        fully_shard(block, **kw)
+    fully_shard(transformer, **kw)
     for m in transformer.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # sum over ranks, as the unsharded all-reduce does
