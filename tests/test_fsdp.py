@@ -60,10 +60,12 @@ def test_a_sharded_policy_pads_with_passes_that_move_no_gradient(one_rank_group:
 
 def test_a_sharded_bf16_policy_keeps_float32_masters_and_computes_what_a_bf16_rollout_does(
         one_rank_group: None) -> None:
-    from digenrl.colocated import build_policy
     from digenrl.models import build_model
     from digenrl.rl.grpo import group_advantages
+    from digenrl.rl.policy import build_policy
     from digenrl.rl.sampler import rollout, seeded_generators
+    from digenrl.rl.sharding import full
+    from tests.conftest import assert_same_weights
 
     cfg = load_config(None, ["model.path=\"random\"", "model.fsdp=true", "model.dtype=\"bfloat16\"",
                              "model.lora_rank=2", "sampler.num_steps=2", "train.timesteps=\"all\"",
@@ -76,10 +78,15 @@ def test_a_sharded_bf16_policy_keeps_float32_masters_and_computes_what_a_bf16_ro
         # a rollout's copy: every parameter bf16, the trainer's float32 masters rounded into it
         rollout_model = build_model(cfg.model, seed=cfg.run.seed)  # the same base weights
         rollout_model.load_sync_state_dict(policy.state_dict_for_sync())
+        # FSDP computes with the masters (and frozen weights) cast to bf16: the rollout's bits
+        own = {k: full(v).to(torch.bfloat16) for k, v in policy.model.transformer.state_dict().items()}
+        assert_same_weights(rollout_model.transformer.state_dict(), own)
         records = {r.index: r for r in rollout(rollout_model, cond, generator=seeded_generators([1, 2, 3, 4]),
                                                sampler_cfg=cfg.sampler)}
         out = policy.fragment_loss_backward(records, cond, adv, stats.keep, batch_size_total=4, n_trained_total=2)
-        assert out["n"] == 8 and out["ratio_max_dev"] == 0.0
+        # two instances and code paths (tests/conftest.py): 0 here; a different precision layout
+        # (fp32 LoRA or norms, autocast) moves it by ~1e-3
+        assert out["n"] == 8 and out["ratio_max_dev"] <= 1e-5
         policy.optimizer_step()
 
 

@@ -45,13 +45,30 @@ def test_a_transformer_folder_without_its_weights_file_gives_the_shape(tmp_path:
 
 
 def test_a_pipeline_folder_without_weights_gives_the_pipeline_shape(tmp_path: Path) -> None:
-    # a pipeline folder (model_index.json + transformer/config.json) of a 1024 px FLUX: the
-    # packed latent is in_channels / 4 channels at 128 x 128, read from transformer/config.json
-    (tmp_path / "transformer").mkdir()
+    # a pipeline folder (model_index.json + transformer/ and vae/ config.json) of FLUX.1: the
+    # packed latent is in_channels / 4 channels, 1024 px by default over the VAE's 8x
+    for sub in ("transformer", "vae"):
+        (tmp_path / sub).mkdir()
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     (tmp_path / "transformer" / "config.json").write_text(json.dumps(
         {"_class_name": "FluxTransformer2DModel", "in_channels": 64, "num_layers": 19}))
+    (tmp_path / "vae" / "config.json").write_text(json.dumps(
+        {"_class_name": "AutoencoderKL", "latent_channels": 16, "block_out_channels": [128, 256, 512, 512]}))
     assert latent_shape_of(ModelConfig(family="flux", path=str(tmp_path))) == (16, 128, 128)
+    assert latent_shape_of(ModelConfig(family="flux", path=str(tmp_path), height=512, width=768)) == (16, 64, 96)
+    (tmp_path / "vae" / "config.json").unlink()
+    with pytest.raises(ModelConfigError, match=r"vae/config\.json does not exist"):
+        latent_shape_of(ModelConfig(family="flux", path=str(tmp_path)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_shape_of_a_pipeline_folder_at_a_configured_size_is_the_built_models(tmp_path: Path, family: str) -> None:
+    from tests.pipelines import SMALL, write_pipeline_folder
+
+    sizes = {k: v for k, v in SMALL.items() if k != "num_frames" or family in ("wan", "hunyuanvideo")}
+    cfg = ModelConfig(family=family, path=str(write_pipeline_folder(family, tmp_path / family)),
+                      text_encoder="hash", **sizes)
+    assert latent_shape_of(cfg) == build_model(cfg).latent_shape
 
 
 def test_a_folder_without_a_config_is_named_in_one_line(tmp_path: Path) -> None:
