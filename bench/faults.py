@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from digenrl.telemetry.metrics import read_metrics
+
 SETS = ["model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
         "runtime.fragments_per_step=2", "sampler.num_steps=4", "run.checkpoint_every=1",
         "runtime.heartbeat_s=0.25"]
@@ -82,7 +84,7 @@ def one_run(i: int, rng: random.Random, root: Path, timeout: float) -> dict:
     s = json.loads(summary_path.read_text())
     acc = s["accounting"]
     disc = sum(acc["discarded"].values())
-    rows = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r["step"] for r in read_metrics(run_dir)]  # train rows (evaluation rows apart)
     checks = {
         "steps": s["steps"] == steps,
         "adds_up": acc["admitted"] == acc["trained"] + disc + acc["in_flight"],

@@ -11,7 +11,6 @@ table, saves the curves as a PNG, exits non-zero if any seed fails.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from digenrl.config import load_config, resolve_mode
 from digenrl.launch import launch, make_run_dir
+from digenrl.telemetry.metrics import read_metrics
 
 
 def criterion(rows: list[dict], batch: int) -> tuple[float, float, float]:
@@ -55,7 +55,7 @@ def main() -> int:
             t0 = time.perf_counter()
             launch(cfg, run_dir)
             wall = time.perf_counter() - t0
-            rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            rows = read_metrics(run_dir)  # train rows (evaluation rows apart)
             m0, m1, z = criterion(rows, cfg.batch_size)
             passed = z >= 3.0 and wall <= 300
             ok &= passed

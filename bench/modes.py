@@ -34,11 +34,12 @@ from typing import Any
 
 from digenrl.config import load_config, resolve_mode
 from digenrl.launch import launch, make_run_dir
+from digenrl.telemetry.metrics import read_metrics
 from digenrl.telemetry.trace import busy_by_node, read_trace
 
 
 def steady_step_s(run_dir: Path) -> float:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)  # train rows (evaluation rows apart)
     secs = [r["step_seconds"] for r in rows[2:]] or [r["step_seconds"] for r in rows]
     return statistics.median(secs)
 

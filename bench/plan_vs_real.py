@@ -30,6 +30,7 @@ from digenrl.sim.calibrate import calibrate
 from digenrl.sim.cluster import Cluster, GpuGroup
 from digenrl.sim.plan import mode_run
 from digenrl.sim.simulator import simulate
+from digenrl.telemetry.metrics import read_metrics
 
 
 def launch(mode: str, steps: int, run_dir: Path, seed: int, reuse: bool) -> None:
@@ -48,7 +49,7 @@ def measured(run_dir: Path, mean: bool = False) -> float:
     """Steady-state samples/s of a real run: batch / median step_seconds after the first step
     (``mean``: samples / seconds over those steps, which stalls of the machine weigh on)."""
     cfg = load_config(run_dir / "config.toml")
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = read_metrics(run_dir)  # train rows (evaluation rows apart)
     secs = [r["step_seconds"] for r in rows if r.get("step", 0) >= 1 and "step_seconds" in r]
     return cfg.batch_size * len(secs) / sum(secs) if mean else cfg.batch_size / statistics.median(secs)
 

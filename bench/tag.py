@@ -37,6 +37,7 @@ from digenrl.sim.calibrate import calibrate
 from digenrl.sim.cluster import Cluster, GpuGroup, load_cluster
 from digenrl.sim.plan import mode_run
 from digenrl.sim.simulator import simulate
+from digenrl.telemetry.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,7 +53,7 @@ def steady(run_dir: Path, batch: int) -> tuple[float, float]:
     """Samples/s after the first step: (mean, median). The simulator reports the mean over its
     steady steps; with TAG, step times are bimodal (a step the trainer helped in, or not), so
     the median step is not the throughput and the mean is what the prediction is held to."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = read_metrics(run_dir)  # train rows (evaluation rows apart)
     secs = [r["step_seconds"] for r in rows if r.get("step", 0) >= 1]
     return batch * len(secs) / sum(secs), batch / statistics.median(secs)
 

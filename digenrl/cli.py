@@ -1,4 +1,4 @@
-"""Command line: ``digenrl`` (launch, plan, report, keys, config) and ``digenrl-node``.
+"""Command line: ``digenrl`` (launch, eval, plan, report, keys, config) and ``digenrl-node``.
 
 The event loop (uvloop), logging and torch threads are set up once here, at the entry point,
 and passed down; nothing below creates its own loop or configures logging.
@@ -52,6 +52,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="where PNGs go (default RUN_DIR/report)")
 
+    p = sub.add_parser("eval", help="held-out evaluation of a run's saved policy ([eval] of its config)")
+    p.add_argument("run_dir")
+    p.add_argument("--checkpoint", default=None, metavar="PATH",
+                   help="policy.safetensors or its folder (default RUN_DIR/final); 'base' for version 0")
+    p.add_argument("--out", default=None, help="where eval/ and samples/ go (default RUN_DIR)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the run's config, e.g. --set eval.prompts=32 (repeatable)")
+
     p = sub.add_parser("keys", help="CurveZMQ keys")
     ks = p.add_subparsers(dest="keys_command", required=True)
     g = ks.add_parser("generate", help="write server and client key pairs into DIR")
@@ -82,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             from digenrl.telemetry.report import make_report
             make_report(Path(args.run_dir), Path(args.out) if args.out else None)
+            return 0
+        if args.command == "eval":
+            import json
+
+            from digenrl.launch import evaluate_run
+            row = evaluate_run(Path(args.run_dir), args.checkpoint, args.overrides,
+                               Path(args.out) if args.out else None)
+            print(json.dumps(row, indent=1))
             return 0
         if args.command == "keys":
             from digenrl.transport.curve import generate_keys

@@ -125,6 +125,48 @@ def launch(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any
     return summary
 
 
+def evaluate_run(run_dir: Path, checkpoint: str | None = None, overrides: list[str] | None = None,
+                 out_dir: Path | None = None) -> dict[str, Any]:
+    """``digenrl eval``: held-out evaluation of a saved policy of ``run_dir`` (its config.toml).
+
+    ``checkpoint``: None = ``run_dir/final/policy.safetensors``; ``"base"`` = the base model
+    (version 0); a ``.safetensors`` file or a folder holding ``policy.safetensors`` (``final/``,
+    ``checkpoint/v<N>/``). Writes ``eval/v<version>.jsonl`` and ``samples/eval_v<version>.png``
+    under ``out_dir`` (default ``run_dir``); returns the ``eval/`` metrics plus the version.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from digenrl.data.prompts import load_splits
+    from digenrl.models import build_model
+    from digenrl.rl.evaluate import build_eval_reward, evaluate
+
+    if not (run_dir / "config.toml").is_file():
+        raise ConfigError(f"digenrl eval {run_dir}: no config.toml in that folder")
+    cfg = load_config(run_dir / "config.toml", overrides or [])
+    import torch
+    torch.set_num_threads(cfg.run.threads)
+    test = load_splits(cfg.prompts)[1]
+    if test is None:
+        raise ConfigError(f"digenrl eval {run_dir}: the run has no test split; pass "
+                          "--set prompts.test_file=... or --set prompts.test_fraction=...")
+    model = build_model(cfg.model, seed=cfg.run.seed)
+    version = 0
+    if checkpoint != "base":
+        path = Path(checkpoint) if checkpoint else run_dir / "final" / "policy.safetensors"
+        if path.is_dir():
+            path = path / "policy.safetensors"
+        if not path.is_file():
+            raise ConfigError(f"digenrl eval: {str(path)!r} does not exist (expected a "
+                              "policy.safetensors written by a run, its folder, or 'base')")
+        with safe_open(str(path), framework="pt") as f:
+            version = int((f.metadata() or {}).get("version", 0))
+        model.load_sync_state_dict(load_file(str(path)))
+    row = evaluate(model, cfg, test, build_eval_reward(cfg), version=version,
+                   run_dir=out_dir or run_dir)
+    return {"policy_version": version, **row}
+
+
 def launch_from_args(args: argparse.Namespace) -> int:
     from digenrl.telemetry.logging import configure_logging
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from digenrl.telemetry.metrics import read_metrics
 from tests.conftest import THREAD_SETS
 
 pytestmark = pytest.mark.slow
@@ -56,7 +57,7 @@ def _finish(proc: subprocess.Popen, run_dir: Path, steps: int) -> dict:
     assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) + acc["in_flight"]
     assert acc["in_flight"] == 0 and s["steps"] == steps
     assert s["slots"]["consumed"] == s["slots"]["expected"]  # each (step, fragment) once
-    rows = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r["step"] for r in read_metrics(run_dir)]  # train rows
     assert rows == list(range(steps))
     return s
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from digenrl.config import load_config, resolve_mode
 from digenrl.launch import launch, make_run_dir
+from digenrl.telemetry.metrics import read_metrics
 from tests.conftest import THREAD_SETS
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ def _accounting_adds_up(summary: dict, cfg_batch: int, steps: int) -> None:
 def test_each_mode_runs_two_steps_end_to_end_and_accounting_adds_up(tmp_path: Path, mode: str) -> None:
     run_dir, summary = _launch(tmp_path, mode)
     _accounting_adds_up(summary, 4, 2)
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(run_dir)  # train rows
     assert [x["step"] for x in lines] == [0, 1]
     assert all(x["max_staleness"] <= (1 if mode == "digenrl" else 0) for x in lines)
     assert (run_dir / "trace.json").is_file()

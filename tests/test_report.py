@@ -85,6 +85,11 @@ def make_run_dir(run_dir: Path, steps: int = 6, seed: int = 0) -> Path:
             discarded=4 * (s % 2), reward_terms={"jpeg_compressibility": mean},
             busy=busy_by_node(spans, *window),
             gpu_util={n.node_id: 90.0 for n in trainers}, gpu_mem_used_mb={"trainer-0": 4096.0}))
+        if s in (0, steps - 1):  # held-out evaluations of versions 0 and the last one
+            v = 0 if s == 0 else steps
+            writer.write_eval(v, (window[1] - EPOCH) / 1e9, {
+                "eval/shapes_attributes/all": 0.35 + 0.01 * v, "eval/shapes_attributes/shape": 0.4,
+                "eval/shapes_judge": -2.0 + 0.1 * v, "eval/samples": 96, "eval/seconds": 1.5})
     writer.close()
     for rec in rollouts + trainers:
         rec.dump(run_dir / "trace" / f"{rec.node_id}.jsonl")
@@ -171,7 +176,7 @@ def test_missing_run_dir_is_a_value_error(tmp_path):
 def test_every_emitted_key_is_documented_and_every_documented_key_is_emitted(report):
     run_dir, _ = report
     documented = documented_keys()
-    emitted = {k for rec in read_metrics(run_dir) for k in rec}
+    emitted = {k for rec in read_metrics(run_dir, kind="all") for k in rec}
     assert {k for k in emitted if not is_documented(k, documented)} == set()
     for doc in documented:
         assert any(is_documented(k, [doc]) for k in emitted), doc

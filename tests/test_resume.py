@@ -26,6 +26,7 @@ from digenrl.rl.checkpoint import (
     load_trainer_state,
     save_trainer_state,
 )
+from digenrl.telemetry.metrics import read_metrics
 from tests.conftest import THREAD_SETS
 
 SETS = ["run.steps=4", "run.checkpoint_every=1", "model.path=\"random\"", "train.prompts_per_step=2",
@@ -69,7 +70,7 @@ def _interrupt_and_resume(tmp_path: Path, mode: str, crash: str, versions: tuple
     acc = summary["accounting"]
     assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) + acc["in_flight"]
     assert acc["in_flight"] == 0
-    steps = [json.loads(x)["step"] for x in (cut / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in read_metrics(cut)]  # train rows
     assert steps == [0, 1, 2, 3]
     return cut, summary
 

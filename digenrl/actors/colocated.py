@@ -23,6 +23,7 @@ from digenrl.config import Config
 from digenrl.core.plan import plan_for_step, step_prompts, trajectory_seed
 from digenrl.data.prompts import load_splits
 from digenrl.rl.checkpoint import colocated_checkpoint, colocated_resume, crash_point
+from digenrl.rl.evaluate import build_eval_reward, eval_due, evaluate
 from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.learner import Learner, save_final
 from digenrl.rl.policy import build_policy
@@ -55,8 +56,11 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
     start, done_trained, done_discarded = (colocated_resume(run_dir, policy, rank) if resume
                                            else (0, 0, {}))
     reward_fn = build_reward(cfg.reward.terms)
-    train_set, _test_set = load_splits(cfg.prompts)
+    train_set, test_set = load_splits(cfg.prompts)
     prompts = train_set.prompts
+    # evaluation: rank 0 scores; a sharded policy's other ranks join its forward passes
+    evaluating = cfg.run.eval_every > 0 and test_set is not None and (rank == 0 or policy.sharded)
+    eval_reward = build_eval_reward(cfg) if evaluating and rank == 0 else None
     sigma_max = float(sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)[1])
     node = f"colocated-{rank}"
     recorder = SpanRecorder(node, "colocated")
@@ -69,6 +73,17 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
     last: dict[str, float] = {}
     trained_total = done_trained
     discarded: dict[str, int] = dict(done_discarded)
+
+    def maybe_eval(version: int) -> None:
+        if not (evaluating and test_set is not None and eval_due(version, cfg)):
+            return
+        with recorder.span("evaluate", version=version):
+            row = evaluate(policy.model, cfg, test_set, eval_reward, version=version,
+                           run_dir=run_dir if rank == 0 else None)
+        if writer is not None:
+            writer.write_eval(version, time.perf_counter() - t_start, row)
+
+    maybe_eval(start)
     for step in range(start, cfg.run.steps):
         t0 = time.perf_counter()
         busy_before = busy_clock.stats()
@@ -114,6 +129,7 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
         if time.perf_counter() - flushed >= cfg.runtime.trace_flush_s:  # memory stays flat
             recorder.dump(trace_path)
             flushed = time.perf_counter()
+        maybe_eval(policy.version)
         colocated_checkpoint(run_dir, policy, rank=rank, world_size=world_size, trained=trained_total,
                              discarded=discarded, steps=cfg.run.steps, every=cfg.run.checkpoint_every)
     total = time.perf_counter() - t_start

@@ -397,7 +397,12 @@ class CoordinatorActor(Actor):
         now = time.perf_counter()
         self.t_last_step = now
         self.t_progress = time.monotonic()
-        row: dict[str, Any] = {"step": msg.step, "policy_version": msg.version, **msg.metrics,
+        metrics = dict(msg.metrics)
+        evaluated = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith("eval/")]}
+        if evaluated:  # an evaluation (rl/evaluate.py) rode on this StepDone: its own row
+            version = int(evaluated.pop("eval/policy_version"))
+            self.metrics.write_eval(version, now - self.t0, evaluated)
+        row: dict[str, Any] = {"step": msg.step, "policy_version": msg.version, **metrics,
                                "wall_time": now - self.t0}
         for node, (busy, wall) in self.busy_total.items():
             b0, w0 = self.busy_last.get(node, (0.0, 0.0))

@@ -226,8 +226,15 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
                 await asyncio.to_thread(dist.init_process_group, "gloo", init_method=endpoints["dist"],
                                         rank=msg.rank, world_size=msg.world_size)
             policy = await asyncio.to_thread(build_policy, cfg, msg.world_size)
+            test_set = eval_reward = None
+            if cfg.run.eval_every and (msg.rank == 0 or policy.sharded):
+                from digenrl.data.prompts import load_splits
+                from digenrl.rl.evaluate import build_eval_reward
+                test_set = load_splits(cfg.prompts)[1]  # the test file must be readable here
+                eval_reward = build_eval_reward(cfg) if msg.rank == 0 else None
             actor = TrainerActor(peers=peers, cfg=cfg, policy=policy, rank=msg.rank,
-                                 world_size=msg.world_size, run_dir=rdir, reward_fn=reward_fn, **kw)
+                                 world_size=msg.world_size, run_dir=rdir, reward_fn=reward_fn,
+                                 test_set=test_set, eval_reward=eval_reward, **kw)
         sec = node_security(ctx)
         actor.busy = _HeartbeatStats(actor.busy, lambda: {**sec.counters(), "rss_mb": rss_mb()})
         if role == "trainer" and cfg.runtime.trainer_slowdown > 1.0:

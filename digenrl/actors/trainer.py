@@ -46,6 +46,7 @@ from digenrl.rl.checkpoint import (
     load_trainer_state,
     save_trainer_state,
 )
+from digenrl.rl.evaluate import eval_due, evaluate
 from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.learner import Learner, save_final
 from digenrl.rl.policy import Policy
@@ -72,7 +73,8 @@ class TrainerActor(Actor):
     role = "trainer"
 
     def __init__(self, *, peers: NodePeers, cfg: Config, policy: Policy, rank: int, world_size: int,
-                 run_dir: Any, reward_fn: Any, **kw: Any) -> None:
+                 run_dir: Any, reward_fn: Any, test_set: Any = None, eval_reward: Any = None,
+                 **kw: Any) -> None:
         super().__init__(**kw)
         self.peers = peers
         self.cfg = cfg
@@ -82,6 +84,8 @@ class TrainerActor(Actor):
         self.world_size = world_size
         self.run_dir = run_dir
         self.reward_fn = reward_fn
+        self.test_set, self.eval_reward = test_set, eval_reward  # held-out evaluation (rank 0)
+        self.pending_eval: dict[str, Any] = {}  # rides on the next StepDone to the coordinator
         self.sigma_max = float(sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)[1])
         self.staged: dict[int, dict[int, Chunk]] = defaultdict(dict)    # task -> t -> chunk
         self.pending: dict[int, list[Commit]] = defaultdict(list)        # step -> commits
@@ -111,6 +115,7 @@ class TrainerActor(Actor):
             self.log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path))
         if self.rank == 0 or self.policy.sharded:
             await self._publish(self.policy.version)
+        await self._maybe_eval(self.policy.version)
         F = self.cfg.runtime.fragments_per_step
         # a sharded rank generating alone would leave the other ranks' collectives unmatched
         offers = self.cfg.runtime.tag != "never" and not self.policy.sharded
@@ -259,7 +264,12 @@ class TrainerActor(Actor):
         self.consumed_slots.pop(step, None)
         self.log = self.log.bind(policy_version=self.policy.version)
         version, rank0 = self.policy.version, self.rank == 0
+        last = version == self.cfg.run.steps
+        if last:  # the final evaluation rides on the last StepDone, after which the run stops
+            await self._maybe_eval(version)
         if rank0:
+            metrics.update(self.pending_eval)
+            self.pending_eval = {}
             # metrics first: the coordinator may stop as soon as the last version is announced
             await self.peers.control.send(StepDone(step=step, version=version, metrics=metrics))
         if not (rank0 or self.policy.sharded):
@@ -274,6 +284,22 @@ class TrainerActor(Actor):
                 save_trainer_state, self.run_dir, self.policy, {"rejected_stale": self.rejected_stale},
                 write=rank0))
         await self._publish(version)
+        if not last:  # after the publish: rollouts fetch the new version while we evaluate it
+            await self._maybe_eval(version)
+
+    async def _maybe_eval(self, version: int) -> None:
+        """Held-out evaluation of ``version`` on rank 0 (a sharded policy's other ranks join its
+        forward passes). Its ``eval/`` metrics go to the coordinator with the next StepDone."""
+        if self.test_set is None or not eval_due(version, self.cfg):
+            return
+        if not (self.rank == 0 or self.policy.sharded):
+            return
+        rank0 = self.rank == 0
+        row = await self.in_thread("evaluate", partial(
+            evaluate, self.policy.model, self.cfg, self.test_set, self.eval_reward if rank0 else None,
+            version=version, run_dir=self.run_dir if rank0 else None), version=version)
+        if rank0:
+            self.pending_eval.update({**row, "eval/policy_version": version})
 
     async def _publish(self, version: int) -> None:
         """Rank 0 serves ``version`` and announces it; sharded ranks all join the gather."""

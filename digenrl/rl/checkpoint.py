@@ -207,15 +207,18 @@ def trim_metrics(run_dir: Path, below_step: int) -> None:
 
 
 def dedupe_metrics(run_dir: Path) -> None:
-    """One row per step, the last one written (steps redone after a trainer restart)."""
+    """One row per step (and one evaluation row per version), the last one written (steps
+    redone after a trainer restart); an evaluation of version v sorts before step v's row."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return
-    rows: dict[int, str] = {}
+    rows: dict[tuple[int, int], str] = {}
     for line in path.read_text().splitlines():
         if line.strip():
-            rows[int(json.loads(line).get("step", -1))] = line
-    write_text_atomic(path, "".join(rows[s] + "\n" for s in sorted(rows)))
+            row = json.loads(line)
+            is_eval = any(k.startswith("eval/") for k in row)
+            rows[(int(row.get("step", -1)), 0 if is_eval else 1)] = line
+    write_text_atomic(path, "".join(rows[k] + "\n" for k in sorted(rows)))
 
 
 # ---------------------------------------------------------------------------- fault injection

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from digenrl.config import load_config
+from digenrl.telemetry.metrics import read_metrics
 
 GEN_SPANS = ("denoise_step", "tag_generate")
 FETCH_SPANS = ("weight_prefetch", "weight_fetch")
@@ -240,7 +241,7 @@ def calibrate(run_dir: str | Path, *, warmup_steps: int = 1) -> dict[str, Any]:
     put("train_step_s", steady("fragment_train"), per_rank)
     metrics = d / "metrics.jsonl"
     if colocated and metrics.is_file():
-        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        rows = read_metrics(d)  # train rows (evaluation rows apart)
         by_step: dict[int, float] = defaultdict(float)
         for e in spans.get("colocated-0", []):
             if e.name in ("generate", "fragment_train", "optimizer_step"):

@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 
 __all__ = ["DOCS_PATH", "MetricsWriter", "MissingExtraError", "StepMetrics", "documented_keys",
-           "is_documented", "read_metrics"]
+           "is_documented", "is_eval_row", "read_metrics"]
 
 DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 # Dict-valued fields -> the key prefix of their entries: busy={"trainer-0": .9} -> "busy/trainer-0".
@@ -151,6 +151,22 @@ class MetricsWriter:
             self._tb.flush()
         return record
 
+    def write_eval(self, version: int, wall_time: float, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Append one evaluation row: ``step`` and ``policy_version`` are the evaluated
+        version, ``metrics`` its ``eval/`` entries (:mod:`digenrl.rl.evaluate`)."""
+        bad = sorted(k for k in metrics if not k.startswith("eval/"))
+        if bad:
+            raise ValueError(f"evaluation row of version {version}: keys {bad} lack the eval/ prefix")
+        record = {"step": version, "policy_version": version, "wall_time": wall_time, **metrics}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, int | float):
+                    self._tb.add_scalar(key, value, global_step=version)
+            self._tb.flush()
+        return record
+
     def close(self) -> None:
         """Close the file (and the TensorBoard writer)."""
         self._file.close()
@@ -164,17 +180,27 @@ class MetricsWriter:
         self.close()
 
 
-def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
-    """The records of ``run_dir/metrics.jsonl`` in order (a torn last line is ignored)."""
+def is_eval_row(row: Mapping[str, Any]) -> bool:
+    """Whether a metrics.jsonl row is an evaluation row (its keys are ``eval/...``)."""
+    return any(k.startswith("eval/") for k in row)
+
+
+def read_metrics(run_dir: Path | str, kind: str = "train") -> list[dict[str, Any]]:
+    """The rows of ``run_dir/metrics.jsonl`` in order (a torn last line is ignored):
+    ``kind`` "train" (one per optimizer step), "eval" (one per evaluation) or "all"."""
+    if kind not in ("train", "eval", "all"):
+        raise ValueError(f"kind {kind!r}: expected 'train', 'eval' or 'all'")
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
     records = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            records.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if kind == "all" or is_eval_row(row) == (kind == "eval"):
+            records.append(row)
     return records
 
 

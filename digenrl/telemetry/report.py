@@ -9,7 +9,9 @@ Reads the run directory (format: docs/metrics.md) and writes into ``out_dir`` (d
   process, coloured by span name; ``wait`` is hatched grey and idle time is white, so the
   bubbles are visible at a glance;
 * ``samples.png`` -- the sample grids of the first and last step side by side (a step's
-  first fragment when the trainer saved one grid per fragment).
+  first fragment when the trainer saved one grid per fragment);
+* ``eval.png`` -- held-out evaluation (``eval/`` rows): each value's mean against the
+  evaluated policy version, one panel per term.
 
 Every figure has a fixed size (:data:`PNG_SIZES`, pixels) so reports compare across runs.
 A missing input skips its figure; :func:`make_report` says which and why.
@@ -45,10 +47,12 @@ __all__ = ["DPI", "PNG_SIZES", "format_summary", "make_report"]
 
 DPI = 100
 PNG_SIZES: dict[str, tuple[int, int]] = {  # (width, height) in pixels
-    "reward": (900, 500), "throughput": (900, 500), "timeline": (1200, 600), "samples": (1000, 560)}
+    "reward": (900, 500), "throughput": (900, 500), "timeline": (1200, 600), "samples": (1000, 560),
+    "eval": (900, 500)}
+_EVAL_BOOKKEEPING = {"eval/samples", "eval/seconds"}  # not scores: not plotted
 _COLOURS = dict(zip(SPAN_NAMES, ["#1f77b4", "#aec7e8", "#2ca02c", "#ff7f0e", "#d62728",
                                  "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
-                                 "#dbdb8d", "#d9d9d9"], strict=True))
+                                 "#dbdb8d", "#d9d9d9", "#393b79", "#e7969c"], strict=True))
 # step_<n>.png (colocated) or step_<n>_f<fragment>.png (trainer rank 0, one per fragment)
 _SAMPLE = re.compile(r"step_(\d+)(?:_f(\d+))?\.png$")
 
@@ -69,7 +73,8 @@ def _bar(fraction: float, width: int = 30) -> str:
 
 
 def format_summary(run_dir: Path, summary: Mapping[str, Any], busy_trace: Mapping[str, float],
-                   metrics: Sequence[Mapping[str, Any]]) -> str:
+                   metrics: Sequence[Mapping[str, Any]],
+                   evals: Sequence[Mapping[str, Any]] = ()) -> str:
     """The text table :func:`make_report` prints."""
     lines = [f"DigenRL run report: {run_dir}"]
     steps = summary.get("steps", len(metrics))
@@ -81,6 +86,11 @@ def format_summary(run_dir: Path, summary: Mapping[str, Any], busy_trace: Mappin
         last = metrics[-1]
         lines.append(f"  last step {last.get('step')}: reward {last.get('reward_mean', float('nan')):.4f}"
                      f" ± {last.get('reward_std', float('nan')):.4f}")
+    if evals:
+        first, final = evals[0], evals[-1]
+        keys = sorted(k for k in final if k.startswith("eval/") and k not in _EVAL_BOOKKEEPING)
+        lines.append(f"held-out evaluation, version {first['policy_version']} -> {final['policy_version']}")
+        lines += [f"  {k:<32} {first.get(k, float('nan')):8.4f} -> {final[k]:8.4f}" for k in keys]
     busy = dict(summary.get("busy") or {})
     nodes = sorted(set(busy) | set(busy_trace))
     if nodes:
@@ -140,6 +150,25 @@ def _plot_throughput(metrics: Sequence[Mapping[str, Any]], average: float | None
     ax.set_ylim(0, 1.15 * max([*rate, average or 0.0]) or 1.0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _plot_eval(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    keys = sorted({k for r in rows for k in r if k.startswith("eval/")} - _EVAL_BOOKKEEPING)
+    terms = sorted({k.split("/")[1] for k in keys})
+    fig, _ = _figure("eval")
+    fig.clf()
+    for i, term in enumerate(terms):
+        ax = fig.add_subplot(1, len(terms), i + 1)
+        for k in (k for k in keys if k.split("/")[1] == term):
+            pts = [(r["policy_version"], r[k]) for r in rows if k in r]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+                    label=k.split("/", 2)[2] if k.count("/") > 1 else "mean")
+        ax.set(title=term, xlabel="policy version")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Held-out evaluation (deterministic sampling, fixed seeds)")
     fig.tight_layout()
     return _save(fig, path)
 
@@ -247,6 +276,11 @@ def make_report(run_dir: Path | str, out_dir: Path | str | None = None, *,
                                                   out / "throughput.png"))
     else:
         skipped["reward"] = skipped["throughput"] = "metrics.jsonl is missing or empty"
+    evals = read_metrics(run_dir, kind="eval")
+    if evals:
+        pngs["eval"] = str(_plot_eval(evals, out / "eval.png"))
+    else:
+        skipped["eval"] = "no eval/ rows in metrics.jsonl (run.eval_every = 0)"
     if spans:
         pngs["timeline"] = str(_plot_timeline(names, spans, last_steps, out / "timeline.png"))
     else:
@@ -262,7 +296,7 @@ def make_report(run_dir: Path | str, out_dir: Path | str | None = None, *,
     else:
         skipped["samples"] = "no samples/step_<n>.png"
 
-    table = format_summary(run_dir, summary, busy_trace, metrics)
+    table = format_summary(run_dir, summary, busy_trace, metrics, evals)
     table += "".join(f"\n  {name}: {p}" for name, p in pngs.items())
     table += "".join(f"\n  {name}: skipped ({why})" for name, why in skipped.items())
     if stream is not None:

@@ -52,13 +52,13 @@ __all__ = ["BUSY_SPANS", "SPAN_NAMES", "BusyClock", "Span", "SpanRecorder", "Spa
 SPAN_NAMES: tuple[str, ...] = (
     "denoise_step", "send_chunk", "reward", "fragment_train", "optimizer_step",
     "weight_publish", "weight_apply", "tag_generate", "generate", "weight_fetch",
-    "weight_prefetch", "wait")
+    "weight_prefetch", "wait", "evaluate", "score")
 BUSY_SPANS: frozenset[str] = frozenset({
     "denoise_step", "reward", "fragment_train", "optimizer_step", "weight_publish",
-    "weight_apply", "tag_generate", "generate"})
+    "weight_apply", "tag_generate", "generate", "evaluate", "score"})
 NAMED_LANES = 1000  # the first lane :meth:`SpanRecorder.named_lane` hands out (task lanes count from 0)
 # Order of process tracks in the merged trace: the data flows top to bottom.
-_ROLE_ORDER = {"coordinator": 0, "rollout": 1, "trainer": 2}
+_ROLE_ORDER = {"coordinator": 0, "rollout": 1, "trainer": 2, "reward": 3}
 
 _log = structlog.get_logger(__name__)
 

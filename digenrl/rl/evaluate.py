@@ -1,0 +1,104 @@
+"""Held-out evaluation: the policy samples the test prompts with fixed seeds, deterministically.
+
+As flow_grpo's evaluation: ODE sampling (no injected noise), ``eval.num_steps`` steps (default
+the training sampler's), the training sampler's shift and guidance; each (test prompt, sample
+k) has its own noise seed ``stable_int("eval", eval.seed, prompt index, k)``, independent of
+``run.seed`` and of the batch it lands in, so every evaluation of a run -- and of runs with
+other seeds -- sees the same noise for the same prompt. The scores are every value of the
+``[eval] terms`` (default: the training reward's terms), unweighted.
+
+:func:`evaluate` returns the metrics row's ``eval/`` entries (the mean of each value, keys in
+docs/metrics.md) and writes, when given a run dir, ``samples/eval_v<version>.png`` (a grid of
+the first :data:`GRID_MAX` samples) and ``eval/v<version>.jsonl`` (one line per sample: prompt
+index, seed, every value), from which per-seed rates and standard errors are computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from digenrl.config import Config, RewardTerm
+from digenrl.core.plan import stable_int
+from digenrl.data.prompts import PromptSet
+from digenrl.fileio import write_text_atomic
+from digenrl.models.base import FlowModel
+from digenrl.rl.rewards import Reward, build_reward
+from digenrl.rl.sampler import rollout, seeded_generators
+from digenrl.telemetry.images import save_grid
+
+GRID_MAX = 64
+"""Samples shown in an evaluation's grid (the first ones, in prompt order)."""
+
+
+def eval_terms(cfg: Config) -> list[RewardTerm]:
+    """What evaluation scores: ``[eval] terms``, or the training reward's terms."""
+    return list(cfg.eval.terms or cfg.reward.terms)
+
+
+def build_eval_reward(cfg: Config) -> Reward:
+    return build_reward(eval_terms(cfg))
+
+
+def eval_due(version: int, cfg: Config) -> bool:
+    """Whether ``version`` is evaluated: 0, every ``run.eval_every`` versions, and the last."""
+    every = cfg.run.eval_every
+    return every > 0 and (version % every == 0 or version == cfg.run.steps)
+
+
+def eval_samples(cfg: Config, test: PromptSet) -> list[tuple[int, int]]:
+    """(prompt index, seed) of every evaluation sample, prompt-major."""
+    n = min(len(test), cfg.eval.prompts) if cfg.eval.prompts else len(test)
+    k = cfg.eval.samples_per_prompt
+    return [(i, stable_int("eval", cfg.eval.seed, i, j)) for i in range(n) for j in range(k)]
+
+
+def generate(model: FlowModel, cfg: Config, test: PromptSet) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Every evaluation sample's image (uint8 (N, 3, H, W), CPU) and its (prompt index, seed)."""
+    sampler = dataclasses.replace(cfg.sampler, sde_type="ode",
+                                  num_steps=cfg.eval.num_steps or cfg.sampler.num_steps)
+    plan = eval_samples(cfg, test)
+    out: list[torch.Tensor] = []
+    for lo in range(0, len(plan), cfg.eval.batch_size):
+        batch = plan[lo:lo + cfg.eval.batch_size]
+        with torch.no_grad():
+            cond = model.encode_prompts([test.prompts[i] for i, _ in batch])
+            x = None
+            for rec in rollout(model, cond, generator=seeded_generators([s for _, s in batch]),
+                               sampler_cfg=sampler, sde_steps=set()):
+                x = rec.x_next
+            assert x is not None  # num_steps >= 1
+            out.append(model.decode(x).cpu())
+    return torch.cat(out), plan
+
+
+def evaluate(model: FlowModel, cfg: Config, test: PromptSet, reward: Reward | None, *,
+             version: int, run_dir: Path | None = None) -> dict[str, Any]:
+    """Sample the test prompts with ``model`` and score them; the ``eval/`` metrics.
+
+    ``reward`` None: generate only (a sharded rank joining rank 0's forward passes); returns {}.
+    """
+    t0 = time.perf_counter()
+    images, plan = generate(model, cfg, test)
+    if reward is None:
+        return {}
+    prompts = [test.prompts[i] for i, _ in plan]
+    values = reward.evaluate(images, prompts, [test.metadata[i] for i, _ in plan])
+    metrics: dict[str, Any] = {f"eval/{k}": float(v.double().mean()) for k, v in values.items()}
+    metrics["eval/samples"] = len(plan)
+    metrics["eval/seconds"] = time.perf_counter() - t0
+    if run_dir is not None:
+        k = cfg.eval.samples_per_prompt
+        save_grid(images[:GRID_MAX], run_dir / "samples" / f"eval_v{version:04d}.png",
+                  nrow=k if k > 1 else 8)
+        lines = [json.dumps({"version": version, "prompt_index": i, "prompt": test.prompts[i], "seed": s,
+                             **{k_: float(v[n]) for k_, v in values.items()}})
+                 for n, (i, s) in enumerate(plan)]
+        (run_dir / "eval").mkdir(parents=True, exist_ok=True)
+        write_text_atomic(run_dir / "eval" / f"v{version:04d}.jsonl", "".join(x + "\n" for x in lines))
+    return metrics
