@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 
 import torch
-from digenrl.data.prompts import builtin_prompts
 
 from digenrl.config import ModelConfig, SamplerConfig, load_config
+from digenrl.data.prompts import builtin_prompts
 from digenrl.data.shapes import all_prompts
 from digenrl.models import build_model
 from digenrl.rl.rewards.judge import ATTRIBUTES, attribute_correct, load_judge, prompt_labels
