@@ -37,6 +37,7 @@ import torch.distributed as dist
 from digenrl.actors.base import Actor
 from digenrl.actors.peers import NodePeers
 from digenrl.config import Config
+from digenrl.core.credits import within_staleness
 from digenrl.core.plan import owners_for, plan_for_step
 from digenrl.rl.checkpoint import (
     checkpoint_due,
@@ -98,6 +99,7 @@ class TrainerActor(Actor):
         self._offered = False
         self._step_t0 = time.perf_counter()
         self.wake = asyncio.Event()
+        self._trained_steps: dict[int, list[int]] = {}  # step -> its plan's trained timesteps
 
     # ---------------------------------------------------------------- loops
     def background(self) -> list[Any]:
@@ -193,7 +195,7 @@ class TrainerActor(Actor):
 
     # ---------------------------------------------------------------- training
     async def _consume(self, commit: Commit) -> None:
-        step, K = commit.step, self.cfg.runtime.staleness
+        step = commit.step
         if commit.task_id in self.revoked or commit.fragment in self.consumed_slots[step]:
             self.staged.pop(commit.task_id, None)
             if commit.task_id not in self.revoked:  # see _data_loop: report the duplicate
@@ -204,11 +206,10 @@ class TrainerActor(Actor):
         discarded: dict[str, int] = {}
         trained = 0
         t0 = time.perf_counter()
-        staleness = self.policy.version - commit.policy_version
-        trained_steps = plan_for_step(self.cfg, step)[0]
+        trained_steps = self._trained_of(step)
         passes = pass_count(trained_steps, self.world_size, self.cfg.runtime.tsp, commit.fragment,
                             self.cfg.runtime.fragments_per_step, self.rank)
-        if staleness > K or staleness < 0:
+        if not within_staleness(self.policy.version, commit.policy_version, self.cfg.runtime.staleness):
             self.rejected_stale += n
             discarded["stale"] = n
             self.learner.discard(n, "stale")
@@ -233,9 +234,17 @@ class TrainerActor(Actor):
         self.consumed_slots[step].add(commit.fragment)
         await self._report(commit, trained, discarded, time.perf_counter() - t0)
 
+    def _trained_of(self, step: int) -> list[int]:
+        """The trained timesteps of ``step``'s plan, computed once per step (consuming each
+        fragment, reporting it and the optimizer step all need them)."""
+        trained = self._trained_steps.get(step)
+        if trained is None:
+            trained = self._trained_steps[step] = plan_for_step(self.cfg, step)[0]
+        return trained
+
     async def _report(self, commit: Commit, trained: int, discarded: dict[str, int],
                       seconds: float) -> None:
-        if self.rank not in owners_for(plan_for_step(self.cfg, commit.step)[0], self.world_size,
+        if self.rank not in owners_for(self._trained_of(commit.step), self.world_size,
                                        self.cfg.runtime.tsp, commit.fragment,
                                        self.cfg.runtime.fragments_per_step):
             return  # this rank trains none of the fragment's timesteps: nothing to report
@@ -252,7 +261,7 @@ class TrainerActor(Actor):
 
     async def _finish_step(self, step: int) -> None:
         reduce = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM)) if self.world_size > 1 else None
-        pad_to = step_passes(plan_for_step(self.cfg, step)[0], self.world_size, self.cfg.runtime.tsp,
+        pad_to = step_passes(self._trained_of(step), self.world_size, self.cfg.runtime.tsp,
                              self.cfg.runtime.fragments_per_step)
         metrics = await self.in_thread("optimizer_step", partial(self.learner.finish_step, reduce,
                                                                  pad_to=pad_to), step=step)
@@ -262,6 +271,8 @@ class TrainerActor(Actor):
         metrics["step_seconds"] = dt
         metrics["samples_per_s"] = self.cfg.batch_size / dt
         self.consumed_slots.pop(step, None)
+        for old in [s for s in self._trained_steps if s <= step]:
+            del self._trained_steps[old]
         self.log = self.log.bind(policy_version=self.policy.version)
         version, rank0 = self.policy.version, self.rank == 0
         last = version == self.cfg.run.steps

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from digenrl.core.bts import StepForecast, ewma, helper_shortens_step
-from digenrl.core.credits import CreditLedger
+from digenrl.core.credits import CreditLedger, version_floor
 from digenrl.core.plan import (
     PlanFn,
     all_timesteps,
@@ -341,7 +341,7 @@ class Scheduler:
         return AssignCmd(node_id=node.node_id, task_id=attempt.task_id, step=attempt.step,
                          fragment=attempt.fragment, prompt_ids=prompts, seeds=seeds,
                          group_size=self.params.group_size,
-                         version_floor=max(0, attempt.step - self.params.staleness),
+                         version_floor=version_floor(attempt.step, self.params.staleness),
                          lease_s=self.params.lease_s, trained_steps=trained, sde_steps=sde,
                          owners=owners)
 

@@ -43,6 +43,8 @@ from digenrl.core.costmodel import (
     step_sync_s,
     weight_sync_s,
 )
+from digenrl.core.credits import within_staleness
+from digenrl.core.plan import plan_for_step
 from digenrl.core.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerParams, ShutdownCmd
 
 
@@ -102,12 +104,9 @@ def workload_from_config(cfg: Config) -> Workload:
 
 
 def trained_timesteps(cfg: Config) -> list[int]:
-    """Trained denoising steps; positions only matter for TSP balance, so they are evenly spread."""
-    t, T = cfg.train, cfg.sampler.num_steps
-    if t.timesteps == "window":
-        return list(range(t.window_lo, t.window_lo + t.window_size))
-    n = T if t.timesteps == "all" else max(1, round(T * t.timestep_fraction))
-    return sorted({i * T // n for i in range(n)})
+    """Trained denoising steps of step 0 of the run's plan (:func:`~digenrl.core.plan.plan_for_step`;
+    every step trains as many, only a window's position moves)."""
+    return plan_for_step(cfg, 0)[0]
 
 
 def sim_config(cfg: Config, setup: SimSetup, costs: NodeCosts) -> Config:
@@ -155,13 +154,12 @@ class Simulator:
         self.cfg = sim_config(cfg, setup, probe)
         self.K = self.cfg.runtime.staleness
         self.F = self.cfg.runtime.fragments_per_step
-        self.trained = trained_timesteps(self.cfg)
         self.colocated = self.cfg.run.mode == "colocated"
         self.rng = random.Random(setup.seed)
         self.heap: list[tuple[float, int, str, tuple[Any, ...]]] = []
         self.seq = 0
         self.now = 0.0
-        per_traj = chunk_bytes(self.wl.model, self.cfg.sampler.wire_dtype == "float32") * len(self.trained)
+        per_traj = chunk_bytes(self.wl.model, self.cfg.sampler.wire_dtype == "float32") * self.wl.trained_steps
         params = SchedulerParams.from_config(self.cfg, prompt_count=max(1, self.cfg.train.prompts_per_step),
                                              bytes_per_trajectory=per_traj)
         rt = self.cfg.runtime
@@ -171,8 +169,8 @@ class Simulator:
             params, fragments_per_step=self.F, staleness=self.K, tsp=rt.tsp, tag=rt.tag,
             trainer_ranks=self.R, switch_s=probe.switch_s,
             speeds={g: GPUS["H100"].gen_tflops / spec.gen_tflops for g, spec in GPUS.items()} | {"cpu": 1.0})
-        T = self.cfg.sampler.num_steps
-        self.sched = Scheduler(params, plan_timesteps=lambda step: (self.trained, list(range(T))))
+        cfg_sim = self.cfg
+        self.sched = Scheduler(params, plan_timesteps=lambda step: plan_for_step(cfg_sim, step))
         cal = setup.calibration or {}
         # a rollout fetches each announced version in the background (trainable bytes over the
         # weight link) and applies it at a trajectory boundary (a device copy: ~0 on a GPU)
@@ -385,7 +383,7 @@ class Simulator:
         net = self.setup.network
         # chunks stream during generation, so only the tail (last chunk + commit) is exposed,
         # unless the link is slower than generation.
-        total = n * chunk_bytes(self.wl.model, self.cfg.sampler.wire_dtype == "float32") * len(self.trained)
+        total = n * chunk_bytes(self.wl.model, self.cfg.sampler.wire_dtype == "float32") * len(task.trained_steps)
         link = (net.link_gbs if node.role == "rollout" else GPUS[node.gpu].nvlink_gbs) * 1e9
         arrive = max(self.now, self.now - gen_s + total / link) + self.latency_s
         self._at(arrive, "commit", task, nid, gen_v, n, gen_s)
@@ -424,7 +422,7 @@ class Simulator:
             while pending:
                 task, n, gen_v, owns, u = pending.popleft()
                 self.consumed[(node.rank, s)] += 1
-                if not 0 <= s - gen_v <= self.K:  # the trainer's oracle: must never fire
+                if not within_staleness(s, gen_v, self.K):  # the trainer's oracle: must never fire
                     self.rejected_stale += n
                     if owns:
                         self._apply(self.sched.fragment_consumed(task.task_id, node.rank, 0, {"stale": n}, 0.0, self.now))
@@ -460,7 +458,7 @@ class Simulator:
         # TSP off: the scheduler routes every chunk to rank 0; the simulator assumes the
         # baselines' data parallelism instead (each rank trains n / R of the samples; ideal
         # FSDP micro-batching over the whole step, so no rounding per fragment).
-        return n / self.R * len(self.trained)
+        return n / self.R * len(task.trained_steps)
 
     def _on_trained(self, nid: str, token: int, batch: list[tuple[Any, int, bool]], secs: float) -> None:
         node = self.nodes[nid]
