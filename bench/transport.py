@@ -48,7 +48,7 @@ def _chunk(nbytes: int, i: int = 0) -> Chunk:
 
 
 def _heartbeat(seq: int) -> Heartbeat:
-    return Heartbeat(node_id="rollout-0", incarnation=1, policy_version=3, state="generating",
+    return Heartbeat(node_id="rollout-0", incarnation=1, policy_version=3, state="running",
                      seq=seq, gpu={"free_mb": 40000.0, "util": 0.93},
                      stats={"chunks": 120, "bytes": 1 << 30})
 
@@ -114,7 +114,7 @@ def _echo(mode: str, endpoint: str, ready: mp.Event) -> None:
             ready.set()
             while True:
                 peer, msg = await router.recv()
-                if isinstance(msg, Heartbeat) and msg.state == "stop":
+                if isinstance(msg, Heartbeat) and msg.state == "stopping":
                     break
                 await router.send(msg, to=peer)
         ctx.term()
@@ -213,7 +213,7 @@ def latency(mode: str, pings: int) -> list[float]:
                     await dealer.recv()
                     if i >= 50:
                         rtts.append((time.perf_counter() - t) * 1e6)
-                stop = Heartbeat(**{**_heartbeat(0).__dict__, "state": "stop"})
+                stop = Heartbeat(**{**_heartbeat(0).__dict__, "state": "stopping"})
                 await dealer.send(stop)
                 await asyncio.sleep(0.1)  # let the stop leave before linger-0 close
             ctx.term()

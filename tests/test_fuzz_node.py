@@ -168,7 +168,7 @@ async def run_storm(tmp_path: Path, n: int, cfg: Config | None = None) -> dict[s
         async with asyncio.TaskGroup() as tg:
             run = tg.create_task(actor.run())
             await wait_until(lambda: "trainer-0" in actor.heartbeats, "the trainer's first heartbeat", 120)
-            data_endpoint = actor.trainers[0]["endpoint"].split("|")[0]
+            data_endpoint = actor.trainers[0]["data_endpoint"]
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             senders = [tg.create_task(asyncio.to_thread(send_storm, zmq.DEALER, actor.control.endpoint,
@@ -187,7 +187,7 @@ async def run_storm(tmp_path: Path, n: int, cfg: Config | None = None) -> dict[s
             seq_after_storm = actor.heartbeats["trainer-0"].seq
             # peers are still answered: a new node's Hello gets its Welcome ...
             await probe.send(Hello(node_id="rollout-9", role="rollout", gpu="cpu", incarnation=1,
-                                   pid=1, host="probe"))
+                                   pid=1, host="probe", data_endpoint="", weights_endpoint=""))
             _, welcome = await asyncio.wait_for(probe.recv(), 30)
             # ... and the trainer keeps heartbeating
             await wait_until(lambda: actor.heartbeats["trainer-0"].seq > seq_after_storm + 1,

@@ -70,6 +70,8 @@ def messages_of(cls: type[Message]) -> st.SearchStrategy[Message]:
     for name, kind in cls.KINDS.items():
         if kind.startswith("list:"):
             fields[name] = st.lists(KIND_STRATEGIES[kind[5:]], max_size=5)
+        elif kind.startswith("literal:"):
+            fields[name] = st.sampled_from(kind[8:].split("|"))
         else:
             fields[name] = KIND_STRATEGIES[kind]
     return st.builds(cls, **fields)
@@ -81,7 +83,7 @@ any_message = st.sampled_from(sorted(message_types().items())).flatmap(lambda kv
 def test_the_message_set_is_registered() -> None:
     assert set(message_types()) == {
         "hello", "welcome", "heartbeat", "assign", "chunk", "commit", "consumed",
-        "version_announce", "weights_request", "weights_part", "weights_applied", "step_done",
+        "version_announce", "weights_request", "weights_part", "step_done",
         "tag_offer", "revoke", "shutdown"}
 
 
@@ -117,7 +119,7 @@ def test_encode_rejects_ints_outside_64_bits_naming_the_field() -> None:
     with pytest.raises(ValueError, match=r"Chunk.task_id = 18446744073709551616"):
         encode(_chunk(task_id=INT_MAX + 1))
     with pytest.raises(ValueError, match=r"Heartbeat.stats\['n'\]"):
-        encode(Heartbeat(node_id="a", incarnation=0, policy_version=0, state="", seq=0, gpu={},
+        encode(Heartbeat(node_id="a", incarnation=0, policy_version=0, state="running", seq=0, gpu={},
                          stats={"n": INT_MIN - 1}))
 
 
@@ -129,11 +131,43 @@ def test_encode_rejects_unsupported_dtypes_and_wrong_types() -> None:
 
 
 def test_a_different_protocol_version_is_refused_with_a_clear_message() -> None:
-    header = msgpack.packb({"t": "shutdown", "v": 7, "reason": "x", "_tensors": []})
+    header = msgpack.packb({"t": "revoke", "v": 7, "task_id": 1, "reason": "x", "_tensors": []})
     with pytest.raises(VersionMismatch) as err:
         decode([header], max_frame_bytes=LIMIT)
     assert str(err.value) == f"peer speaks protocol version 7, this node speaks {PROTOCOL_VERSION}"
     assert err.value.peer_version == 7 and isinstance(err.value, ProtocolError)
+
+
+def test_a_shutdown_reads_in_any_protocol_version_and_nothing_else_does() -> None:
+    """Shutdown's layout is frozen, so a refusal reaches a node of another version."""
+    old = msgpack.packb({"t": "shutdown", "v": 2, "reason": "refused", "_tensors": []})
+    assert decode([old], max_frame_bytes=LIMIT) == Shutdown(reason="refused")
+    assert _header(encode(Shutdown(reason="refused"), version=2)) == msgpack.unpackb(old)
+    hello_v2 = msgpack.packb({"t": "hello", "v": 2, "node_id": "n", "role": "rollout", "gpu": "cpu",
+                              "incarnation": 1, "pid": 1, "host": "", "_tensors": []})
+    with pytest.raises(VersionMismatch):
+        decode([hello_v2], max_frame_bytes=LIMIT)
+    with pytest.raises(ValueError, match="only shutdown can be written in another version"):
+        encode(Heartbeat(node_id="a", incarnation=0, policy_version=0, state="running", seq=0,
+                         gpu={}, stats={}), version=2)
+
+
+def test_roles_and_states_outside_their_sets_are_refused_both_ways() -> None:
+    hello = protocol.Hello(node_id="n", role="rollout", gpu="cpu", incarnation=1, pid=1, host="h",
+                           data_endpoint="", weights_endpoint="")
+    assert protocol.Hello.KINDS["role"] == "literal:rollout|trainer"
+    with pytest.raises(ValueError, match=r"Hello\.role = 'admin': expected one of rollout\|trainer"):
+        encode(protocol.Hello(**{**hello.__dict__, "role": "admin"}))
+    header = _header(encode(hello))
+    header["role"] = "coordinator"
+    with pytest.raises(ProtocolError, match=r"Hello\.role = 'coordinator'") as err:
+        decode([msgpack.packb(header)], max_frame_bytes=LIMIT)
+    assert err.value.reason == "field"
+    header = _header(encode(Heartbeat(node_id="a", incarnation=0, policy_version=0,
+                                      state="stopping", seq=0, gpu={}, stats={})))
+    header["state"] = "idle"
+    with pytest.raises(ProtocolError, match=r"Heartbeat\.state = 'idle'"):
+        decode([msgpack.packb(header)], max_frame_bytes=LIMIT)
 
 
 def _header(frames: list) -> dict:
@@ -202,7 +236,7 @@ def test_bool_tensors_holding_other_bytes_and_bytes_dict_keys_are_refused() -> N
     frames[3][0] = 2
     with pytest.raises(ProtocolError, match="bool tensor"):
         decode(frames, max_frame_bytes=LIMIT)
-    hb = encode(Heartbeat(node_id="a", incarnation=0, policy_version=0, state="", seq=0, gpu={},
+    hb = encode(Heartbeat(node_id="a", incarnation=0, policy_version=0, state="running", seq=0, gpu={},
                           stats={}))
     header = _header(hb)
     header["gpu"] = {b"raw": 1}
@@ -279,4 +313,4 @@ def test_weights_part_with_slashes_in_names_and_messages_equal_is_strict() -> No
     assert isinstance(got, WeightsPart) and tensor_checksum(got.tensors) == part.checksum
     assert not messages_equal(Shutdown(reason="a"), Shutdown(reason="b"))
     assert not messages_equal(_chunk(), _chunk(x_t=torch.zeros(2, 3, 4)))
-    assert protocol.PROTOCOL_VERSION == 2
+    assert protocol.PROTOCOL_VERSION == 3

@@ -66,8 +66,8 @@ async def wait_until(cond: Any, what: str, timeout: float = 20.0) -> None:
 
 
 def hello(node_id: str) -> Hello:
-    return Hello(node_id=node_id, role="trainer", gpu="cpu", incarnation=1, pid=1,
-                 host="tcp://127.0.0.1:1|tcp://127.0.0.1:2")
+    return Hello(node_id=node_id, role="trainer", gpu="cpu", incarnation=1, pid=1, host="h",
+                 data_endpoint="tcp://127.0.0.1:1", weights_endpoint="tcp://127.0.0.1:2")
 
 
 async def test_a_client_without_an_allowed_key_cannot_make_the_coordinator_act(tmp_path: Path) -> None:

@@ -127,7 +127,8 @@ async def test_dealer_and_router_talk_by_identity(make, address: str) -> None:
     router = make(Router)
     dealer = make(Dealer, identity=b"rollout-0")
     dealer.connect(router.bind(address))
-    hello = Hello(node_id="rollout-0", role="rollout", gpu="cpu", incarnation=1, pid=42, host="h")
+    hello = Hello(node_id="rollout-0", role="rollout", gpu="cpu", incarnation=1, pid=42, host="h",
+                  data_endpoint="", weights_endpoint="")
     await dealer.send(hello)
     peer, got = await asyncio.wait_for(router.recv(), WAIT)
     assert peer == b"rollout-0" and messages_equal(got, hello)
@@ -187,6 +188,29 @@ async def test_a_peer_speaking_another_version_is_refused_with_a_clear_shutdown(
     assert got == Shutdown(reason="after")
     assert reply == Shutdown(reason="protocol version mismatch: peer speaks protocol version 7, "
                                     f"this node speaks {PROTOCOL_VERSION}")
+    assert router.statistics().bad_by_reason == {"version": 1}
+
+
+async def test_an_old_node_hears_its_refusal_in_its_own_protocol_version(make, ctx) -> None:
+    """A version-2 node's Hello (host = "data|weights", no endpoint fields) is refused with a
+    Shutdown that a version-2 decoder reads: the same four header keys, its version number."""
+    router = make(Router)
+    raw = _raw(ctx, zmq.DEALER, router.bind("tcp://127.0.0.1:*"))
+    old_hello = {"t": "hello", "v": 2, "node_id": "trainer-0", "role": "trainer", "gpu": "cpu",
+                 "incarnation": 1, "pid": 1, "host": "tcp://127.0.0.1:1|tcp://127.0.0.1:2",
+                 "_tensors": []}
+    try:
+        await raw.send_multipart([msgpack.packb(old_hello)])
+        await raw.send_multipart(encode(Shutdown(reason="after")))
+        await asyncio.wait_for(router.recv(), WAIT)  # the Hello is dropped (and refused) first
+        frames = await asyncio.wait_for(raw.recv_multipart(), WAIT)
+    finally:
+        raw.close(linger=0)
+    assert len(frames) == 1
+    assert msgpack.unpackb(frames[0]) == {
+        "t": "shutdown", "v": 2, "_tensors": [],
+        "reason": f"protocol version mismatch: peer speaks protocol version 2, this node speaks "
+                  f"{PROTOCOL_VERSION}"}
     assert router.statistics().bad_by_reason == {"version": 1}
 
 

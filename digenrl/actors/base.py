@@ -20,6 +20,7 @@ import contextvars
 import os
 import socket
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -51,6 +52,7 @@ class Actor:
         self.stop_grace_s = STOP_GRACE_S  # after a stop request, how long main may take to notice it
         self.trace_path: Path | None = None  # where the node's trace goes (None: kept in memory)
         self.trace_flush_s = 5.0
+        self.unexpected_messages: Counter[str] = Counter()  # "socket:Type" -> count
 
     # -- lifecycle ------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -108,6 +110,22 @@ class Actor:
         while True:
             await asyncio.sleep(self.trace_flush_s)
             self.recorder.dump(self.trace_path)
+
+    # -- receive loops --------------------------------------------------------------------
+    def unexpected(self, socket: str, msg: object, why: str = "no handler") -> None:
+        """A receive loop got ``msg`` and has no use for it: count it (``socket:Type``) and
+        log it, the first ten and then every power of two (a peer cannot flood the log; the
+        counts stay exact and go out in the heartbeat stats)."""
+        kind = type(msg).__name__
+        self.unexpected_messages[f"{socket}:{kind}"] += 1
+        n = self.unexpected_messages.total()
+        if n <= 10 or (n & (n - 1)) == 0:
+            self.log.warning("unexpected_message", socket=socket, msg=kind, why=why,
+                             total_unexpected=n)
+
+    def heartbeat_stats(self) -> dict[str, float]:
+        """What the node's heartbeats report: busy/wall seconds and the unexpected messages."""
+        return {**self.busy.stats(), "unexpected_messages": float(self.unexpected_messages.total())}
 
     # -- work accounting ------------------------------------------------------------------
     @contextmanager

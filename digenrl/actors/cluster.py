@@ -213,6 +213,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
         "busy": {n: busy_share(b, w) for n, (b, w) in actor.busy_total.items()},
         "restarts": children.restarts if children else {},
         "stop_reason": actor.stop_reason,
+        "unexpected_messages": dict(actor.unexpected_messages),
     }
     write_json_atomic(run_dir / "summary.json", summary)
     if actor.stop_reason.startswith("failed"):

@@ -262,7 +262,10 @@ class CoordinatorActor(Actor):
             await self._run(cmds)
         elif isinstance(msg, StepDone):
             self._step_done(msg)
-        elif isinstance(msg, TagOffer) and await self._ensure_joined(msg.node_id, now):
+        elif isinstance(msg, TagOffer):
+            if not await self._ensure_joined(msg.node_id, now):
+                self.unexpected("control", msg, why=f"from {msg.node_id!r}, not a welcomed node")
+                return
             ready = sum(1 for n in self.nodes.values() if n["role"] == "rollout" and n.get("ready"))
             if ready < self.cfg.cluster.rollouts:
                 # still starting up: BTS would see no rollout capacity at all and hand the
@@ -270,6 +273,8 @@ class CoordinatorActor(Actor):
                 self.tag_offers_early += 1
                 return
             await self._run(self.sched.tag_offer(msg.node_id, now))
+        else:
+            self.unexpected("control", msg)
 
     async def _ensure_joined(self, node_id: str, now: float) -> bool:
         """A welcomed node joins the schedule with its first sign of life (its model is built)."""
@@ -283,7 +288,6 @@ class CoordinatorActor(Actor):
         return True
 
     async def _hello(self, peer: bytes, msg: Hello, now: float) -> None:
-        endpoint = msg.host  # nodes put their data endpoint in Hello.host ("" if none)
         if msg.role == "trainer":
             if any(t["node_id"] == msg.node_id for t in self.trainers.values()) and \
                     len(self.trainers) == self.expected_trainers:
@@ -291,8 +295,9 @@ class CoordinatorActor(Actor):
                 if self.stopping:
                     return
             rank = len(self.trainers)
-            self.trainers[rank] = {"peer": peer, "node_id": msg.node_id, "endpoint": endpoint,
-                                   "gpu": msg.gpu}
+            self.trainers[rank] = {"peer": peer, "node_id": msg.node_id, "gpu": msg.gpu,
+                                   "data_endpoint": msg.data_endpoint,
+                                   "weights_endpoint": msg.weights_endpoint}
             self.nodes[msg.node_id] = {"role": "trainer", "peer": peer, "rank": rank, "gpu": msg.gpu}
             if len(self.trainers) == self.expected_trainers:
                 for r, t in self.trainers.items():
@@ -300,7 +305,7 @@ class CoordinatorActor(Actor):
                 for p, h in self.waiting_rollouts:
                     await self._hello(p, h, now)
                 self.waiting_rollouts.clear()
-        elif msg.role == "rollout":
+        else:  # a rollout (the codec admits no other role)
             if len(self.trainers) < self.expected_trainers:
                 self.waiting_rollouts.append((peer, msg))
                 return
@@ -310,10 +315,10 @@ class CoordinatorActor(Actor):
                 await self._send(self.latest_announce, to=peer)
 
     def _welcome(self, node_id: str, rank: int, world: int) -> Welcome:
-        endpoints = {f"trainer/{r}": t["endpoint"] for r, t in self.trainers.items()}
+        endpoints = {f"trainer/{r}": t["data_endpoint"] for r, t in self.trainers.items()}
         endpoints["dist"] = self.dist_endpoint
         endpoints["pub"] = self.pub.endpoint
-        endpoints["weights"] = self.trainers[0]["endpoint"].rsplit("|", 1)[-1] if self.trainers else ""
+        endpoints["weights"] = self.trainers[0]["weights_endpoint"] if self.trainers else ""
         return Welcome(node_id=node_id, run_id=self.run_dir.name, config_toml=to_toml(self.cfg),
                        endpoints=endpoints, rank=rank, world_size=world)
 

@@ -178,13 +178,13 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
         control = track(zs.connect(ctx, "dealer", coordinator, boot, identity=node_id.encode()))
         data = weights = None
         host = bind or "tcp://127.0.0.1:*"
-        endpoint = ""
         if role == "trainer":
             data = track(zs.bind(ctx, "pull", host, boot))
             weights = track(zs.bind(ctx, "router", host, boot))
-            endpoint = f"{data.endpoint}|{weights.endpoint}"
         await control.send(Hello(node_id=node_id, role=role, gpu=gpu, incarnation=inc,
-                                 pid=os.getpid(), host=endpoint or pysocket.gethostname()))
+                                 pid=os.getpid(), host=pysocket.gethostname(),
+                                 data_endpoint=data.endpoint if data else "",
+                                 weights_endpoint=weights.endpoint if weights else ""))
         while True:
             _, msg = await control.recv()
             if isinstance(msg, Welcome):
@@ -192,14 +192,17 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
             if isinstance(msg, Shutdown):
                 log.error("refused by coordinator", reason=msg.reason)
                 return 3
+            # nothing else is sent before Welcome (a restarted node may get its old
+            # incarnation's last messages): say so, then keep waiting for Welcome
+            log.warning("unexpected_message", socket="control", msg=type(msg).__name__,
+                        why="before Welcome")
         import tomllib
         cfg: Config = config_from_dict(tomllib.loads(msg.config_toml))
         torch.set_num_threads(cfg.run.threads)
         rdir = run_dir or Path("runs") / msg.run_id
         recorder = SpanRecorder(node_id, role)
         endpoints = dict(msg.endpoints)
-        trainer_eps = {int(k.split("/")[1]): v.split("|")[0] for k, v in endpoints.items()
-                       if k.startswith("trainer/")}
+        trainer_eps = {int(k.split("/")[1]): v for k, v in endpoints.items() if k.startswith("trainer/")}
         pushes = {r: track(zs.connect(ctx, "push", ep, cfg)) for r, ep in sorted(trainer_eps.items())}
         from digenrl.actors.peers import NodePeers
         from digenrl.models import build_model
@@ -208,8 +211,7 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
         kw = dict(node_id=node_id, recorder=recorder, log=log.bind(policy_version=0))
         if role == "rollout":
             sub = track(zs.connect(ctx, "sub", endpoints["pub"], cfg))
-            w0 = endpoints["trainer/0"].split("|")[1]
-            wdealer = track(zs.connect(ctx, "dealer", w0, cfg))
+            wdealer = track(zs.connect(ctx, "dealer", endpoints["weights"], cfg))
             peers = NodePeers(node_id=node_id, incarnation=inc, cfg=cfg, control=control, sub=sub,
                               pushes=pushes, weights=wdealer)
             model = await asyncio.to_thread(build_model, cfg.model, seed=cfg.run.seed)

@@ -28,7 +28,6 @@ from digenrl.transport.protocol import (
     Commit,
     Heartbeat,
     VersionAnnounce,
-    WeightsApplied,
     WeightsPart,
     WeightsRequest,
 )
@@ -60,6 +59,7 @@ class NodePeers:
         self._prefetching: asyncio.Future[None] | None = None
         self._prefetch_failed = -1  # a version whose background fetch failed: not retried there
         self.unanswered = 0  # beats sent since the coordinator's last control message
+        self.stale_weight_parts = 0  # parts answering a request of a fetch that was cancelled
 
     # ------------------------------------------------------------------ heartbeats
     def heartbeat_loop(self, actor: Any) -> Any:
@@ -88,7 +88,7 @@ class NodePeers:
                     policy_version=getattr(actor, "policy", None).version if hasattr(actor, "policy")
                     else self.version,
                     state="stopping" if actor.stopping else "running", seq=next(self._seq),
-                    gpu=self._gpu_reading, stats=actor.busy.stats()))
+                    gpu=self._gpu_reading, stats=actor.heartbeat_stats()))
                 self.unanswered += 1
                 await asyncio.sleep(self.cfg.runtime.heartbeat_s)
         return heartbeat
@@ -99,10 +99,9 @@ class NodePeers:
         return float(min(free)) if free else -1.0
 
     # ------------------------------------------------------------------ versions (TCSS)
-    def on_control(self, msg: Any) -> None:
+    def heard_from_coordinator(self) -> None:
+        """Any control message proves the coordinator alive (see :meth:`heartbeat_loop`)."""
         self.unanswered = 0
-        if isinstance(msg, VersionAnnounce):
-            self.on_announce(msg)
 
     def on_announce(self, msg: VersionAnnounce) -> None:
         if self.announced is None or msg.version > self.announced.version:
@@ -147,7 +146,6 @@ class NodePeers:
             self._ready = None
         self.version = version
         actor.log = actor.log.bind(policy_version=self.version)
-        await self.control.send(WeightsApplied(node_id=self.node_id, version=self.version))
 
     def prefetch(self, actor: Any) -> None:
         """Start fetching the newest announced version in the background (rollouts call this
@@ -193,9 +191,14 @@ class NodePeers:
                     await self.weights.send(WeightsRequest(version=ann.version, part=part))
                     while True:
                         _, msg = await self.weights.recv()
-                        if isinstance(msg, WeightsPart) and msg.version == ann.version and msg.part == part:
+                        if not isinstance(msg, WeightsPart):
+                            actor.unexpected("weights", msg)
+                        elif msg.version == ann.version and msg.part == part:
                             await asyncio.to_thread(asm.add, part, dict(msg.tensors), msg.checksum)
                             break
+                        else:
+                            # a part requested by a fetch that was cancelled mid-way: dropped
+                            self.stale_weight_parts += 1
                 return await asyncio.to_thread(asm.state_dict)
 
     # ------------------------------------------------------------------ generation (TSP)

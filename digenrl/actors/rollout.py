@@ -6,9 +6,10 @@
 | blocking call              | waits for                              | unblocked by                |
 |----------------------------|----------------------------------------|-----------------------------|
 | ``tasks.get()``            | an assignment                          | the coordinator's Assign    |
-| ``wait_version(floor)``    | a policy version >= the task's floor   | a VersionAnnounce           |
-| ``fetch weights``          | every part of the announced version    | trainer rank 0's ROUTER     |
-|                            | (usually prefetched in the background) |                             |
+| ``peers.catch_up(floor)``  | a policy version >= the task's floor:  | a VersionAnnounce, then     |
+|                            | its announcement, then every part of   | trainer rank 0's ROUTER     |
+|                            | it (usually prefetched in the          | (WeightsPart)               |
+|                            | background while generating)           |                             |
 | ``in_thread(step)``        | one denoising step                     | torch                       |
 | PUSH ``send``              | room under the trainer's HWM           | the trainer consuming       |
 
@@ -24,7 +25,7 @@ from typing import Any
 from digenrl.actors.base import Actor
 from digenrl.actors.peers import NodePeers
 from digenrl.config import Config
-from digenrl.transport.protocol import Assign, Revoke, Shutdown, VersionAnnounce
+from digenrl.transport.protocol import Assign, Heartbeat, Revoke, Shutdown, VersionAnnounce
 
 
 class RolloutActor(Actor):
@@ -67,13 +68,17 @@ class RolloutActor(Actor):
     async def _control_loop(self) -> None:
         while True:
             _, msg = await self.peers.control.recv()
+            self.peers.heard_from_coordinator()
             if isinstance(msg, Assign):
                 self.tasks.put_nowait(msg)
             elif isinstance(msg, Revoke):
                 self.revoked.add(msg.task_id)
             elif isinstance(msg, Shutdown):
                 self.request_stop(msg.reason)
-            self.peers.on_control(msg)
+            elif isinstance(msg, VersionAnnounce):  # one the PUB dropped, re-sent on a beat
+                self.peers.on_announce(msg)
+            elif not isinstance(msg, Heartbeat):  # a Heartbeat answers ours: proof of life
+                self.unexpected("control", msg)
             self.peers.prefetch(self)
 
     async def _announce_loop(self) -> None:
@@ -84,3 +89,5 @@ class RolloutActor(Actor):
                 self.peers.prefetch(self)  # fetch while this trajectory is still generating
             elif isinstance(msg, Shutdown):
                 self.request_stop(msg.reason)
+            else:
+                self.unexpected("announce", msg)

@@ -59,6 +59,7 @@ from digenrl.transport.protocol import (
     Chunk,
     Commit,
     Consumed,
+    Heartbeat,
     Revoke,
     Shutdown,
     StepDone,
@@ -162,10 +163,13 @@ class TrainerActor(Actor):
                     continue
                 self.pending[msg.step].append(msg)
                 self.wake.set()
+            else:
+                self.unexpected("data", msg)
 
     async def _control_loop(self) -> None:
         while True:
             _, msg = await self.peers.control.recv()
+            self.peers.heard_from_coordinator()
             if isinstance(msg, Assign):
                 self._offered = False
                 self.tag_tasks.put_nowait(msg)
@@ -179,19 +183,26 @@ class TrainerActor(Actor):
                 self.wake.set()
             elif isinstance(msg, VersionAnnounce):
                 pass  # ranks learn versions from their own optimizer steps
-            self.peers.on_control(msg)
+            elif not isinstance(msg, Heartbeat):  # a Heartbeat answers ours: proof of life
+                self.unexpected("control", msg)
 
     async def _weights_loop(self) -> None:
         assert self.peers.weights is not None
         while True:
             peer, msg = await self.peers.weights.recv()
-            if isinstance(msg, WeightsRequest) and msg.version in self.published:
-                parts = self.published[msg.version]
-                if 0 <= msg.part < len(parts):
-                    tensors, checksum = parts[msg.part]
-                    await self.peers.weights.send(WeightsPart(
-                        version=msg.version, part=msg.part, nparts=len(parts),
-                        checksum=checksum, tensors=tensors), to=peer)
+            if not isinstance(msg, WeightsRequest):
+                self.unexpected("weights", msg)
+                continue
+            parts = self.published.get(msg.version, [])
+            if not 0 <= msg.part < len(parts):
+                # a version no longer kept (the newest three are) or a part it does not
+                # have: nothing to send, so counted and logged
+                self.unexpected("weights", msg, why=f"v{msg.version} part {msg.part} not served")
+                continue
+            tensors, checksum = parts[msg.part]
+            await self.peers.weights.send(WeightsPart(
+                version=msg.version, part=msg.part, nparts=len(parts),
+                checksum=checksum, tensors=tensors), to=peer)
 
     # ---------------------------------------------------------------- training
     async def _consume(self, commit: Commit) -> None:

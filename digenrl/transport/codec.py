@@ -31,7 +31,14 @@ from digenrl.transport.frames import as_buffer, frame_to_tensor, tensor_to_frame
 
 # 1: first release. 2: weight part checksums are CRC-32 (were blake2b): a node of the
 # other version would fail every weight fetch, so it is refused at the handshake instead.
-PROTOCOL_VERSION = 2
+# 3: Hello carries data_endpoint / weights_endpoint (host was "data|weights" on trainers);
+# roles and heartbeat states are Literals checked on decode; WeightsApplied is gone.
+PROTOCOL_VERSION = 3
+
+FROZEN_TAGS = frozenset({"shutdown"})
+"""Messages whose layout never changes (``{"t": "shutdown", "v": N, "reason": str,
+"_tensors": []}`` in every version): a node of any version reads them, so a refusal for a
+version mismatch reaches the peer instead of being dropped as undecodable."""
 
 INT_MIN = -(1 << 63)
 INT_MAX = (1 << 64) - 1  # msgpack carries unsigned 64-bit too
@@ -50,7 +57,7 @@ class Message:
     """Base of all wire messages; subclasses are made by :func:`message`."""
 
     TAG: ClassVar[str]
-    KINDS: ClassVar[dict[str, str]]  # field name -> "int" | "list:str" | "tensor" | ...
+    KINDS: ClassVar[dict[str, str]]  # field name -> "int" | "list:str" | "literal:a|b" | "tensor" | ...
 
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -62,6 +69,12 @@ _EXACT = {"str": str, "bool": bool, "bytes": bytes}
 def _kind_of(tp: Any) -> str:
     if tp in _SCALARS:
         return _SCALARS[tp]
+    if typing.get_origin(tp) is typing.Literal:
+        # a closed set of strings (a role, a state): "literal:a|b", checked both ways
+        choices = typing.get_args(tp)
+        if not choices or not all(type(c) is str and c and "|" not in c for c in choices):
+            raise TypeError(f"unsupported message field type {tp!r}: Literal of strings only")
+        return "literal:" + "|".join(choices)
     if tp is torch.Tensor:
         return "tensor"
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -113,6 +126,10 @@ def _check_value(where: str, kind: str, value: Any) -> Any:
         if type(value) is not _EXACT[kind]:
             raise ValueError(f"{where} = {value!r}: expected {kind}")
         return value
+    if kind.startswith("literal:"):
+        if type(value) is not str or value not in kind[8:].split("|"):
+            raise ValueError(f"{where} = {value!r}: expected one of {kind[8:]}")
+        return value
     if kind.startswith("list:"):
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{where} = {value!r}: expected a list")
@@ -143,19 +160,23 @@ def _check_plain(where: str, value: Any, depth: int) -> None:
         raise ValueError(f"{where} = {value!r}: {type(value).__name__} is not msgpack-able")
 
 
-def encode(msg: Message) -> list[bytes | memoryview]:
+def encode(msg: Message, *, version: int = PROTOCOL_VERSION) -> list[bytes | memoryview]:
     """Frames for ``msg``: the msgpack header, then one zero-copy memoryview per tensor.
 
     Do not modify the tensors in place until the frames are sent. Raises ValueError
     naming the field if a value cannot travel (wrong type, int outside 64 bits,
-    unsupported dtype).
+    unsupported dtype). ``version`` other than this node's is for :data:`FROZEN_TAGS` only
+    (a refusal written in the peer's version).
     """
     cls = type(msg)
     plan = _PLANS.get(cls)
     if plan is None or _REGISTRY.get(cls.TAG) is not cls:
         raise ValueError(f"{cls.__name__} is not a registered message class")
+    if version != PROTOCOL_VERSION and plan.tag not in FROZEN_TAGS:
+        raise ValueError(f"{cls.__name__} in protocol version {version}: only "
+                         f"{', '.join(sorted(FROZEN_TAGS))} can be written in another version")
     values = msg.__dict__
-    header: dict[str, Any] = {"t": plan.tag, "v": PROTOCOL_VERSION}
+    header: dict[str, Any] = {"t": plan.tag, "v": version}
     entries: list[list[Any]] = []
     frames: list[bytes | memoryview] = [b""]
     for name, kind, ok in plan.encoders:
@@ -185,7 +206,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
 
 
 def _decoded_ok(kind: str, value: Any) -> bool:
-    return _DECODED_OK[kind](value)
+    return _decoded_check(kind)(value)
 
 
 def _plain_ok(value: Any, depth: int = 0) -> bool:
@@ -257,8 +278,21 @@ _DECODED_OK: dict[str, Callable[[Any], bool]] = {
     "dict": lambda v: type(v) is dict and _plain_ok(v)}
 
 
+def _literal_ok(kind: str) -> Callable[[Any], bool]:
+    choices = frozenset(kind[8:].split("|"))
+    return lambda v: type(v) is str and v in choices
+
+
+def _encode_check(kind: str) -> Callable[[Any], bool]:
+    return _literal_ok(kind) if kind.startswith("literal:") else _ENCODE_OK[kind]
+
+
+def _decoded_check(kind: str) -> Callable[[Any], bool]:
+    return _literal_ok(kind) if kind.startswith("literal:") else _DECODED_OK[kind]
+
+
 _WIRE_TYPE = {"int": int, "float": float, "str": str, "bool": bool, "bytes": bytes, "list": list,
-              "dict": dict}
+              "dict": dict, "literal": str}
 
 
 class _Plan:
@@ -269,17 +303,18 @@ class _Plan:
         self.tag = cls.TAG
         self.name = cls.__name__
         # (field, kind, exact-type check or None for tensor kinds), in declaration order
-        self.encoders = [(n, k, _ENCODE_OK[k] if k not in ("tensor", "tensors") else None)
+        self.encoders = [(n, k, _encode_check(k) if k not in ("tensor", "tensors") else None)
                          for n, k in cls.KINDS.items()]
-        self.decoders = {n: _DECODED_OK[k] for n, k in cls.KINDS.items()
+        self.decoders = {n: _decoded_check(k) for n, k in cls.KINDS.items()
                          if k not in ("tensor", "tensors")}
         self.dict_tensors = [n for n, k in cls.KINDS.items() if k == "tensors"]
         # the decoder's fast path: header keys and value types exactly as encode() makes them
         self.names = tuple(self.decoders)
         self.types = tuple(_WIRE_TYPE[k.partition(":")[0]] for n, k in cls.KINDS.items()
                            if n in self.decoders)
+        # fields whose exact type is not enough: their elements, or a literal's value
         self.nested = [(n, ok) for n, ok in self.decoders.items()
-                       if cls.KINDS[n] == "dict" or cls.KINDS[n].startswith("list:")]
+                       if cls.KINDS[n] == "dict" or cls.KINDS[n].startswith(("list:", "literal:"))]
         self.nfields = len(cls.KINDS)
         # Without a __post_init__ the decoder fills the instance's __dict__ directly: the
         # frozen dataclass __init__ costs an object.__setattr__ per field (~5 us a Chunk).
@@ -343,9 +378,9 @@ def _decode(frames: Sequence[Any], max_frame_bytes: int, max_frames: int,
     if type(header) is not dict:
         raise ProtocolError(f"header is a {type(header).__name__}, not a map", reason="header")
     version = header.pop("v", None)
-    if type(version) is not int or version != PROTOCOL_VERSION:
-        raise VersionMismatch(version, PROTOCOL_VERSION)
     tag = header.pop("t", None)
+    if type(version) is not int or (version != PROTOCOL_VERSION and tag not in FROZEN_TAGS):
+        raise VersionMismatch(version, PROTOCOL_VERSION)
     cls = _REGISTRY.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message tag {tag!r:.80}", reason="tag")

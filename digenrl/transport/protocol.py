@@ -2,9 +2,26 @@
 
 Messages are frozen, keyword-only dataclasses registered once with the codec
 (:mod:`digenrl.transport.codec`, which documents the frame layout). Fields are ints
-(64-bit), floats, str, bool, bytes, lists of those, msgpack-able dicts, ``torch.Tensor``
-and ``dict[str, torch.Tensor]``; tensors travel as raw frames, everything else in the
-msgpack header. Compare messages with :func:`messages_equal` (tensors bit for bit).
+(64-bit), floats, str, ``Literal`` sets of strings (checked on decode: a role or state
+outside the set is a ProtocolError), bool, bytes, lists of those, msgpack-able dicts,
+``torch.Tensor`` and ``dict[str, torch.Tensor]``; tensors travel as raw frames, everything
+else in the msgpack header. Compare messages with :func:`messages_equal` (tensors bit for bit).
+
+Who sends what, and which receive loop handles it (a loop counts and logs, rate-limited,
+any message it has no branch for: ``Actor.unexpected``)::
+
+    node -> coordinator (control DEALER -> ROUTER)   Hello, Heartbeat, Commit, Consumed,
+                                                     VersionAnnounce (rank 0), StepDone (rank 0),
+                                                     TagOffer (trainers)
+    coordinator -> node (ROUTER -> DEALER)           Welcome, Heartbeat (the answer to every
+                                                     beat), Assign, Revoke, VersionAnnounce
+                                                     (rollouts that missed one), Shutdown
+    coordinator -> rollouts (PUB -> SUB)             VersionAnnounce, Shutdown
+    rollout/TAG trainer -> trainer rank (PUSH->PULL) Chunk, Commit
+    node -> trainer rank 0 (weights DEALER->ROUTER)  WeightsRequest; answered by WeightsPart
+
+A node of another protocol version is refused at its first message (the Hello) with a
+one-line Shutdown naming both versions (:class:`~digenrl.transport.sockets.Router`).
 
 Typical use::
 
@@ -14,8 +31,11 @@ Typical use::
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
+from digenrl.core.types import Role
 from digenrl.transport.codec import (
     DEFAULT_MAX_FRAMES,
     DEFAULT_MAX_HEADER_BYTES,
@@ -36,22 +56,29 @@ from digenrl.transport.frames import DTYPES, tensor_checksum
 __all__ = [
     "DEFAULT_MAX_FRAMES", "DEFAULT_MAX_HEADER_BYTES", "DTYPES", "INT_MAX", "INT_MIN",
     "PROTOCOL_VERSION", "Assign", "Chunk", "Commit", "Consumed", "Heartbeat", "Hello",
-    "JSONDict", "Message", "ProtocolError", "Revoke", "Shutdown", "StepDone", "TagOffer",
-    "VersionAnnounce", "VersionMismatch", "WeightsApplied", "WeightsPart", "WeightsRequest",
-    "Welcome", "decode", "encode", "message", "message_types", "messages_equal",
-    "tensor_checksum",
+    "JSONDict", "Message", "NodeState", "ProtocolError", "Revoke", "Role", "Shutdown",
+    "StepDone", "TagOffer", "VersionAnnounce", "VersionMismatch", "WeightsPart",
+    "WeightsRequest", "Welcome", "decode", "encode", "message", "message_types",
+    "messages_equal", "tensor_checksum",
 ]
+
+NodeState = Literal["running", "stopping"]
+"""A node's state in its heartbeats: ``running`` until it was asked to stop (a Shutdown, a
+SIGTERM drain, a lost coordinator), ``stopping`` after. The coordinator's answer to a beat
+always says ``running``."""
 
 @message("hello")
 class Hello(Message):
     """A node introduces itself to the coordinator (first message on the control socket)."""
 
     node_id: str  # stable name of the node, e.g. "rollout-0"
-    role: str  # "coordinator" | "rollout" | "trainer"
+    role: Role  # "rollout" | "trainer" (the coordinator says no Hello)
     gpu: str  # GPU type the node declares (H100, L40S, cpu, ...)
     incarnation: int  # bumps on every restart, so the coordinator can drop a dead twin's work
     pid: int  # OS process id, for operators
     host: str  # host name, for operators
+    data_endpoint: str  # trainer: its PULL address for chunks and commits; "" for a rollout
+    weights_endpoint: str  # trainer: its weights ROUTER address (rank 0 serves); "" for a rollout
 
 
 @message("welcome")
@@ -73,7 +100,7 @@ class Heartbeat(Message):
     node_id: str
     incarnation: int
     policy_version: int  # the weights version the node currently holds
-    state: str  # "idle" | "generating" | "training" | ...
+    state: NodeState  # "running", or "stopping" once asked to stop (see NodeState)
     seq: int  # increases by one per heartbeat, so gaps show lost messages
     gpu: JSONDict  # NVML snapshot: free_mb, util, ...
     stats: JSONDict  # counters since the last heartbeat
@@ -170,14 +197,6 @@ class WeightsPart(Message):
     nparts: int
     checksum: str  # tensor_checksum of this part's tensors
     tensors: dict[str, torch.Tensor]  # parameter name -> tensor
-
-
-@message("weights_applied")
-class WeightsApplied(Message):
-    """A node now generates with ``version``."""
-
-    node_id: str
-    version: int
 
 
 @message("step_done")

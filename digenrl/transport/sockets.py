@@ -39,7 +39,16 @@ from digenrl.transport.errors import (
     ProtocolError,
     VersionMismatch,
 )
-from digenrl.transport.protocol import DEFAULT_MAX_FRAMES, Message, Shutdown, decode, encode
+from digenrl.transport.protocol import (
+    DEFAULT_MAX_FRAMES,
+    INT_MAX,
+    INT_MIN,
+    PROTOCOL_VERSION,
+    Message,
+    Shutdown,
+    decode,
+    encode,
+)
 
 if TYPE_CHECKING:
     from digenrl.config import Config
@@ -330,10 +339,13 @@ class Router(Socket):
                              error: ProtocolError) -> None:
         await super()._on_bad_frames(peer, frames, error)
         if isinstance(error, VersionMismatch) and peer is not None:
-            # Tell the peer why it hears nothing back, instead of letting it time out.
+            # Tell the peer why it hears nothing back, instead of letting it time out; in its
+            # own version (Shutdown's layout is frozen), so that an older node can read it.
             refusal = Shutdown(reason=f"protocol version mismatch: {error}")
+            theirs = error.peer_version
+            version = theirs if type(theirs) is int and INT_MIN <= theirs <= INT_MAX else PROTOCOL_VERSION
             with contextlib.suppress(PeerLost):  # it already left; nothing to tell
-                await self._send_frames([peer, *encode(refusal)], peer=peer)
+                await self._send_frames([peer, *encode(refusal, version=version)], peer=peer)
 
 
 class Dealer(Socket):
