@@ -379,7 +379,8 @@ def _decode(frames: Sequence[Any], max_frame_bytes: int, max_frames: int,
         raise ProtocolError(f"header is a {type(header).__name__}, not a map", reason="header")
     version = header.pop("v", None)
     tag = header.pop("t", None)
-    if type(version) is not int or (version != PROTOCOL_VERSION and tag not in FROZEN_TAGS):
+    frozen = type(tag) is str and tag in FROZEN_TAGS
+    if type(version) is not int or (version != PROTOCOL_VERSION and not frozen):
         raise VersionMismatch(version, PROTOCOL_VERSION)
     cls = _REGISTRY.get(tag) if isinstance(tag, str) else None
     if cls is None:
