@@ -4,7 +4,7 @@
 #   ./dev.sh test   [pytest args...]           set up, then ruff + mypy + the test suite
 #   ./dev.sh lock                              refresh constraints.txt (see below)
 # Set-up is idempotent: a venv in .venv (override with DIGENRL_VENV), torch first, then the
-# package with its test extra. torch goes in first and explicitly so that pip never swaps a
+# package with its test and rewards extras. torch goes in first and explicitly so that pip never swaps a
 # CPU build for a multi-GB CUDA build (or the reverse): on a machine with an NVIDIA driver
 # the default PyPI wheel (CUDA) is taken, otherwise the CPU build (DIGENRL_TORCH overrides).
 # Everything else is installed under constraints.txt, the lock: the exact versions the suite
@@ -28,7 +28,8 @@ torch_spec() {
   fi
 }
 
-# install torch, then the package with its test extra; $2 = pip constraints args (the lock or none)
+# install torch, then the package with its test and rewards extras (the model-reward tests run
+# the real code); $2 = pip constraints args (the lock or none)
 install_into() {
   local py=$1; shift
   if ! "$py" -c "import torch" >/dev/null 2>&1; then
@@ -38,7 +39,7 @@ install_into() {
   fi
   # editable installs need setuptools >= 64 (PEP 660); a fresh 3.11 venv may have older
   "$py" -m pip install -q "$@" "setuptools>=68"
-  "$py" -m pip install -q "$@" --no-build-isolation -e ".[test]"
+  "$py" -m pip install -q "$@" --no-build-isolation -e ".[test,rewards]"
 }
 
 setup() {

@@ -41,6 +41,18 @@ Shapes judges (tiny learned classifiers shipped as package data; :mod:`digenrl.r
                           ``shape``, ``colour``, ``background``, ``all`` of 0/1 (for ``[eval]``)
 ========================  ==================================================================
 
+Model rewards (weights from a local folder named in ``args.weights``; never a hub):
+
+========================  ==================================================================
+``pickscore``             PickScore (CLIP ViT-H/14 fine-tuned on Pick-a-Pic), transformers CLIP
+``clipscore``             CLIPScore / 100, transformers CLIP: ``max(cos(image, text), 0)``
+``aesthetic``             LAION aesthetic predictor v2: CLIP image embedding + MLP
+``hpsv2``                 HPSv2.1: its open_clip ViT-H-14 checkpoint run as a transformers CLIP
+``imagereward``           ImageReward: BLIP towers (transformers) + its MLP head
+``ocr``                   1 - normalised edit distance between the text RapidOCR reads and
+                          the prompt's quoted text (flow_grpo's OCR reward)
+========================  ==================================================================
+
 Remote rewards:
 
 ========================  ==================================================================
@@ -48,7 +60,7 @@ Remote rewards:
 ``vlm_judge``             an OpenAI-compatible chat endpoint asked for a score
 ========================  ==================================================================
 
-Their modules (``remote``, ``vlm``) document
+Their modules (``clip``, ``imagereward``, ``ocr``, ``remote``, ``vlm``) document
 their ``args``; docs/rewards.md has the whole picture.
 """
 
@@ -80,6 +92,12 @@ BUILTIN: dict[str, RewardFn] = dict(STATS)
 for _name, _fn in STATS.items():
     register(_name, _fn)
 for _name, _target in {
+    "pickscore": "digenrl.rl.rewards.clip:PickScore",
+    "clipscore": "digenrl.rl.rewards.clip:CLIPScore",
+    "aesthetic": "digenrl.rl.rewards.clip:Aesthetic",
+    "hpsv2": "digenrl.rl.rewards.clip:HPSv2",
+    "imagereward": "digenrl.rl.rewards.imagereward:ImageReward",
+    "ocr": "digenrl.rl.rewards.ocr:OCR",
     "http": "digenrl.rl.rewards.remote:FlowGRPOServer",
     "vlm_judge": "digenrl.rl.rewards.vlm:VLMJudge",
     "shapes_judge": "digenrl.rl.rewards.judge:ShapesJudgeReward",
