@@ -49,11 +49,25 @@ class RunConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EmulateConfig:
+    """``model.path = "emulated"``: an accelerator emulated from the cost model (models/emulated.py)."""
+
+    time_scale: float = _f(1.0, "wall seconds per emulated GPU second (0.02 runs 50x faster than "
+                           "the GPUs would; reported times are divided by it)", gt=0)
+    latent_scale: float = _f(1.0, "latent elements relative to the recipe's (the spatial sides "
+                             "shrink by its square root)", gt=0, le=1)
+    weight_scale: float = _f(1.0, "weight-set bytes relative to the recipe's trainable bytes", gt=0, le=1)
+    link_gbs: float = _f(45.0, "cross-host link for the step's gradient all-reduce once the "
+                         "trainer ranks span hosts (a cluster TOML's network.link_gbs)", gt=0)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     family: Literal["sd3", "flux", "wan", "qwenimage", "hunyuanvideo"] = _f(
         "sd3", "diffusers transformer family: sd3, flux, wan, qwenimage, hunyuanvideo")
     path: str = _f("builtin", "'builtin' (the shipped tiny base model), 'random' (tiny random "
-                   "init) or a local diffusers folder loaded with from_pretrained, offline")
+                   "init), 'emulated' (no weights: an accelerator emulated from the cost model, "
+                   "see model.emulate) or a local diffusers folder loaded with from_pretrained, offline")
     dtype: Literal["float32", "bfloat16", "float16"] = _f(
         "float32", "compute dtype of the transformer and text encoders; trained parameters and "
         "optimizer state stay float32 (master weights) whatever this is")
@@ -76,6 +90,8 @@ class ModelConfig:
         "attention projections)")
     gradient_checkpointing: bool = _f(False, "activation checkpointing in the trainer")
     fsdp: bool = _f(False, "shard parameters/grads/optimizer state over trainer ranks (FSDP2)")
+    emulate: EmulateConfig = field(default_factory=EmulateConfig,
+                                   metadata={"help": "knobs of model.path = 'emulated'"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,6 +206,8 @@ class ClusterConfig:
     rollouts: int = _f(1, "rollout processes `digenrl launch` starts", ge=0)
     trainers: int = _f(1, "trainer ranks `digenrl launch` starts", ge=1)
     gpu: str = _f("cpu", "GPU type nodes declare (H100, H800, H20, L40S, cpu)")
+    rollout_gpu: str = _f("", "GPU type the launcher's rollout nodes declare ('' = cluster.gpu)")
+    trainer_gpu: str = _f("", "GPU type the launcher's trainer ranks declare ('' = cluster.gpu)")
     host: str = _f("127.0.0.1", "address the coordinator binds")
 
 

@@ -69,12 +69,17 @@ class Children:
         return [(f"trainer-{r}", "trainer") for r in range(self.cfg.cluster.trainers)] + \
                [(f"rollout-{r}", "rollout") for r in range(self.cfg.cluster.rollouts)]
 
+    def gpu(self, role: str) -> str:
+        """The GPU type a child of ``role`` declares (cluster.rollout_gpu / trainer_gpu / gpu)."""
+        cl = self.cfg.cluster
+        return (cl.rollout_gpu if role == "rollout" else cl.trainer_gpu) or cl.gpu
+
     async def start(self, node_id: str, role: str) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.run.threads), PYTHONUNBUFFERED="1")
         err = open(self.run_dir / "logs" / f"{node_id}.stderr", "ab")  # noqa: SIM115 - child owns it
         self.procs[node_id] = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "digenrl.cli", "node", "--role", role, "--coordinator", self.coordinator,
-            "--node-id", node_id, "--run-dir", str(self.run_dir), "--gpu", self.cfg.cluster.gpu,
+            "--node-id", node_id, "--run-dir", str(self.run_dir), "--gpu", self.gpu(role),
             stdout=err, stderr=err, env=env)
         err.close()
         write_json_atomic(self.run_dir / "logs" / "pids.json",
@@ -211,6 +216,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
         "nodes": stats["nodes"],
         "staleness_hist": actor.staleness_hist,
         "busy": {n: busy_share(b, w) for n, (b, w) in actor.busy_total.items()},
+        "traffic": dict(zip(("messages", "bytes"), actor.traffic(), strict=True)),
         "restarts": children.restarts if children else {},
         "stop_reason": actor.stop_reason,
         "unexpected_messages": dict(actor.unexpected_messages),

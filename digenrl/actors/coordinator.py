@@ -93,6 +93,7 @@ class CoordinatorActor(Actor):
         self.busy_last: dict[str, tuple[float, float]] = {}
         self.busy_step: dict[str, float] = {}
         self.busy_total: dict[str, tuple[float, float]] = {}
+        self.net_total: dict[str, tuple[float, float]] = {}  # node -> (messages, bytes) sent
         self.staleness_hist: dict[str, int] = {}
         self.t0 = time.perf_counter()
         self.step_samples = 0
@@ -397,6 +398,15 @@ class CoordinatorActor(Actor):
     def _record_busy(self, hb: Heartbeat) -> None:
         busy, wall = float(hb.stats.get("busy_s", 0.0)), float(hb.stats.get("wall_s", 0.0))
         self.busy_total[hb.node_id] = (busy, wall)
+        self.net_total[hb.node_id] = (float(hb.stats.get("net_messages", 0.0)),
+                                      float(hb.stats.get("net_bytes", 0.0)))
+
+    def traffic(self) -> tuple[float, float]:
+        """(messages, frame bytes) the whole cluster sent so far: this actor's sockets now,
+        each node's as of its latest heartbeat."""
+        own = [s.statistics() for s in (self.control, self.pub) if hasattr(s, "statistics")]
+        return (sum(m for m, _ in self.net_total.values()) + sum(st.sent for st in own),
+                sum(b for _, b in self.net_total.values()) + sum(st.bytes_sent for st in own))
 
     def _step_done(self, msg: StepDone) -> None:
         now = time.perf_counter()
@@ -407,8 +417,9 @@ class CoordinatorActor(Actor):
         if evaluated:  # an evaluation (rl/evaluate.py) rode on this StepDone: its own row
             version = int(evaluated.pop("eval/policy_version"))
             self.metrics.write_eval(version, now - self.t0, evaluated)
+        messages, nbytes = self.traffic()
         row: dict[str, Any] = {"step": msg.step, "policy_version": msg.version, **metrics,
-                               "wall_time": now - self.t0}
+                               "wall_time": now - self.t0, "net_messages": messages, "net_bytes": nbytes}
         for node, (busy, wall) in self.busy_total.items():
             b0, w0 = self.busy_last.get(node, (0.0, 0.0))
             if wall > w0:

@@ -92,6 +92,13 @@ def rss_mb(field: str = "VmRSS") -> float:
     return -1.0
 
 
+def traffic(sockets: list[Any]) -> dict[str, float]:
+    """Messages and frame bytes these sockets sent so far (``net_messages`` / ``net_bytes``)."""
+    stats = [s.statistics() for s in sockets]
+    return {"net_messages": float(sum(st.sent for st in stats)),
+            "net_bytes": float(sum(st.bytes_sent for st in stats))}
+
+
 class _HeartbeatStats:
     """``actor.busy`` with the node's security counters and memory added to heartbeat stats.
 
@@ -214,7 +221,7 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
             wdealer = track(zs.connect(ctx, "dealer", endpoints["weights"], cfg))
             peers = NodePeers(node_id=node_id, incarnation=inc, cfg=cfg, control=control, sub=sub,
                               pushes=pushes, weights=wdealer)
-            model = await asyncio.to_thread(build_model, cfg.model, seed=cfg.run.seed)
+            model = await asyncio.to_thread(build_model, cfg.model, seed=cfg.run.seed, gpu=gpu)
             from digenrl.actors.rollout import RolloutActor
             actor: Any = RolloutActor(peers=peers, cfg=cfg, model=model, reward_fn=reward_fn, **kw)
         else:
@@ -227,7 +234,7 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
             if msg.world_size > 1:  # before the policy: FSDP shards over this group
                 await asyncio.to_thread(dist.init_process_group, "gloo", init_method=endpoints["dist"],
                                         rank=msg.rank, world_size=msg.world_size)
-            policy = await asyncio.to_thread(build_policy, cfg, msg.world_size)
+            policy = await asyncio.to_thread(build_policy, cfg, msg.world_size, gpu)
             test_set = eval_reward = None
             if cfg.run.eval_every and (msg.rank == 0 or policy.sharded):
                 from digenrl.data.prompts import load_splits
@@ -238,7 +245,8 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
                                  world_size=msg.world_size, run_dir=rdir, reward_fn=reward_fn,
                                  test_set=test_set, eval_reward=eval_reward, **kw)
         sec = node_security(ctx)
-        actor.busy = _HeartbeatStats(actor.busy, lambda: {**sec.counters(), "rss_mb": rss_mb()})
+        actor.busy = _HeartbeatStats(actor.busy, lambda: {**sec.counters(), "rss_mb": rss_mb(),
+                                                          **traffic(opened)})
         if role == "trainer" and cfg.runtime.trainer_slowdown > 1.0:
             _slow_trainer(actor, cfg.runtime.trainer_slowdown)
         _with_watchdog(actor, control)

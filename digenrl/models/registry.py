@@ -9,7 +9,9 @@
 * a pipeline folder (``model_index.json``; :mod:`digenrl.models.folder`): its transformer, its
   VAE (latents decoded as the pipeline decodes them) and, with ``model.text_encoder`` "auto" or
   "pipeline", its own text encoders run through the pipeline's ``encode_prompt``;
-* a transformer folder (``config.json`` + safetensors, what a full fine-tune's ``final/`` holds).
+* a transformer folder (``config.json`` + safetensors, what a full fine-tune's ``final/`` holds);
+* ``"emulated"``: no weights at all, an accelerator emulated from the cost model
+  (:mod:`digenrl.models.emulated`).
 
 Tiny models use :class:`~digenrl.models.text.HashPromptEncoder` and the fixed
 :class:`~digenrl.models.pixels.PixelDecoder`. That toy pair is never chosen silently for a real
@@ -22,12 +24,11 @@ tiny random ones are), whose pixel decoder is exact. Everything loads with
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from digenrl.config import ModelConfig
-from digenrl.models import families
-from digenrl.models.adapter import DiffusersFlowModel
 from digenrl.models.folder import (
     TEXT_COMPONENTS,
     ModelFolderError,
@@ -37,13 +38,24 @@ from digenrl.models.folder import (
 from digenrl.models.pixels import PixelDecoder, VaeDecoder, shuffle_factor
 from digenrl.models.text import HashPromptEncoder, PipelinePromptEncoder
 
+if TYPE_CHECKING:
+    from digenrl.models.adapter import DiffusersFlowModel
+
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-TINY_CONFIGS = families.TINY_CONFIGS
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Seed of the tiny models' word vectors: fixed, so a saved model and its prompts stay paired.
 PROMPT_SEED = 0
 
 __all__ = ["TINY_CONFIGS", "ModelFolderError", "build_model", "builtin_folder", "check_model_path"]
+
+
+def __getattr__(name: str) -> Any:
+    # diffusers (and, through peft, transformers) load only when a diffusers model is built or
+    # checked: an emulated node never pays for them (seconds of CPU and ~150 MB per process)
+    if name == "TINY_CONFIGS":
+        from digenrl.models import families
+        return families.TINY_CONFIGS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def builtin_folder(family: str) -> Path:
@@ -63,6 +75,8 @@ def check_model_path(model_cfg: ModelConfig) -> None:
     """The cheap checks of ``build_model`` (no weights read): the folder exists, is a pipeline
     folder of ``model.family`` with its text encoders (unless the hash encoder is asked for)
     and VAE, or a transformer folder. Raises :class:`ModelFolderError` (a ConfigError)."""
+    from digenrl.models import families
+
     if model_cfg.family not in families.SPECS:
         raise ModelFolderError(f"model.family = {model_cfg.family!r}: expected one of {sorted(families.SPECS)}")
     if model_cfg.path == "random":
@@ -91,15 +105,23 @@ def check_model_path(model_cfg: ModelConfig) -> None:
 
 
 def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu",
-                tiny_overrides: dict | None = None, embedded_guidance: float = 0.0) -> DiffusersFlowModel:
+                tiny_overrides: dict | None = None, embedded_guidance: float = 0.0,
+                gpu: str | None = None, in_trainer: bool = False) -> DiffusersFlowModel:
     """The adapter for ``model_cfg`` (see the module docstring for ``path``), on ``device``.
 
     ``seed`` initialises random weights (path ``"random"``) and LoRA matrices; ``tiny_overrides``
     replaces entries of ``TINY_CONFIGS[family]`` for ``"random"``; ``embedded_guidance`` is
     ``sampler.embedded_guidance`` (0: the pipeline's default). The transformer and text
     encoders are in ``model.dtype``; the VAE decodes in float32 (as flow_grpo and the Wan
-    model card do).
+    model card do). ``gpu`` (the node's declared GPU type) and ``in_trainer`` matter only to
+    ``path = "emulated"`` (:mod:`digenrl.models.emulated`), whose work takes that GPU's
+    cost-model time.
     """
+    if model_cfg.path == "emulated":
+        from digenrl.models.emulated import build_emulated
+        return build_emulated(model_cfg, seed=seed, gpu=gpu, in_trainer=in_trainer)  # type: ignore[return-value]
+    from digenrl.models import families
+
     check_model_path(model_cfg)
     family = model_cfg.family
     spec = families.SPECS[family]
@@ -109,7 +131,7 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if model_cfg.path == "random":
-            transformer = spec.cls(**{**TINY_CONFIGS[family], **(tiny_overrides or {})})
+            transformer = spec.cls(**{**families.TINY_CONFIGS[family], **(tiny_overrides or {})})
         else:
             folder = _folder(model_cfg)
             if is_pipeline_folder(folder):
@@ -144,6 +166,8 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
 
 def _encoder(model_cfg: ModelConfig, pf: PipelineFolder | None, device: torch.device, dtype: torch.dtype,
              cfg: object):
+    from digenrl.models import families
+
     spec = families.SPECS[model_cfg.family]
     if pf is None or model_cfg.text_encoder == "hash":
         dim, pooled = spec.text_dims(cfg)

@@ -329,12 +329,14 @@ class Policy:
         set_optimizer_state_dict(self.model.transformer, self.optimizer, state,
                                  options=StateDictOptions(full_state_dict=True))
 
-def build_policy(cfg: Config, world_size: int = 1) -> Policy:
+def build_policy(cfg: Config, world_size: int = 1, gpu: str | None = None) -> Policy:
     """The trainer's policy; with ``model.fsdp`` and several ranks (process group initialised)
-    its transformer is sharded over them (FSDP2). One rank has nothing to shard."""
+    its transformer is sharded over them (FSDP2). One rank has nothing to shard. ``gpu``: the
+    node's declared GPU type (default the config's trainer GPU; read by emulated models)."""
     from digenrl.models import build_model
 
-    model = build_model(cfg.model, seed=cfg.run.seed)
+    gpu = gpu or cfg.cluster.trainer_gpu or cfg.cluster.gpu
+    model = build_model(cfg.model, seed=cfg.run.seed, gpu=gpu, in_trainer=True)
     return Policy(model, cfg.train, cfg.sampler, shard=cfg.model.fsdp and world_size > 1)
 
 

@@ -69,6 +69,8 @@ class StepMetrics:
     discarded: int
     train_seconds: float = 0.0
     rejected_stale: int = 0
+    net_messages: float = 0.0
+    net_bytes: float = 0.0
     reward_terms: dict[str, float] = field(default_factory=dict)
     busy: dict[str, float] = field(default_factory=dict)
     gpu_util: dict[str, float] = field(default_factory=dict)

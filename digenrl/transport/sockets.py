@@ -129,6 +129,7 @@ class SocketStatistics:
 
     sent: int = 0
     received: int = 0
+    bytes_sent: int = 0  # frame bytes of the messages sent (tensor payloads included)
     bad_frames: int = 0
     bad_by_reason: dict[str, int] = field(default_factory=dict)
 
@@ -241,6 +242,7 @@ class Socket:
         except zmq.ZMQError as e:
             self._raise_send_error(e, peer)
         self._stats.sent += 1
+        self._stats.bytes_sent += sum(len(f) for f in frames)
 
     @staticmethod
     def _rearm(sock: zmq.asyncio.Socket) -> None:
