@@ -46,7 +46,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 #: Seed of the tiny models' word vectors: fixed, so a saved model and its prompts stay paired.
 PROMPT_SEED = 0
 
-__all__ = ["TINY_CONFIGS", "ModelFolderError", "build_model", "builtin_folder", "check_model_path"]
+__all__ = ["TINY_CONFIGS", "ModelFolderError", "build_model", "builtin_folder", "check_model_path"]  # noqa: F822 (TINY_CONFIGS: module __getattr__)
 
 
 def __getattr__(name: str) -> Any:
