@@ -141,10 +141,44 @@ def test_commit_with_a_too_old_version_is_discarded_as_stale_and_requeued():
     assert led.statistics()["stale_commits"] == 1
 
 
-def test_commit_from_a_future_version_is_stale():
+def test_a_commit_naming_an_unpublished_version_is_rejected_alone():
     led = ledger()
     a = led.admit("r0", 0.0)
-    assert led.commit(a.task_id, 1, 0.0) == "stale"
+    assert led.commit(a.task_id, 1, 0.0) == "rejected"  # version 1 does not exist yet
+    assert led.commit(a.task_id, -1, 0.0) == "rejected"
+    assert led.attempt(a.task_id) is a and not a.committed  # the honest attempt lives on
+    assert led.commit(a.task_id, 0, 1.0) == "ok"
+    stats = led.statistics()
+    assert stats["rejected_commits"] == 2 and stats["stale_commits"] == 0 and stats["discarded"] == {}
+
+
+def test_a_commit_whose_slot_is_not_the_attempts_is_rejected_alone_never_discarding_honest_work():
+    # issue 20: a Commit with fragment = 99 (one fragment per step) cascaded into 880 discards
+    led = ledger(prompts_per_step=2, fragments_per_step=1, steps=3)
+    a = led.admit("r0", 0.0)
+    assert led.commit(a.task_id, 0, 0.5, step=0, fragment=99) == "rejected"
+    assert led.commit(a.task_id, 0, 0.5, step=2, fragment=0) == "rejected"
+    assert led.attempt(a.task_id) is a and not a.committed
+    assert led.commit(a.task_id, 0, 1.0, step=0, fragment=0) == "ok"
+    assert led.consume(a.task_id, trained=4, step=0, fragment=0) == "ok"
+    stats = led.statistics()
+    assert (stats["trained"], stats["discarded"], stats["rejected_commits"]) == (4, {}, 2)
+    assert balanced(led)
+
+
+def test_a_consume_that_cannot_be_the_tasks_is_refused_and_changes_nothing():
+    # issue 20: a spoofed Consumed with trained = 2**63-1 was believed
+    led = ledger()
+    a = led.admit("r0", 0.0)
+    led.commit(a.task_id, 0, 0.0)
+    before = led.statistics()
+    with pytest.raises(CreditError, match="expected the fragment size 4"):
+        led.consume(a.task_id, trained=2**63 - 1)
+    with pytest.raises(CreditError, match="never issued"):
+        led.consume(10**6, trained=4)  # a zombie-looking id that was never handed out
+    with pytest.raises(CreditError, match=r"expected its slot \(0, 0\)"):
+        led.consume(a.task_id, trained=4, step=0, fragment=1)
+    assert led.statistics() == before
 
 
 def test_consume_whose_counts_do_not_add_up_is_rejected_with_the_numbers():
@@ -281,7 +315,9 @@ class LedgerMachine(RuleBasedStateMachine):
         task = data.draw(st.sampled_from(self.dead))
         before = self.led.statistics()
         assert self.led.commit(task, self.led.version, self.now) == "zombie"
-        assert self.led.consume(task, trained=1) == "zombie"
+        assert self.led.consume(task, trained=self.led.fragment_size) == "zombie"
+        with pytest.raises(CreditError):  # a zombie's counts are checked all the same
+            self.led.consume(task, trained=self.led.fragment_size + 1)
         after = self.led.statistics()
         assert after["trained"] == before["trained"]
         assert after["zombie_commits"] == before["zombie_commits"] + 1

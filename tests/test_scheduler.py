@@ -220,6 +220,33 @@ def test_commit_from_a_node_that_does_not_hold_the_task_is_fenced():
     assert s.statistics()["misdirected_commits"] == 1 and not s.ledger.attempt(a.task_id).committed
 
 
+def test_one_commit_with_fragment_99_is_rejected_alone_and_the_run_trains_every_slot():
+    # issue 20: one bad Commit left admitted 1488 = trained 592 + discarded 880 instead of 640 trained
+    s = make(fragments_per_step=1, prompts_per_step=2)
+    sim = Sim(s, {"r0": 1.0})
+    sim.feed(s.node_joined("r0", "rollout", "H100", 0.0))
+    live = s.ledger.live_attempts()[0]
+    assert s.fragment_committed(live.task_id, "r0", 0, 1.0, 0.5, step=live.step, fragment=99) == []
+    with pytest.raises(SchedulerError, match="expected"):
+        s.fragment_consumed(live.task_id, 0, 4, {}, 0.1, 0.5, step=live.step, fragment=99)
+    assert not s.ledger.attempt(live.task_id).committed
+    sim.run()
+    stats = s.statistics()
+    assert stats["trained"] == stats["admitted"] == 4 * 4 and stats["discarded"] == {}
+    assert stats["rejected_commits"] == 1
+
+
+def test_a_report_for_a_never_issued_task_or_with_impossible_counts_is_refused():
+    s = make()
+    a = assigns(s.node_joined("r0", "rollout", "H100", 0.0))[0]
+    s.fragment_committed(a.task_id, "r0", 0, 1.0, 1.0)
+    with pytest.raises(SchedulerError, match="never issued"):
+        s.fragment_consumed(10**6, 0, 4, {}, 0.1, 1.0)
+    with pytest.raises(SchedulerError, match="fragment size"):
+        s.fragment_consumed(a.task_id, 0, 2**63 - 1, {}, 0.1, 1.0)
+    assert s.statistics()["trained"] == 0 and s.ledger.attempt(a.task_id) is not None
+
+
 def test_stale_commit_is_revoked_and_requeued():
     s = make(staleness=0)
     s.version_published(2, 0.0)
@@ -242,7 +269,7 @@ def test_fragment_is_consumed_only_when_every_owning_rank_reported():
     b = s.ledger.live_attempts()[0]
     with pytest.raises(SchedulerError, match="rank = 5"):
         s.fragment_consumed(b.task_id, 5, 4, {}, 0.1, 1.0)
-    with pytest.raises(SchedulerError, match="trained = 3"):
+    with pytest.raises(SchedulerError, match="trained 3 "):
         s.fragment_consumed(b.task_id, 0, 3, {}, 0.1, 1.0)
 
 
@@ -454,7 +481,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         task = data.draw(st.sampled_from(sorted(self.revoked)))
         trained = self.s.statistics()["trained"]
         assert self.s.fragment_committed(task, self.assigned[task].node_id, 0, 1.0, self.now) == []
-        assert self.s.fragment_consumed(task, 0, 1, {}, 0.0, self.now) == []
+        assert self.s.fragment_consumed(task, 0, self.s.ledger.fragment_size, {}, 0.0, self.now) == []
         assert self.s.statistics()["trained"] == trained
 
     @precondition(lambda self: self.trainable())

@@ -236,15 +236,23 @@ class CoordinatorActor(Actor):
                                            seq=msg.seq, gpu={}, stats={}), to=peer)
         elif isinstance(msg, Commit):
             crash_point("commit", msg.step)
-            self.staleness_hist[str(msg.step - msg.policy_version)] = \
-                self.staleness_hist.get(str(msg.step - msg.policy_version), 0) + len(msg.rewards)
-            await self._run(self.sched.fragment_committed(msg.task_id, msg.node_id, msg.policy_version,
-                                                          msg.gen_seconds, now))
+            attempt = self.sched.ledger.attempt(msg.task_id)
+            fresh = attempt is not None and not attempt.committed
+            cmds = self.sched.fragment_committed(msg.task_id, msg.node_id, msg.policy_version,
+                                                 msg.gen_seconds, now, step=msg.step,
+                                                 fragment=msg.fragment)
+            if fresh and attempt is not None and attempt.committed:  # the ledger took it
+                key = str(attempt.step - msg.policy_version)
+                self.staleness_hist[key] = self.staleness_hist.get(key, 0) + attempt.trajectories
+            await self._run(cmds)
         elif isinstance(msg, Consumed):
-            if self.sched.ledger.attempt(msg.task_id) is None and msg.trained:
-                self.recovery["late_trained"] += msg.trained  # trained after its revoke
-            await self._run(self.sched.fragment_consumed(msg.task_id, msg.rank, msg.trained,
-                                                         dict(msg.discarded), msg.train_seconds, now))
+            zombie = self.sched.ledger.attempt(msg.task_id) is None
+            cmds = self.sched.fragment_consumed(msg.task_id, msg.rank, msg.trained, dict(msg.discarded),
+                                                msg.train_seconds, now, step=msg.step,
+                                                fragment=msg.fragment)
+            if zombie and msg.trained:  # trained after its revoke (counts checked by the ledger)
+                self.recovery["late_trained"] += msg.trained
+            await self._run(cmds)
         elif isinstance(msg, VersionAnnounce):
             if self.trainers.get(0, {}).get("peer") != peer:
                 self.recovery["ignored_announces"] += 1  # a dead rank 0's late message

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from functools import partial
 from typing import Any
 
@@ -96,6 +96,7 @@ class TrainerActor(Actor):
         self.published: dict[int, list[tuple[dict[str, torch.Tensor], str]]] = {}
         self.rejected_stale = 0
         self.revoked: set[int] = set()
+        self.refused: Counter[str] = Counter()  # data messages dropped at arrival, by reason
         self.tag_tasks: asyncio.Queue[Assign] = asyncio.Queue()
         self._offered = False
         self._step_t0 = time.perf_counter()
@@ -144,9 +145,50 @@ class TrainerActor(Actor):
                 await self.wake.wait()
         await self.wait_stopped()
 
+    def _refuse(self, reason: str, msg: Chunk | Commit) -> None:
+        """Count (and log, rate-limited) a chunk or commit dropped at arrival."""
+        self.refused[reason] += 1
+        n = sum(self.refused.values())
+        if n <= 10 or (n & (n - 1)) == 0:
+            self.log.warning("data message refused", reason=reason, msg=type(msg).__name__,
+                             task=msg.task_id, step=msg.step, fragment=msg.fragment,
+                             total_refused=n)
+
+    def _arrival_check(self, msg: Chunk | Commit) -> str | None:
+        """Why ``msg`` cannot be work for this rank (None: it can). A slot outside the run
+        (fragment >= F: the issue-20 ``fragment = 99`` commit finished a one-fragment step on
+        its own), a step beyond what admission allows (v + K, plus one), a revoked attempt, or a chunk
+        of a timestep another rank owns is refused before it is staged or counted."""
+        F, K, v = self.cfg.runtime.fragments_per_step, self.cfg.runtime.staleness, self.policy.version
+        if not 0 <= msg.fragment < F:
+            return "bad_fragment"
+        # v + K + 1: another rank's optimizer step (and so admission) may run a moment ahead
+        # of this rank's version; anything further is never honest
+        if not 0 <= msg.step < self.cfg.run.steps or msg.step > v + K + 1:
+            return "step_out_of_window"
+        if msg.task_id in self.revoked:
+            return "revoked"
+        if isinstance(msg, Chunk):
+            if msg.step < v:
+                return "stale_chunk"  # its step is trained: nothing would ever consume it
+            trained = plan_for_step(self.cfg, msg.step)[0]
+            owners = owners_for(trained, self.world_size, self.cfg.runtime.tsp, msg.fragment, F)
+            if msg.t_index not in trained or owners[trained.index(msg.t_index)] != self.rank:
+                return "not_owner"
+        return None
+
     async def _data_loop(self) -> None:
         while True:
             _, msg = await self.peers.data.recv()
+            if not isinstance(msg, (Chunk, Commit)):
+                continue
+            why = self._arrival_check(msg)
+            if why == "revoked" and isinstance(msg, Commit):
+                self.staged.pop(msg.task_id, None)  # a revoked attempt: its slot is re-queued elsewhere
+                continue
+            if why is not None:
+                self._refuse(why, msg)
+                continue
             if isinstance(msg, Chunk):
                 self.staged[msg.task_id][msg.t_index] = msg
             elif isinstance(msg, Commit):

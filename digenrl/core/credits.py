@@ -38,6 +38,11 @@ Discarding an attempt (lost node, expired lease, stale commit, restart) returns 
 bytes and re-queues the *slot*, so the next attempt regenerates the same prompts and
 seeds. Events for a task id that is not live are ignored and counted (fencing).
 
+Semantic checks: an event that cannot belong to the attempt it names (a commit whose step
+or fragment is not the attempt's slot, or whose policy version has not been published; a
+consume whose counts are not a fragment's, or of a task id never issued) is rejected
+*alone*: counted, the attempt untouched. One bad message never discards honest work.
+
 Exactly-once accounting, in trajectories, over all attempts, at every moment::
 
     admitted == trained + sum(discarded.values()) + in_flight
@@ -53,7 +58,7 @@ from typing import Any, Literal
 Slot = tuple[int, int]
 """(step, fragment)."""
 
-CommitOutcome = Literal["ok", "duplicate", "zombie", "stale"]
+CommitOutcome = Literal["ok", "duplicate", "zombie", "stale", "rejected"]
 ConsumeOutcome = Literal["ok", "zombie"]
 
 SNAPSHOT_FORMAT = 1
@@ -143,6 +148,7 @@ class CreditLedger:
         self._zombie_consumes = 0
         self._duplicate_commits = 0
         self._stale_commits = 0
+        self._rejected_commits = 0
         self._max_trained_staleness = -1
         self._peak_bytes = 0
 
@@ -263,23 +269,31 @@ class CreditLedger:
         """Live attempts (assigned or committed, not yet consumed), by task id."""
         return [self._live[t] for t in sorted(self._live)]
 
-    def commit(self, task_id: int, gen_version: int, now: float) -> CommitOutcome:
+    def commit(self, task_id: int, gen_version: int, now: float, *, step: int | None = None,
+               fragment: int | None = None) -> CommitOutcome:
         """A rollout finished a fragment with policy ``gen_version``.
 
         Returns "zombie" (task not live: ignored, counted), "duplicate" (already committed:
-        ignored, counted), "stale" (``step - gen_version`` outside ``[0, K]``: the attempt is
-        discarded as "stale" and its slot re-queued; correct admission never lets this
-        happen) or "ok".
+        ignored, counted), "rejected" (the commit cannot be the attempt's: ``step`` /
+        ``fragment``, when given, differ from its slot, or ``gen_version`` is negative or
+        not published yet; ignored, counted, the attempt untouched), "stale" (a published
+        version outside ``[step - K, step]``: the attempt is discarded as "stale" and its
+        slot re-queued; correct admission never lets this happen) or "ok".
         """
         attempt = self._live.get(task_id)
         if attempt is None:
             self._zombie_commits += 1
             return "zombie"
+        if isinstance(gen_version, bool) or not isinstance(gen_version, int):
+            raise CreditError(f"gen_version = {gen_version!r} for task {task_id}: expected an integer")
+        if ((step is not None and step != attempt.step)
+                or (fragment is not None and fragment != attempt.fragment)
+                or not 0 <= gen_version <= self._version):
+            self._rejected_commits += 1
+            return "rejected"
         if attempt.committed:
             self._duplicate_commits += 1
             return "duplicate"
-        if isinstance(gen_version, bool) or not isinstance(gen_version, int):
-            raise CreditError(f"gen_version = {gen_version!r} for task {task_id}: expected an integer")
         if not within_staleness(attempt.step, gen_version, self.staleness):
             self._stale_commits += 1
             self.discard(task_id, "stale")
@@ -288,31 +302,27 @@ class CreditLedger:
         attempt.committed_at = now
         return "ok"
 
-    def consume(self, task_id: int, trained: int, discarded: dict[str, int] | None = None) -> ConsumeOutcome:
+    def consume(self, task_id: int, trained: int, discarded: dict[str, int] | None = None, *,
+                step: int | None = None, fragment: int | None = None) -> ConsumeOutcome:
         """The trainer consumed the fragment: ``trained`` trajectories plus per-reason discards.
 
         ``trained + sum(discarded.values())`` must equal the fragment size. A consume for an
         attempt whose commit has not reached the ledger yet is accepted: the trainer only
         trains committed fragments, so the consume proves the commit (the commit arrives by
         another path and is then counted as a zombie). Returns "zombie" for a task that is
-        not live (ignored, counted), else "ok".
+        not live (ignored, counted), else "ok". Raises CreditError, changing nothing, for a
+        task id never issued, counts that are not a fragment's, or a ``step`` / ``fragment``
+        (when given) that is not the live attempt's slot.
         """
+        self.check_counts(task_id, trained, discarded)
         attempt = self._live.get(task_id)
         if attempt is None:
             self._zombie_consumes += 1
             return "zombie"
+        if (step is not None and step != attempt.step) or (fragment is not None and fragment != attempt.fragment):
+            raise CreditError(f"consume of task {task_id}: (step, fragment) = ({step!r}, {fragment!r}): "
+                              f"expected its slot {attempt.slot}")
         discarded = dict(discarded or {})
-        counts = [trained, *discarded.values()]
-        if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
-            raise CreditError(f"consume of task {task_id}: trained = {trained!r}, discarded = "
-                              f"{discarded!r}: expected non-negative integers")
-        if not all(isinstance(r, str) and r for r in discarded):
-            raise CreditError(f"consume of task {task_id}: discarded = {discarded!r}: "
-                              "expected non-empty reason strings")
-        if sum(counts) != attempt.trajectories:
-            raise CreditError(
-                f"consume of task {task_id}: trained {trained} + discarded {sum(counts) - trained}"
-                f" = {sum(counts)}: expected the fragment size {attempt.trajectories}")
         self._end(attempt)
         assert attempt.slot not in self._consumed, attempt.slot  # no slot trained twice
         self._consumed.add(attempt.slot)
@@ -323,6 +333,25 @@ class CreditLedger:
             self._max_trained_staleness = max(self._max_trained_staleness,
                                               attempt.step - attempt.gen_version)
         return "ok"
+
+    def check_counts(self, task_id: int, trained: int, discarded: dict[str, int] | None) -> None:
+        """Raise CreditError unless ``task_id`` was issued and the counts are a fragment's:
+        non-negative integers, non-empty reasons, summing to the fragment size."""
+        if isinstance(task_id, bool) or not isinstance(task_id, int) or not 0 < task_id < self._next_task_id:
+            raise CreditError(f"task_id = {task_id!r}: never issued (expected 1 to "
+                              f"{self._next_task_id - 1})")
+        discarded = dict(discarded or {})
+        counts = [trained, *discarded.values()]
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+            raise CreditError(f"consume of task {task_id}: trained = {trained!r}, discarded = "
+                              f"{discarded!r}: expected non-negative integers")
+        if not all(isinstance(r, str) and r for r in discarded):
+            raise CreditError(f"consume of task {task_id}: discarded = {discarded!r}: "
+                              "expected non-empty reason strings")
+        if sum(counts) != self.fragment_size:
+            raise CreditError(
+                f"consume of task {task_id}: trained {trained} + discarded {sum(counts) - trained}"
+                f" = {sum(counts)}: expected the fragment size {self.fragment_size}")
 
     def discard(self, task_id: int, reason: str) -> Attempt | None:
         """End a live attempt without training it; its bytes return and its slot is re-queued.
@@ -373,6 +402,7 @@ class CreditLedger:
             "zombie_consumes": self._zombie_consumes,
             "duplicate_commits": self._duplicate_commits,
             "stale_commits": self._stale_commits,
+            "rejected_commits": self._rejected_commits,
             "max_trained_staleness": self._max_trained_staleness,
             "blocked_by": self.blocked_by(),
         }
@@ -402,6 +432,7 @@ class CreditLedger:
                 "discarded": dict(discarded), "attempts": self._attempts,
                 "zombie_commits": self._zombie_commits, "zombie_consumes": self._zombie_consumes,
                 "duplicate_commits": self._duplicate_commits, "stale_commits": self._stale_commits,
+                "rejected_commits": self._rejected_commits,
                 "max_trained_staleness": self._max_trained_staleness,
             },
         }
@@ -432,4 +463,5 @@ class CreditLedger:
         self._attempts = int(c["attempts"])
         self._zombie_commits, self._zombie_consumes = int(c["zombie_commits"]), int(c["zombie_consumes"])
         self._duplicate_commits, self._stale_commits = int(c["duplicate_commits"]), int(c["stale_commits"])
+        self._rejected_commits = int(c.get("rejected_commits", 0))
         self._max_trained_staleness = int(c["max_trained_staleness"])

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from digenrl.core.bts import StepForecast, ewma, helper_shortens_step
-from digenrl.core.credits import CreditLedger, version_floor
+from digenrl.core.credits import CreditError, CreditLedger, version_floor
 from digenrl.core.plan import (
     PlanFn,
     all_timesteps,
@@ -181,8 +181,13 @@ class Scheduler:
     # ------------------------------------------------------------------ fragment events
 
     def fragment_committed(self, task_id: int, node_id: str, gen_version: int, gen_seconds: float,
-                           now: float) -> list[Command]:
-        """``node_id`` finished task ``task_id`` with policy ``gen_version`` in ``gen_seconds``."""
+                           now: float, *, step: int | None = None,
+                           fragment: int | None = None) -> list[Command]:
+        """``node_id`` finished task ``task_id`` with policy ``gen_version`` in ``gen_seconds``.
+
+        ``step`` / ``fragment``, when given, must be the attempt's slot: a commit that cannot
+        belong to the task it names is rejected alone (counted as ``rejected_commits``).
+        """
         if not gen_seconds >= 0 or math.isinf(gen_seconds):
             raise SchedulerError(f"task {task_id} gen_seconds = {gen_seconds!r}: expected >= 0")
         node = self._nodes.get(node_id)
@@ -192,8 +197,8 @@ class Scheduler:
         if attempt is not None and attempt.node_id != node_id:
             self._c["misdirected_commits"] += 1  # fencing: only the holder may commit
             return []
-        outcome = self.ledger.commit(task_id, gen_version, now)
-        if attempt is None or outcome == "duplicate":
+        outcome = self.ledger.commit(task_id, gen_version, now, step=step, fragment=fragment)
+        if attempt is None or outcome in ("duplicate", "rejected"):
             return []
         holder = self._holder(attempt.node_id)
         holder.outstanding.remove(task_id)
@@ -207,13 +212,26 @@ class Scheduler:
         return self._after(now)
 
     def fragment_consumed(self, task_id: int, rank: int, trained: int, discarded: dict[str, int],
-                          train_seconds: float, now: float) -> list[Command]:
-        """Trainer rank ``rank`` trained its timesteps of task ``task_id``."""
+                          train_seconds: float, now: float, *, step: int | None = None,
+                          fragment: int | None = None) -> list[Command]:
+        """Trainer rank ``rank`` trained its timesteps of task ``task_id``.
+
+        Raises SchedulerError, changing nothing, for a report that cannot be the task's
+        (never-issued id, counts that are not a fragment's, another slot, a rank that owns
+        none of its timesteps); a report of a task no longer live is a counted zombie.
+        """
+        try:
+            self.ledger.check_counts(task_id, trained, discarded)
+        except CreditError as e:
+            raise SchedulerError(str(e)) from None
         attempt = self.ledger.attempt(task_id)
         task = self._tasks.get(task_id)
         if attempt is None or task is None:
             self.ledger.consume(task_id, trained, discarded)  # counted there as a zombie
             return []
+        if (step is not None and step != attempt.step) or (fragment is not None and fragment != attempt.fragment):
+            raise SchedulerError(f"task {task_id} consumed as (step, fragment) = ({step!r}, {fragment!r}): "
+                                 f"expected {attempt.slot}")
         if rank not in task.ranks:
             raise SchedulerError(f"task {task_id} consumed by rank = {rank!r}: expected one of "
                                  f"the owning ranks {sorted(task.ranks)}")
@@ -222,12 +240,6 @@ class Scheduler:
         if rank in task.reports:
             self._c["duplicate_reports"] += 1
             return []
-        counts = [trained, *discarded.values()]
-        if any(not isinstance(c, int) or c < 0 for c in counts) or sum(counts) != attempt.trajectories:
-            # Checked per report so one bad rank cannot wedge the fragment for the others.
-            raise SchedulerError(f"task {task_id} rank {rank}: trained = {trained!r}, discarded = "
-                                 f"{discarded!r}: expected non-negative counts summing to "
-                                 f"{attempt.trajectories}")
         task.reports[rank] = (trained, dict(discarded), train_seconds)
         if len(task.reports) < len(task.ranks):
             return []
