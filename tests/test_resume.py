@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -158,3 +160,50 @@ def test_a_version_without_manifest_is_never_used(tmp_path: Path) -> None:
     policy.version = 2
     save_trainer_state(tmp_path, policy, {})  # the crash came before the coordinator's part
     assert latest_checkpoint(tmp_path).version == 1
+
+
+def _two_checkpoints(tmp_path: Path) -> Any:
+    policy = _tiny_policy()
+    for v in (1, 2):
+        policy.version = v
+        save_trainer_state(tmp_path, policy, {})
+        commit_checkpoint(tmp_path, v, {"scheduler": {}})
+    return latest_checkpoint(tmp_path)
+
+
+def _truncate(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[:-8])
+
+
+def _flip(p: Path) -> None:
+    b = bytearray(p.read_bytes())
+    b[len(b) // 2] ^= 0x10
+    p.write_bytes(bytes(b))
+
+
+@pytest.mark.parametrize(("fault", "version", "why"), [
+    (lambda d: _truncate(d / "optimizer.pt"), 1, r"v2: .*optimizer\.pt differs"),
+    (lambda d: _flip(d / "policy.safetensors"), 1, r"v2: .*policy\.safetensors differs"),
+    (lambda d: (d / "scheduler.json").unlink(), 1, r"v2: .*scheduler\.json is missing"),
+    (lambda d: shutil.rmtree(d), 1, r"v2: .*is missing"),
+    # the root manifest torn: v2's own manifest still names verified files
+    (lambda d: _flip(d.parent / "manifest.json"), 2, "root manifest: .*not readable JSON")])
+def test_resume_falls_back_to_the_newest_checkpoint_that_verifies_and_says_why(
+        tmp_path: Path, fault: Any, version: int, why: str) -> None:
+    # issue 20: with the newest checkpoint truncated, bit-flipped or missing, resume refused
+    # although the older kept checkpoint was intact
+    newest = _two_checkpoints(tmp_path)
+    assert newest.version == 2 and newest.skipped == ()
+    fault(newest.path)
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt.version == version
+    assert len(ckpt.skipped) == 1 and re.search(why, ckpt.skipped[0]), ckpt.skipped
+
+
+def test_resume_refuses_only_when_no_checkpoint_verifies_naming_each(tmp_path: Path) -> None:
+    newest = _two_checkpoints(tmp_path)
+    _truncate(newest.path / "optimizer.pt")
+    _truncate(newest.path.parent / "v000001" / "policy.safetensors")
+    with pytest.raises(CheckpointError, match=r"no checkpoint .* verifies: .*v2.*optimizer\.pt.*"
+                                              r"v000001: checkpoint v1: .*policy\.safetensors"):
+        latest_checkpoint(tmp_path)

@@ -81,3 +81,36 @@ async def test_the_watchdog_is_off_at_zero_and_before_any_work(tmp_path: Path) -
     idle, resets_idle = _coordinator(tmp_path, timeout=10)
     await idle._check_stall(1e9)  # no work handed out yet (nodes still loading models)
     assert resets_off == [] and resets_idle == [] and idle.t_progress is None
+
+
+async def test_every_rollout_lost_for_longer_than_the_timeout_resets_the_run(tmp_path: Path) -> None:
+    # issue 20: a rollout paused past the heartbeat timeout was dropped by the scheduler and the
+    # watchdog skipped for good (no live rollout), so the run never finished
+    actor, resets = _coordinator(tmp_path, timeout=10)
+    actor.t_progress = 100.0
+    actor.sched.node_lost("rollout-0", 101.0)
+    await actor._check_stall(102.0)
+    await actor._check_stall(111.0)
+    assert resets == []  # lost for 9 s: a reboot may still end by itself
+    await actor._check_stall(112.5)
+    assert len(resets) == 1 and "no rollout live for 10 s" in resets[0]
+    assert actor.recovery["stalls"] == 1
+
+
+async def test_a_node_the_scheduler_lost_by_silence_rejoins_on_its_next_heartbeat(tmp_path: Path) -> None:
+    actor, _ = _coordinator(tmp_path, timeout=0, whole=False)
+    sent: list = []
+
+    async def run(cmds: list) -> None:
+        sent.extend(cmds)
+
+    actor._run = run  # type: ignore[method-assign]
+    actor.nodes["rollout-0"] = {"role": "rollout", "peer": b"rollout-0", "gpu": "cpu"}
+    assert await actor._ensure_joined("rollout-0", 0.0)
+    assert actor.sched.is_live("rollout-0")
+    actor.sched.tick(10**6)  # silent past the heartbeat timeout (a SIGSTOP): lost
+    assert not actor.sched.is_live("rollout-0")
+    actor._fence_silent()
+    assert actor.nodes["rollout-0"]["ready"] is False and actor.recovery["rollouts_lost"] == 1
+    assert await actor._ensure_joined("rollout-0", 10**6 + 1)  # SIGCONT: its heartbeat
+    assert actor.sched.is_live("rollout-0") and actor.recovery["rejoins"] == 1

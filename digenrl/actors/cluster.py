@@ -172,6 +172,10 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     actor.restore_from(ckpt)
     actor.trace_path, actor.trace_flush_s = run_dir / "trace" / "coordinator.jsonl", cfg.runtime.trace_flush_s
     if ckpt is not None:
+        for why in ckpt.skipped:  # a newer checkpoint did not verify: say so, loudly
+            log.warning("checkpoint skipped", reason=why)
+            print(f"digenrl: skipped a checkpoint that does not verify: {why}", file=sys.stderr,
+                  flush=True)
         log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path))
     print(f"digenrl: coordinator listening on {control.endpoint}", flush=True)
     children = Children(cfg, run_dir, control.endpoint) if spawn else None

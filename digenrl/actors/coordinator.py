@@ -102,6 +102,7 @@ class CoordinatorActor(Actor):
         self.t_first_assign: float | None = None
         self.t_last_step: float | None = None
         self.t_progress: float | None = None  # monotonic: work assigned or a step done (stall watchdog)
+        self.t_no_rollout: float | None = None  # monotonic: since when no rollout is live
         self.scheduler_factory = scheduler_factory
         self.max_resets = max_resets
         self.expect_version: int | None = None  # the version restored trainers must announce
@@ -110,7 +111,7 @@ class CoordinatorActor(Actor):
         self.recovery: dict[str, int] = {"trainer_resets": 0, "rollouts_lost": 0,
                                          "rolled_back_admitted": 0, "late_trained": 0,
                                          "ignored_announces": 0, "checkpoints": 0,
-                                         "checkpoints_skipped": 0, "stalls": 0}
+                                         "checkpoints_skipped": 0, "stalls": 0, "rejoins": 0}
         self.restart_requested = asyncio.Event()  # the launcher restarts every child on it
 
     # ------------------------------------------------------------------ checkpoints / recovery
@@ -154,6 +155,7 @@ class CoordinatorActor(Actor):
             return
         self.recovery["trainer_resets"] += 1
         self.t_progress = None  # restarted nodes load their models first: start counting at new work
+        self.t_no_rollout = None
         self.log.error("trainer lost: rewinding to the last checkpoint", reason=reason)
         await self._shutdown_all(f"restart: {reason}")
         old = self.sched
@@ -162,6 +164,8 @@ class CoordinatorActor(Actor):
         except CheckpointError as e:
             self.request_stop(f"failed: {reason}; checkpoint unusable: {e}")
             return
+        for why in ckpt.skipped if ckpt else ():
+            self.log.warning("checkpoint skipped", reason=why)
         self.sched = self.scheduler_factory()
         snap = ckpt.coordinator["scheduler"] if ckpt else self.sched.snapshot()
         # fence: ids of attempts made since the checkpoint are never reused
@@ -292,6 +296,10 @@ class CoordinatorActor(Actor):
             return False
         if not node.get("ready"):
             node["ready"] = True
+            if node.get("joined_before"):
+                self.recovery["rejoins"] += 1
+                self.log.warning("node back after being lost: re-joined", node=node_id)
+            node["joined_before"] = True
             await self._run(self.sched.node_joined(node_id, node["role"], node["gpu"], now,
                                                    rank=node.get("rank")))
         return True
@@ -375,7 +383,18 @@ class CoordinatorActor(Actor):
             await asyncio.sleep(self.cfg.runtime.heartbeat_s / 2)
             now = time.monotonic()
             await self._run(self.sched.tick(now))
+            self._fence_silent()
             await self._check_stall(now)
+
+    def _fence_silent(self) -> None:
+        """Nodes the scheduler lost by silence (a SIGSTOP, a VM stall, a partition) are no
+        longer joined here either: their attempts were revoked (late messages are fenced as
+        zombies) and their next sign of life re-joins them as a new incarnation."""
+        for node_id, node in self.nodes.items():
+            if node.get("ready") and not self.sched.is_live(node_id):
+                node["ready"] = False
+                self.recovery["rollouts_lost"] += node["role"] == "rollout"
+                self.log.warning("node silent: lost, will re-join on its next message", node=node_id)
 
     async def _check_stall(self, now: float) -> None:
         """Heartbeats prove a process lives, not that it progresses: a GPU or a collective that
@@ -385,9 +404,21 @@ class CoordinatorActor(Actor):
         limit = self.cfg.runtime.stall_timeout_s
         if limit <= 0 or self.t_progress is None or self.stopping:
             return
+        if self.sched.live_count("rollout") == 0:
+            # every rollout lost (paused, partitioned, wedged while its process lives on): a
+            # reboot ends by itself, but past the timeout a reset restarts them
+            if self.t_no_rollout is None:
+                self.t_no_rollout = now
+            if now - self.t_no_rollout > limit:
+                self.recovery["stalls"] += 1
+                await self.reset(f"no rollout live for {now - self.t_no_rollout:.0f} s "
+                                 f"(runtime.stall_timeout_s = {limit:g})")
+                return
+        else:
+            self.t_no_rollout = None
         if self.sched.live_count("rollout") == 0 or self.sched.live_count("trainer") < self.expected_trainers:
-            # waiting for nodes to (re)join (a rebooting machine) is not a wedge, and a reset
-            # would not bring them sooner: count from the moment the cluster is whole again
+            # waiting for nodes to (re)join (a rebooting machine) is not a wedge yet: count
+            # progress from the moment the cluster is whole again
             self.t_progress = now
             return
         if now - self.t_progress <= limit:

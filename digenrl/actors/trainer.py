@@ -116,6 +116,8 @@ class TrainerActor(Actor):
             counters = await self.in_thread("checkpoint_load", load_trainer_state, ckpt, self.policy)
             self.rejected_stale = int(counters.get("rejected_stale", 0))
             self.log = self.log.bind(policy_version=self.policy.version)
+            for why in ckpt.skipped:
+                self.log.warning("checkpoint skipped", reason=why)
             self.log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path))
         if self.rank == 0 or self.policy.sharded:
             await self._publish(self.policy.version)

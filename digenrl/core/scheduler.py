@@ -385,6 +385,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ reporting
 
+    def is_live(self, node_id: str) -> bool:
+        """Whether ``node_id`` is joined and not lost (a node lost by silence must re-join)."""
+        node = self._nodes.get(node_id)
+        return node is not None and not node.lost
+
     def live_count(self, role: str) -> int:
         """Joined nodes of ``role`` not (yet) lost."""
         return sum(1 for n in self._nodes.values() if n.role == role and not n.lost)

@@ -4,6 +4,9 @@ Layout (one folder per checkpointed version, the newest two kept)::
 
     run_dir/checkpoint/manifest.json            <- written last (tmp + os.replace): names the
                                                    version and every file's size and sha256
+    run_dir/checkpoint/v000004/manifest.json        the same, kept with its version: resume
+                                                   falls back to an older kept checkpoint
+                                                   when the newest does not verify
     run_dir/checkpoint/v000004/policy.safetensors   trainable weights (LoRA: the adapter)
                               optimizer.pt          AdamW state (torch.save, weights_only load)
                               trainer.json          version, torch/python RNG states, counters
@@ -26,6 +29,7 @@ on storage that trainer rank 0 and the coordinator share.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -59,6 +63,8 @@ class Checkpoint:
     path: Path
     trainer: dict[str, Any]
     coordinator: dict[str, Any]
+    skipped: tuple[str, ...] = ()
+    """Newer checkpoints that did not verify, each with why (the caller reports them)."""
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -150,6 +156,7 @@ def commit_checkpoint(run_dir: Path, version: int, coordinator: dict[str, Any]) 
     write_json_atomic(d / "scheduler.json", {"format": FORMAT, "version": version, **coordinator})
     manifest = {"format": FORMAT, "version": version, "dir": d.name,
                 "files": {n: _describe(d / n) for n in ALL_FILES}}
+    write_json_atomic(d / "manifest.json", manifest)
     write_json_atomic(checkpoint_root(run_dir) / "manifest.json", manifest)
     _prune(run_dir, keep_from=version)
     return d
@@ -164,31 +171,72 @@ def _prune(run_dir: Path, keep_from: int) -> None:
 
 
 def latest_checkpoint(run_dir: Path, *, verify: bool = True) -> Checkpoint | None:
-    """The checkpoint the manifest names, checked file by file; None if there is no manifest.
+    """The newest checkpoint that verifies file by file; None if there is no manifest at all.
 
-    Raises :class:`CheckpointError` naming the file if the manifest's files are missing or
-    differ in size or hash (a torn or tampered checkpoint is never loaded).
+    Candidates, newest first: the version the root manifest names, then every kept version
+    folder with its own manifest. One whose manifest is unreadable, or whose files are
+    missing or differ in size or sha256 (torn, truncated, bit-flipped) is skipped; the
+    result's ``skipped`` says which and why. Raises :class:`CheckpointError` naming every
+    candidate and its fault only when none verifies (a torn checkpoint is never loaded).
     """
     root = checkpoint_root(run_dir)
+    candidates: list[tuple[int, str, Path]] = []  # (version, name, manifest path)
     mpath = root / "manifest.json"
-    if not mpath.is_file():
+    if mpath.is_file():
+        candidates.append((1 << 62, "the root manifest", mpath))  # tried first: the commit point
+    for d in root.glob("v[0-9]*"):
+        if (d / "manifest.json").is_file() and d.name[1:].isdigit():
+            candidates.append((int(d.name[1:]), d.name, d / "manifest.json"))
+    if not candidates:
         return None
+    skipped: list[str] = []
+    tried: set[str] = set()
+    for _, name, path in sorted(candidates, reverse=True):
+        try:
+            manifest = _read_manifest(path)
+            if str(manifest["dir"]) in tried:
+                continue
+            tried.add(str(manifest["dir"]))
+            ckpt = _verified(root, manifest, verify)
+        except CheckpointError as e:
+            skipped.append(f"{name}: {e}")
+            continue
+        return dataclasses.replace(ckpt, skipped=tuple(skipped))
+    raise CheckpointError(f"no checkpoint in {root} verifies: " + "; ".join(skipped))
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
     try:
-        manifest = json.loads(mpath.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{mpath}: not valid JSON ({e})") from e
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{mpath}: format = {manifest.get('format')!r}: expected {FORMAT}")
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not readable JSON ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise CheckpointError(f"{path}: format = {got!r:.40}: expected {FORMAT}")
+    dname, files = manifest.get("dir"), manifest.get("files")
+    if (not isinstance(dname, str) or not dname.startswith("v") or not dname[1:].isdigit()
+            or not isinstance(files, dict) or set(files) != set(ALL_FILES)
+            or not isinstance(manifest.get("version"), int)):
+        raise CheckpointError(f"{path}: not a checkpoint manifest (dir, version and the files "
+                              f"{', '.join(ALL_FILES)} expected)")
+    return manifest
+
+
+def _verified(root: Path, manifest: dict[str, Any], verify: bool) -> Checkpoint:
     d = root / str(manifest["dir"])
     for name, want in manifest["files"].items():
         p = d / name
         if not p.is_file():
             raise CheckpointError(f"checkpoint v{manifest['version']}: {p} is missing")
-        if p.stat().st_size != want["bytes"] or (verify and _sha256(p) != want["sha256"]):
+        if (not isinstance(want, dict) or p.stat().st_size != want.get("bytes")
+                or (verify and _sha256(p) != want.get("sha256"))):
             raise CheckpointError(f"checkpoint v{manifest['version']}: {p} differs from the "
                                   "manifest (size or sha256): torn or modified")
-    trainer = json.loads((d / "trainer.json").read_text())
-    coordinator = json.loads((d / "scheduler.json").read_text())
+    try:
+        trainer = json.loads((d / "trainer.json").read_text())
+        coordinator = json.loads((d / "scheduler.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {d}: {e}") from e
     version = int(manifest["version"])
     if trainer.get("version") != version or coordinator.get("version") != version:
         raise CheckpointError(f"checkpoint {d}: trainer.json version {trainer.get('version')}, "
