@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "report":
             from digenrl.telemetry.report import make_report
+            if not Path(args.run_dir).is_dir():
+                raise UsageError(f"report {args.run_dir}: no such run folder")
             make_report(Path(args.run_dir), Path(args.out) if args.out else None)
             return 0
         if args.command == "eval":
@@ -108,10 +110,47 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             from digenrl.sim.plan import plan_from_args
             return plan_from_args(args)
-    except ConfigError as e:
-        print(f"digenrl: config error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        code = exit_code(e)
+        if code is None:
+            raise  # a bug of ours: the traceback is what a report needs
+        print(f"digenrl: {one_line(e)}", file=sys.stderr)
+        return code
     raise AssertionError(args.command)
+
+
+class UsageError(ValueError):
+    """A command named something that is not there; the message says what."""
+
+
+def exit_code(e: BaseException) -> int | None:
+    """2 for what the user asked wrongly (config, arguments, input files, addresses), 1 for a
+    run that failed (a broken checkpoint, a full or read-only disk, no recovery left), None for
+    anything else (a bug: it keeps its traceback)."""
+    from digenrl.actors.base import RunFailed
+    from digenrl.data.prompts import PromptError
+    from digenrl.rl.checkpoint import CheckpointError
+    from digenrl.transport.curve import CurveKeyError
+    from digenrl.transport.errors import EndpointError
+    from digenrl.transport.security import PlaintextRefused
+    if isinstance(e, ConfigError | UsageError | PromptError | EndpointError | PlaintextRefused
+                  | CurveKeyError):
+        return 2
+    if isinstance(e, CheckpointError | RunFailed | OSError):
+        return 1
+    return None
+
+
+def one_line(e: BaseException) -> str:
+    """The error as one line: its kind, then its message (an OSError names its file)."""
+    if isinstance(e, ConfigError):
+        text = f"config error: {e}"
+    elif isinstance(e, OSError) and e.strerror:
+        where = f": {e.filename}" if e.filename else ""
+        text = f"{e.strerror}{where}"
+    else:
+        text = str(e)
+    return " ".join(text.split())
 
 
 def build_node_parser() -> argparse.ArgumentParser:
@@ -138,10 +177,19 @@ def node_main(argv: list[str] | None = None) -> int:
     args = build_node_parser().parse_args(argv)
     try:
         from digenrl.actors.node import run_node
+        if args.coordinator:  # a bad address is refused before anything is built
+            from digenrl.transport.sockets import Endpoint
+            Endpoint.parse(args.coordinator)
+        if args.bind:
+            from digenrl.transport.sockets import Endpoint
+            Endpoint.parse(args.bind)
         return run_node(args)
-    except ConfigError as e:
-        print(f"digenrl-node: config error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        code = exit_code(e)
+        if code is None:
+            raise
+        print(f"digenrl-node: {one_line(e)}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import math
 import tomllib
 import types
 import typing
@@ -299,6 +300,8 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key} = {value!r}: expected a number")
+        if not math.isfinite(value):  # inf/nan parse as TOML floats; no setting means them
+            raise ConfigError(f"{key} = {value!r}: expected a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -47,3 +47,15 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def remove_temp_files(folder: Path) -> list[Path]:
+    """Remove every temporary file of :func:`write_atomic` under ``folder`` (left by a writer
+    that was killed mid-write); call it only when no writer is alive. Returns what it removed."""
+    removed = []
+    for p in Path(folder).rglob(".*.tmp-*"):
+        if p.is_file():
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(p)
+    return removed

@@ -22,33 +22,93 @@ from pathlib import Path
 from typing import Any
 
 from digenrl.config import Config, ConfigError, load_config, resolve_mode, to_toml
-from digenrl.fileio import write_json_atomic
+from digenrl.fileio import write_json_atomic, write_text_atomic
 from digenrl.transport.sockets import free_port
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    cfg = load_config(args.config, args.overrides)
+def _counts(cfg: Config, args: argparse.Namespace, mode: str | None) -> Config:
+    """``cfg`` with --steps / --rollouts / --trainers applied, each checked (one-line errors)."""
     run, cl = cfg.run, cfg.cluster
     if args.steps is not None:
         if args.steps < 1:
             raise ConfigError(f"--steps {args.steps}: expected at least 1")
         run = dataclasses.replace(run, steps=args.steps)
     if args.rollouts is not None:
+        if args.rollouts < 0:
+            raise ConfigError(f"--rollouts {args.rollouts}: expected 0 or more")
+        if args.rollouts == 0 and (mode or cfg.run.mode) != "colocated":
+            raise ConfigError(f"--rollouts 0: mode {mode or cfg.run.mode} needs at least one "
+                              "rollout (only colocated runs without them)")
         cl = dataclasses.replace(cl, rollouts=args.rollouts)
-    if args.trainers is not None:
+    if getattr(args, "trainers", None) is not None:
         if args.trainers < 1:
             raise ConfigError(f"--trainers {args.trainers}: expected at least 1")
         cl = dataclasses.replace(cl, trainers=args.trainers)
-    return resolve_mode(dataclasses.replace(cfg, run=run, cluster=cl), args.mode)
+    return resolve_mode(dataclasses.replace(cfg, run=run, cluster=cl), mode)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    cfg = _counts(load_config(args.config, args.overrides), args, args.mode)
+    _check_prompts(cfg)
+    return cfg
+
+
+def _check_prompts(cfg: Config) -> None:
+    """Read the prompt files now: a bad one is a config error before any process starts."""
+    from digenrl.data.prompts import load_splits
+    load_splits(cfg.prompts)
 
 
 def make_run_dir(cfg: Config, run_dir: str | None) -> Path:
+    """Create the run folder and write its config.toml; ConfigError if it cannot be written."""
     path = Path(run_dir) if run_dir else Path("runs") / f"{cfg.run.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path.mkdir(parents=True, exist_ok=True)
-    for sub in ("trace", "samples", "logs"):
-        (path / sub).mkdir(exist_ok=True)
-    (path / "config.toml").write_text(to_toml(cfg))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        for sub in ("trace", "samples", "logs"):
+            (path / sub).mkdir(exist_ok=True)
+        write_text_atomic(path / "config.toml", to_toml(cfg))
+    except OSError as e:
+        raise ConfigError(f"--run-dir {str(path)!r}: cannot write there ({e.strerror or e})") from None
     return path
+
+
+def resume_config(args: argparse.Namespace) -> tuple[Config, Path]:
+    """The config of the run ``--resume`` continues, with --steps / --rollouts / --set applied;
+    refuses (ConfigError) what a resume cannot honour, before anything starts."""
+    from digenrl.rl.checkpoint import latest_checkpoint
+    run_dir = Path(args.resume)
+    for flag in ("mode", "trainers", "config", "run_dir"):
+        if getattr(args, flag, None) is not None:
+            raise ConfigError(f"--resume {args.resume}: --{flag.replace('_', '-')} cannot be "
+                              "changed on resume (the run continues with its own config.toml)")
+    if not (run_dir / "config.toml").is_file():
+        raise ConfigError(f"--resume {args.resume}: no config.toml in that folder (not a run dir)")
+    saved = load_config(run_dir / "config.toml")
+    cfg = _counts(load_config(run_dir / "config.toml", args.overrides), args, None)
+    ckpt = latest_checkpoint(run_dir)  # CheckpointError (runtime) if none verifies
+    if ckpt is None:
+        raise ConfigError(f"--resume {args.resume}: no checkpoint there (the run wrote none: "
+                          "run.checkpoint_every = 0 checkpoints only at the end)")
+    for why in ckpt.skipped:
+        print(f"digenrl: skipped a checkpoint that does not verify: {why}", file=sys.stderr, flush=True)
+    was_colocated = "colocated" in ckpt.coordinator
+    if was_colocated != (cfg.run.mode == "colocated"):
+        raise ConfigError(f"--resume {args.resume}: its checkpoint is of a "
+                          f"{'colocated' if was_colocated else 'disaggregated'} run; it cannot "
+                          f"resume in {cfg.run.mode} mode")
+    if not was_colocated:
+        shape = list(ckpt.coordinator["scheduler"]["ledger"]["shape"])[1:]
+        want = [cfg.train.prompts_per_step, cfg.train.group_size, cfg.runtime.fragments_per_step]
+        if shape != want:
+            raise ConfigError(f"--resume {args.resume}: its checkpoint has (prompts_per_step, "
+                              f"group_size, fragments_per_step) = {shape}; the config now says {want}")
+    if cfg.run.steps < ckpt.version:
+        raise ConfigError(f"--resume {args.resume}: run.steps = {cfg.run.steps} but the checkpoint "
+                          f"is at step {ckpt.version} already")
+    _check_prompts(cfg)
+    if cfg != saved:  # --steps / --rollouts / --set: the run dir records what now runs
+        write_text_atomic(run_dir / "config.toml", to_toml(cfg))
+    return cfg, run_dir
 
 
 def _child_env(cfg: Config) -> dict[str, str]:
@@ -77,7 +137,8 @@ def run_colocated_ranks(cfg: Config, run_dir: Path, resume: bool = False) -> dic
             env=_child_env(cfg), stdout=log if rank else None, stderr=log))
     codes = [p.wait() for p in procs]
     if any(codes):
-        raise RuntimeError(f"colocated ranks exited with codes {codes}; see {run_dir}/logs")
+        from digenrl.actors.base import RunFailed
+        raise RunFailed(f"colocated ranks exited with codes {codes}; see {run_dir}/logs")
     return json.loads((run_dir / "colocated-summary.json").read_text())
 
 
@@ -171,10 +232,7 @@ def launch_from_args(args: argparse.Namespace) -> int:
     from digenrl.telemetry.logging import configure_logging
 
     if args.resume:
-        run_dir = Path(args.resume)
-        if not (run_dir / "config.toml").is_file():
-            raise ConfigError(f"--resume {args.resume}: no config.toml in that folder")
-        cfg = load_config(run_dir / "config.toml", args.overrides)
+        cfg, run_dir = resume_config(args)
     else:
         cfg = config_from_args(args)
         run_dir = make_run_dir(cfg, args.run_dir)

@@ -227,7 +227,23 @@ def test_snapshot_discards_in_flight_as_restart_and_restore_requeues_them():
 def test_restore_into_a_different_shape_is_rejected():
     snap = ledger().snapshot()
     with pytest.raises(CreditError, match="shape"):
-        ledger(steps=5).restore(snap)
+        ledger(group_size=3).restore(snap)
+
+
+def test_restore_into_a_longer_run_continues_it_and_a_shorter_one_than_trained_is_refused():
+    led = ledger(steps=4)
+    for v in range(3):  # train steps 0-2
+        for a in admit_all(led):
+            if a.step == v:
+                led.commit(a.task_id, v, 0.0)
+                led.consume(a.task_id, trained=4)
+        led.publish(v + 1)
+    snap = led.snapshot()
+    longer = ledger(steps=6)
+    longer.restore(snap)
+    assert longer.version == 3 and not longer.done and (5, 1) in longer.pending_slots()
+    with pytest.raises(CreditError, match="beyond steps = 2"):
+        ledger(steps=2).restore(snap)
 
 
 # ----------------------------------------------------------------------------- state machine

@@ -35,6 +35,10 @@ STOP_GRACE_S = 30.0
 (a node shortens it to ``runtime.stall_timeout_s`` when that is shorter)."""
 
 
+class RunFailed(RuntimeError):
+    """The run ended without finishing (no recovery left, a disk full, ...); the message says why."""
+
+
 class Actor:
     """Base of coordinator, rollout and trainer actors."""
 

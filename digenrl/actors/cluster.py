@@ -21,11 +21,12 @@ from typing import Any
 
 import zmq.asyncio
 
+from digenrl.actors.base import RunFailed
 from digenrl.actors.coordinator import CoordinatorActor
 from digenrl.config import Config
 from digenrl.core.scheduler import Scheduler, SchedulerParams
 from digenrl.data.prompts import load_splits
-from digenrl.fileio import write_json_atomic
+from digenrl.fileio import remove_temp_files, write_json_atomic
 from digenrl.rl.checkpoint import CheckpointError, dedupe_metrics, latest_checkpoint, trim_metrics
 from digenrl.telemetry.logging import get_logger
 from digenrl.telemetry.metrics import MetricsWriter
@@ -85,6 +86,17 @@ class Children:
         write_json_atomic(self.run_dir / "logs" / "pids.json",
                           {n: p.pid for n, p in self.procs.items() if p.returncode is None})
 
+    def last_error(self, node_id: str) -> str:
+        """The last line of ``node_id``'s stderr (why it died, when it said), or ''."""
+        try:
+            with (self.run_dir / "logs" / f"{node_id}.stderr").open("rb") as f:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - 4096))
+                lines = f.read().decode(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1][:300] if lines else ""
+
     async def kill_all(self) -> None:
         for p in self.procs.values():
             if p.returncode is None:
@@ -93,6 +105,12 @@ class Children:
             await p.wait()
 
     async def supervise(self, actor: CoordinatorActor) -> None:
+        try:
+            await self._supervise(actor)
+        except OSError as e:  # the run dir is full or read-only: the run cannot go on
+            actor.request_stop(f"failed: {_os_error(e)}")
+
+    async def _supervise(self, actor: CoordinatorActor) -> None:
         for node_id, role in self.specs():
             await self.start(node_id, role)
         while True:
@@ -116,7 +134,7 @@ class Children:
                     actor.request_stop(f"failed: {node_id} exited {n} times")
                     break
                 self.log.warning("node died", node=node_id, role=role, code=p.returncode)
-                await actor.node_exited(node_id, p.returncode)
+                await actor.node_exited(node_id, p.returncode, why=self.last_error(node_id))
                 if actor.restart_requested.is_set() or actor.stopping:
                     break  # a rewind: every child restarts above, on the next poll
                 self.restarts[node_id] = n
@@ -152,8 +170,16 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     log = get_logger("coordinator", "coordinator")
     ctx = zmq.asyncio.Context()
     host = cfg.cluster.host
-    control = zs.bind(ctx, "router", bind or f"tcp://{host}:*", cfg, handover=True)
-    pub = zs.bind(ctx, "pub", f"tcp://{host}:*", cfg)
+    try:
+        control = zs.bind(ctx, "router", bind or f"tcp://{host}:*", cfg, handover=True)
+        try:
+            pub = zs.bind(ctx, "pub", f"tcp://{host}:*", cfg)
+        except BaseException:
+            control.close()
+            raise
+    except BaseException:  # refused (plain text off loopback, no keys): nothing left open
+        ctx.term()
+        raise
     prompts = load_splits(cfg.prompts)[0].prompts
     sched = make_scheduler(cfg, len(prompts))
 
@@ -169,13 +195,14 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
                              expected_trainers=cfg.cluster.trainers, node_id="coordinator",
                              recorder=recorder, log=log,
                              scheduler_factory=new_scheduler)
-    actor.restore_from(ckpt)
+    try:
+        actor.restore_from(ckpt)
+    except ValueError as e:  # a snapshot of another run shape (CreditError, SchedulerError)
+        raise CheckpointError(f"checkpoint {ckpt.path if ckpt else run_dir}: {e}") from None
     actor.trace_path, actor.trace_flush_s = run_dir / "trace" / "coordinator.jsonl", cfg.runtime.trace_flush_s
     if ckpt is not None:
-        for why in ckpt.skipped:  # a newer checkpoint did not verify: say so, loudly
+        for why in ckpt.skipped:  # a newer checkpoint did not verify (launch prints it too)
             log.warning("checkpoint skipped", reason=why)
-            print(f"digenrl: skipped a checkpoint that does not verify: {why}", file=sys.stderr,
-                  flush=True)
         log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path))
     print(f"digenrl: coordinator listening on {control.endpoint}", flush=True)
     children = Children(cfg, run_dir, control.endpoint) if spawn else None
@@ -183,17 +210,30 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     try:
         async with asyncio.TaskGroup() as tg:
             sup = tg.create_task(children.supervise(actor)) if children else None
-            await actor.run()
+            try:
+                await actor.run()
+            except OSError as e:  # a full or read-only disk under the run dir: fail cleanly
+                actor.stop_reason = f"failed: {_os_error(e)}"
+                log.error("run dir not writable", error=str(e))
             if children is not None:
-                await children.wait_all(timeout=30.0)
+                if actor.stop_reason.startswith("failed"):
+                    await children.kill_all()
+                else:
+                    await children.wait_all(timeout=30.0)
             if sup is not None:
                 sup.cancel()
     finally:
+        if children is not None:
+            await children.kill_all()  # whatever happened, no child outlives the launcher
+            remove_temp_files(run_dir)  # every writer is gone: a killed one's half-written files
         control.close()
         pub.close()
         ctx.term()
-        metrics.close()
-        recorder.dump(actor.trace_path)
+        for close in (metrics.close, lambda: recorder.dump(actor.trace_path)):
+            try:
+                close()
+            except OSError as e:  # already failing for it (a full disk): the run's error says so
+                log.error("could not flush", error=str(e))
     wall = time.perf_counter() - t0
     dedupe_metrics(run_dir)
     stats = actor.sched.statistics()
@@ -225,10 +265,18 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
         "stop_reason": actor.stop_reason,
         "unexpected_messages": dict(actor.unexpected_messages),
     }
-    write_json_atomic(run_dir / "summary.json", summary)
+    try:
+        write_json_atomic(run_dir / "summary.json", summary)
+    except OSError as e:
+        if not actor.stop_reason.startswith("failed"):
+            actor.stop_reason = f"failed: {_os_error(e)}"
     if actor.stop_reason.startswith("failed"):
-        raise RuntimeError(f"run failed: {actor.stop_reason}; see {run_dir}/logs")
+        raise RunFailed(f"run failed: {actor.stop_reason.removeprefix('failed: ')}; see {run_dir}/logs")
     return summary
+
+
+def _os_error(e: OSError) -> str:
+    return f"{e.strerror or e}" + (f" writing {e.filename}" if e.filename else "")
 
 
 def run_local_cluster(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:

@@ -193,13 +193,14 @@ class CoordinatorActor(Actor):
         self.dist_endpoint = f"tcp://{host}:{free_port(host)}"
         self.restart_requested.set()
 
-    async def node_exited(self, node_id: str, code: int | None) -> None:
-        """The launcher saw a child exit: lose it now instead of after the heartbeat timeout."""
+    async def node_exited(self, node_id: str, code: int | None, why: str = "") -> None:
+        """The launcher saw a child exit: lose it now instead of after the heartbeat timeout.
+        ``why``: the last line the child wrote to stderr, if any."""
         node = self.nodes.get(node_id)
         if node is None:
             return
         if node["role"] == "trainer":
-            await self.reset(f"{node_id} exited with code {code}")
+            await self.reset(f"{node_id} exited with code {code}" + (f" ({why})" if why else ""))
             return
         self.recovery["rollouts_lost"] += 1
         self.log.warning("rollout lost", node=node_id, code=code)

@@ -444,10 +444,12 @@ class CreditLedger:
                               "restore into a fresh ledger")
         if snap.get("format") != SNAPSHOT_FORMAT:
             raise CreditError(f"snapshot format = {snap.get('format')!r}: expected {SNAPSHOT_FORMAT}")
-        shape = [self.steps, self.prompts_per_step, self.group_size, self.fragments_per_step]
-        if list(snap["shape"]) != shape:
-            raise CreditError(f"snapshot shape (steps, prompts, group, fragments) = "
-                              f"{snap['shape']!r}: expected {shape} (the run's config changed)")
+        shape = [self.prompts_per_step, self.group_size, self.fragments_per_step]
+        if list(snap["shape"])[1:] != shape:
+            raise CreditError(f"snapshot shape (prompts, group, fragments) = "
+                              f"{list(snap['shape'])[1:]!r}: expected {shape} (the run's config changed)")
+        if int(snap["version"]) > self.steps:  # more steps than the snapshot's run is fine
+            raise CreditError(f"snapshot version {snap['version']}: beyond steps = {self.steps}")
         c = snap["counters"]
         self._version = int(snap["version"])
         self._next_task_id = int(snap["next_task_id"])
