@@ -212,9 +212,12 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
             sup = tg.create_task(children.supervise(actor)) if children else None
             try:
                 await actor.run()
-            except OSError as e:  # a full or read-only disk under the run dir: fail cleanly
-                actor.stop_reason = f"failed: {_os_error(e)}"
-                log.error("run dir not writable", error=str(e))
+            except (OSError, BaseExceptionGroup) as e:  # a full or read-only disk: fail cleanly
+                err = _os_error_in(e)
+                if err is None:
+                    raise
+                actor.stop_reason = f"failed: {_os_error(err)}"
+                log.error("run dir not writable", error=str(err))
             if children is not None:
                 if actor.stop_reason.startswith("failed"):
                     await children.kill_all()
@@ -273,6 +276,20 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     if actor.stop_reason.startswith("failed"):
         raise RunFailed(f"run failed: {actor.stop_reason.removeprefix('failed: ')}; see {run_dir}/logs")
     return summary
+
+
+def _os_error_in(e: BaseException) -> OSError | None:
+    """``e`` if it is an OSError, or the first of a group made only of OSErrors, else None."""
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, BaseExceptionGroup):
+        match, rest = e.split(OSError)
+        while match is not None and rest is None:
+            first = match.exceptions[0]
+            if isinstance(first, OSError):
+                return first
+            match = first if isinstance(first, BaseExceptionGroup) else None
+    return None
 
 
 def _os_error(e: OSError) -> str:
