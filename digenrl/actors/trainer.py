@@ -183,6 +183,7 @@ class TrainerActor(Actor):
         while True:
             _, msg = await self.peers.data.recv()
             if not isinstance(msg, (Chunk, Commit)):
+                self.unexpected("data", msg)
                 continue
             why = self._arrival_check(msg)
             if why == "revoked" and isinstance(msg, Commit):
@@ -207,8 +208,6 @@ class TrainerActor(Actor):
                     continue
                 self.pending[msg.step].append(msg)
                 self.wake.set()
-            else:
-                self.unexpected("data", msg)
 
     async def _control_loop(self) -> None:
         while True:
