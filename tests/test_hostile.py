@@ -93,3 +93,79 @@ async def test_chunks_of_a_revoked_attempt_are_refused_at_arrival(tmp_path: Path
     t = plan_for_step(actor.cfg, 0)[0][0]
     await _feed(actor, data, [_chunk(t_index=t, task_id=5), _commit(task_id=5)])
     assert actor.refused == {"revoked": 1} and 5 not in actor.staged and not actor.pending
+
+
+# ----------------------------------------------------------------------------- the coordinator
+
+
+async def test_identity_is_bound_at_hello_and_spoofed_reports_are_dropped_and_counted(tmp_path: Path) -> None:
+    import zmq.asyncio
+
+    from digenrl.transport.protocol import (
+        Consumed,
+        Heartbeat,
+        Hello,
+        StepDone,
+        VersionAnnounce,
+        Welcome,
+    )
+    from digenrl.transport.sockets import Dealer
+    from tests.test_security import config, hello, start_coordinator, wait_until
+
+    cfg = config("runtime.heartbeat_s=0.2", "runtime.heartbeat_misses=100")
+    ctx = zmq.asyncio.Context()
+    actor = start_coordinator(ctx, cfg, tmp_path)
+    ep = actor.control.endpoint
+    socks = {name: Dealer(ctx, identity=name.encode()) for name in ("trainer-0", "evil", "rollout-7")}
+    for s in socks.values():
+        s.connect(ep)
+    thief = Dealer(ctx, identity=b"trainer-0")  # the live trainer's routing id, a second connection
+
+    def beat(node_id: str, **kw: Any) -> Heartbeat:
+        args: dict[str, Any] = dict(node_id=node_id, incarnation=1, policy_version=0, state="running",
+                                    seq=0, gpu={}, stats={})
+        return Heartbeat(**{**args, **kw})
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            run = tg.create_task(actor.run())
+            await socks["trainer-0"].send(hello("trainer-0"))
+            _, welcome = await asyncio.wait_for(socks["trainer-0"].recv(), 30)
+            assert isinstance(welcome, Welcome)
+            thief.connect(ep)
+            # issue 20: a routing id trainer-0 announcing version 10**6 killed the coordinator
+            await thief.send(VersionAnnounce(version=10**6, step=10**6, nparts=1, nbytes=1, checksum="x"))
+            await socks["evil"].send(beat("trainer-0"))                      # before any Hello
+            await socks["evil"].send(hello("trainer-0"))                     # another routing id
+            await socks["trainer-0"].send(hello("trainer-0"))                # the live incarnation again
+            await socks["trainer-0"].send(beat("rollout-0"))                 # claims another id
+            await socks["trainer-0"].send(beat("trainer-0", incarnation=9))  # not its incarnation
+            # issue 20: 20 StepDones for steps 1000-1019 added rows to metrics.jsonl
+            await socks["trainer-0"].send(StepDone(step=1000, version=1001, metrics={"reward_mean": 99.0}))
+            await socks["trainer-0"].send(Consumed(task_id=1, step=0, fragment=0, rank=3, trained=4,
+                                                   discarded={}, train_seconds=0.1))
+            await socks["rollout-7"].send(Hello(node_id="rollout-7", role="rollout", gpu="cpu",
+                                                incarnation=1, pid=1, host="h", data_endpoint="",
+                                                weights_endpoint=""))
+            await socks["rollout-7"].send(StepDone(step=0, version=1, metrics={}))  # not a trainer
+            # issue 20: stats.busy_s a string (refused by the schema, counted as a bad frame)
+            await socks["trainer-0"].send(beat("trainer-0", stats={"busy_s": "x"}))
+            await wait_until(lambda: actor.refused.total() >= 8, "the refusals", 30)
+            await wait_until(lambda: actor.control.statistics().bad_by_reason.get("invalid") == 1,
+                             "the schema's refusal", 30)
+            await socks["trainer-0"].send(beat("trainer-0"))  # the real trainer is still answered
+            _, answer = await asyncio.wait_for(socks["trainer-0"].recv(), 30)
+            assert isinstance(answer, Heartbeat)
+            run.cancel()
+        assert actor.refused == {"before_hello": 1, "hello_id_not_routing_id": 1,
+                                 "hello_of_a_live_incarnation": 1, "claims_another_id": 1,
+                                 "another_incarnation": 1, "step_outside_the_run": 1,
+                                 "not_its_rank": 1, "not_a_trainer": 1}
+        # the thief's VersionAnnounce never reached the actor: ZeroMQ keeps the live connection
+        assert actor.latest_announce is None and actor.sched.ledger.version == 0
+        assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
+    finally:
+        for s in (*socks.values(), thief, actor.control, actor.pub):
+            s.close()
+        actor.metrics.close()
+        ctx.term()

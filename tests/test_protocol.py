@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import msgpack
 import pytest
@@ -11,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from digenrl.transport import protocol
+from digenrl.transport import protocol, schema
 from digenrl.transport.protocol import (
     DTYPES,
     INT_MAX,
@@ -93,6 +94,12 @@ def test_the_message_set_is_registered() -> None:
 def test_every_message_type_round_trips_bit_identical(tag: str, data: st.DataObject) -> None:
     msg = data.draw(messages_of(message_types()[tag]))
     frames = encode(msg)
+    try:  # random values of the right types: the schema (ranges, sizes) may refuse them
+        schema.check(msg)
+    except ProtocolError as refused:
+        with pytest.raises(ProtocolError, match=re.escape(str(refused))):
+            decode(frames, max_frame_bytes=LIMIT)
+        return
     for as_bytes in (False, True):
         got = decode([bytes(f) for f in frames] if as_bytes else frames, max_frame_bytes=LIMIT)
         assert messages_equal(got, msg), (got, msg)

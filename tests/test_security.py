@@ -44,7 +44,7 @@ def curve_config(keys: Path, curve: str = "on", *extra: str) -> Config:
 
 def start_coordinator(ctx: zmq.asyncio.Context, cfg: Config, run_dir: Path) -> CoordinatorActor:
     """The real coordinator actor on loopback sockets opened the way serve_coordinator opens them."""
-    control = zs.bind(ctx, "router", "tcp://127.0.0.1:*", cfg, handover=True)
+    control = zs.bind(ctx, "router", "tcp://127.0.0.1:*", cfg)
     pub = zs.bind(ctx, "pub", "tcp://127.0.0.1:*", cfg)
     prompts = load_prompts(cfg.prompts.file)
     return CoordinatorActor(

@@ -106,13 +106,13 @@ async def test_tensors_of_every_dtype_and_shape_arrive_bit_identical(make, addre
     big = torch.randn(2, 4, 128, 128, generator=g)  # 512 KiB: above pyzmq's copy threshold
     sent = [
         _chunk(big, big.to(torch.bfloat16)),
-        _chunk(torch.randn(3, 4, generator=g).half(), torch.zeros(3, 0, 2)),
+        _chunk(torch.randn(3, 4, generator=g).half(), torch.randn(3, 4, generator=g).bfloat16()),
         Commit(task_id=2, step=0, fragment=0, node_id="r0", policy_version=2, prompt_ids=[4, 5],
                rewards=[0.25, -1.0], reward_terms={"aesthetic": [0.1, 0.2]}, gen_seconds=1.5,
                cond={"prompt_embeds": torch.randn(2, 8, 32, generator=g).bfloat16(),
                      "mask": torch.tensor([[True, False]]),
                      "ids": torch.arange(6, dtype=torch.int64),
-                     "tok": torch.arange(6, dtype=torch.int32)},
+                     "tok": torch.arange(6, dtype=torch.int32), "empty": torch.zeros(3, 0, 2)},
                images=torch.randint(0, 256, (2, 3, 8, 8), generator=g, dtype=torch.uint8)),
     ]
     for msg in sent:

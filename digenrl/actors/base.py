@@ -57,6 +57,7 @@ class Actor:
         self.trace_path: Path | None = None  # where the node's trace goes (None: kept in memory)
         self.trace_flush_s = 5.0
         self.unexpected_messages: Counter[str] = Counter()  # "socket:Type" -> count
+        self.refused: Counter[str] = Counter()  # messages dropped by :meth:`refuse`, by reason
 
     # -- lifecycle ------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -126,6 +127,16 @@ class Actor:
         if n <= 10 or (n & (n - 1)) == 0:
             self.log.warning("unexpected_message", socket=socket, msg=kind, why=why,
                              total_unexpected=n)
+
+    def refuse(self, reason: str, msg: object, **fields: Any) -> None:
+        """Drop ``msg`` a peer should not have sent (an id it does not hold, a step outside the
+        run, a slot that cannot exist): count it by reason in ``refused`` and log it, rate-
+        limited like :meth:`unexpected` (the counts stay exact)."""
+        self.refused[reason] += 1
+        n = self.refused.total()
+        if n <= 10 or (n & (n - 1)) == 0:
+            self.log.warning("message_refused", reason=reason, msg=type(msg).__name__,
+                             total_refused=n, **fields)
 
     def heartbeat_stats(self) -> dict[str, float]:
         """What the node's heartbeats report: busy/wall seconds and the unexpected messages."""

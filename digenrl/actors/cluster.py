@@ -171,7 +171,9 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     ctx = zmq.asyncio.Context()
     host = cfg.cluster.host
     try:
-        control = zs.bind(ctx, "router", bind or f"tcp://{host}:*", cfg, handover=True)
+        # no ROUTER_HANDOVER: a newcomer must not take over a live node's connection (a
+        # restarted node's old one is gone with its process, or after the ZMTP heartbeat timeout)
+        control = zs.bind(ctx, "router", bind or f"tcp://{host}:*", cfg)
         try:
             pub = zs.bind(ctx, "pub", f"tcp://{host}:*", cfg)
         except BaseException:
@@ -238,7 +240,11 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
             except OSError as e:  # already failing for it (a full disk): the run's error says so
                 log.error("could not flush", error=str(e))
     wall = time.perf_counter() - t0
-    dedupe_metrics(run_dir)
+    try:
+        dedupe_metrics(run_dir)
+    except OSError as e:
+        if not actor.stop_reason.startswith("failed"):
+            actor.stop_reason = f"failed: {_os_error(e)}"
     stats = actor.sched.statistics()
     F = cfg.runtime.fragments_per_step
     # a restored ledger keeps only slots of steps >= its version: the steps below were

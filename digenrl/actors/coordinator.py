@@ -40,6 +40,7 @@ from typing import Any
 
 from digenrl.actors.base import Actor
 from digenrl.config import Config, to_toml
+from digenrl.core.credits import CreditError
 from digenrl.core.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerError, ShutdownCmd
 from digenrl.rl.checkpoint import (
     Checkpoint,
@@ -87,6 +88,8 @@ class CoordinatorActor(Actor):
         self.progress = progress
         self.expected_trainers = expected_trainers
         self.nodes: dict[str, dict[str, Any]] = {}          # node_id -> {role, peer, rank, endpoint}
+        self._peer_ids: dict[bytes, str] = {}              # routing id -> node id, bound at Hello
+        self._bound: dict[str, int] = {}                    # node id -> incarnation of its Hello
         self.waiting_rollouts: list[tuple[bytes, Hello]] = []
         self.trainers: dict[int, dict[str, Any]] = {}
         self.latest_announce: VersionAnnounce | None = None
@@ -185,6 +188,8 @@ class CoordinatorActor(Actor):
         self.nodes.clear()
         self.trainers.clear()
         self.waiting_rollouts.clear()
+        self._peer_ids.clear()  # every node restarts and binds anew; late messages are dropped
+        self._bound.clear()
         self.latest_announce = None
         host = self.cfg.cluster.host
         from digenrl.transport.sockets import (
@@ -214,14 +219,62 @@ class CoordinatorActor(Actor):
     async def main(self) -> None:
         while not self.stopping:
             peer, msg = await self.control.recv()
+            why = self._gate(peer, msg)
+            if why is not None:
+                self.refuse(why, msg, peer=peer[:64])
+                continue
             try:
                 await self._handle(peer, msg)
-            except SchedulerError as e:  # a peer sent something impossible: count, log, go on
+            except (SchedulerError, CreditError) as e:  # a peer sent something impossible: count, log, go on
                 self.rejected += 1
                 self.log.error("message rejected by the scheduler", peer=peer, msg=type(msg).__name__,
                                error=str(e))
         # tell everyone, by both paths (PUB may drop for a slow joiner)
         await self._shutdown_all(self.stop_reason or "done")
+
+    # ------------------------------------------------------------------ identity
+    def _gate(self, peer: bytes, msg: Any) -> str | None:
+        """Why ``msg`` from ``peer`` is dropped unseen, or None. A node's id is bound at Hello to
+        its ZeroMQ routing id (the node sets it to its id; the ROUTER refuses a second
+        connection with a live routing id, handover is off): every later message must come
+        from a bound peer, claim only that id and incarnation, and be a message its role
+        sends (reports from trainer ranks, StepDone and VersionAnnounce from rank 0 only,
+        within the run's steps)."""
+        if isinstance(msg, Hello):
+            if peer != msg.node_id.encode():
+                return "hello_id_not_routing_id"
+            bound = self._bound.get(msg.node_id)
+            if bound is not None and msg.incarnation <= bound:
+                return "hello_of_a_live_incarnation"  # a restart has a newer incarnation
+            return None
+        node_id = self._peer_ids.get(peer)
+        if node_id is None:
+            return "before_hello"
+        claimed = getattr(msg, "node_id", None)
+        if claimed is not None and claimed != node_id:
+            return "claims_another_id"
+        if isinstance(msg, Heartbeat) and msg.incarnation != self._bound.get(node_id):
+            return "another_incarnation"
+        node = self.nodes.get(node_id, {})
+        if isinstance(msg, Consumed | StepDone | VersionAnnounce | TagOffer):
+            if node.get("role") != "trainer":
+                return "not_a_trainer"
+            if isinstance(msg, Consumed | TagOffer) and msg.rank != node.get("rank"):
+                return "not_its_rank"
+            if isinstance(msg, StepDone | VersionAnnounce) and node.get("rank") != 0:
+                return "not_rank_0"
+        steps, version = self.cfg.run.steps, self.sched.ledger.version
+        if isinstance(msg, StepDone) and not (msg.step == version < steps and msg.version == msg.step + 1):
+            return "step_outside_the_run"
+        if isinstance(msg, VersionAnnounce) and not msg.version <= steps:
+            return "version_outside_the_run"
+        if isinstance(msg, Consumed | Commit) and not msg.step < steps:
+            return "step_outside_the_run"
+        return None
+
+    def _bind(self, peer: bytes, msg: Hello) -> None:
+        self._peer_ids[peer] = msg.node_id
+        self._bound[msg.node_id] = msg.incarnation
 
     # ------------------------------------------------------------------ messages
     async def _handle(self, peer: bytes, msg: Any) -> None:
@@ -312,6 +365,7 @@ class CoordinatorActor(Actor):
                 await self.reset(f"{msg.node_id} said Hello again (restarted)")
                 if self.stopping:
                     return
+            self._bind(peer, msg)  # after a reset, which forgets every binding
             rank = len(self.trainers)
             self.trainers[rank] = {"peer": peer, "node_id": msg.node_id, "gpu": msg.gpu,
                                    "data_endpoint": msg.data_endpoint,
@@ -324,6 +378,7 @@ class CoordinatorActor(Actor):
                     await self._hello(p, h, now)
                 self.waiting_rollouts.clear()
         else:  # a rollout (the codec admits no other role)
+            self._bind(peer, msg)
             if len(self.trainers) < self.expected_trainers:
                 self.waiting_rollouts.append((peer, msg))
                 return

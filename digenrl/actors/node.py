@@ -245,7 +245,7 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
                                  world_size=msg.world_size, run_dir=rdir, reward_fn=reward_fn,
                                  test_set=test_set, eval_reward=eval_reward, **kw)
         sec = node_security(ctx)
-        refused = getattr(actor, "refused", {})  # data messages dropped at arrival, by reason
+        refused = actor.refused  # messages dropped at arrival, by reason (Actor.refuse)
         actor.busy = _HeartbeatStats(actor.busy, lambda: {
             **sec.counters(), "rss_mb": rss_mb(), **traffic(opened),
             **{f"refused_{k}": v for k, v in refused.items()}})

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from functools import partial
 from typing import Any
 
@@ -96,7 +96,6 @@ class TrainerActor(Actor):
         self.published: dict[int, list[tuple[dict[str, torch.Tensor], str]]] = {}
         self.rejected_stale = 0
         self.revoked: set[int] = set()
-        self.refused: Counter[str] = Counter()  # data messages dropped at arrival, by reason
         self.tag_tasks: asyncio.Queue[Assign] = asyncio.Queue()
         self._offered = False
         self._step_t0 = time.perf_counter()
@@ -147,15 +146,6 @@ class TrainerActor(Actor):
                 await self.wake.wait()
         await self.wait_stopped()
 
-    def _refuse(self, reason: str, msg: Chunk | Commit) -> None:
-        """Count (and log, rate-limited) a chunk or commit dropped at arrival."""
-        self.refused[reason] += 1
-        n = sum(self.refused.values())
-        if n <= 10 or (n & (n - 1)) == 0:
-            self.log.warning("data message refused", reason=reason, msg=type(msg).__name__,
-                             task=msg.task_id, step=msg.step, fragment=msg.fragment,
-                             total_refused=n)
-
     def _arrival_check(self, msg: Chunk | Commit) -> str | None:
         """Why ``msg`` cannot be work for this rank (None: it can). A slot outside the run
         (fragment >= F: the issue-20 ``fragment = 99`` commit finished a one-fragment step on
@@ -190,7 +180,7 @@ class TrainerActor(Actor):
                 self.staged.pop(msg.task_id, None)  # a revoked attempt: its slot is re-queued elsewhere
                 continue
             if why is not None:
-                self._refuse(why, msg)
+                self.refuse(why, msg, task=msg.task_id, step=msg.step, fragment=msg.fragment)
                 continue
             if isinstance(msg, Chunk):
                 self.staged[msg.task_id][msg.t_index] = msg

@@ -26,6 +26,7 @@ from typing import Any, ClassVar, TypeVar
 import msgpack
 import torch
 
+from digenrl.transport import schema
 from digenrl.transport.errors import ProtocolError, VersionMismatch
 from digenrl.transport.frames import as_buffer, frame_to_tensor, tensor_to_frame, tensors_equal
 
@@ -337,10 +338,13 @@ def decode(frames: Sequence[Any], *, max_frame_bytes: int,
     """Rebuild a message from frames (bytes, memoryview or zmq.Frame) without copying tensors.
 
     Raises only :class:`ProtocolError` (:class:`VersionMismatch` for another protocol
-    version). Decoded tensors share memory with the frames.
+    version; reason ``invalid`` for a well-typed message out of bounds, see
+    :mod:`digenrl.transport.schema`). Decoded tensors share memory with the frames.
     """
     try:
-        return _decode(frames, max_frame_bytes, max_frames, max_header_bytes)
+        msg = _decode(frames, max_frame_bytes, max_frames, max_header_bytes)
+        schema.check(msg)  # ranges, sizes, shapes: before any handler sees it
+        return msg
     except ProtocolError:
         raise
     except Exception as e:  # the contract is one exception type, whatever hostile bytes trip
