@@ -71,6 +71,17 @@ def test_test_file_is_used_whole_and_the_train_file_untouched(tmp_path):
     assert train.prompts == ["a", "b"] and test is not None and test.metadata == [{"prompt": "c", "k": 1}]
 
 
+def test_builtin_test_set_is_shipped_disjoint_from_the_training_set_and_balanced():
+    from collections import Counter
+
+    from digenrl.data.shapes import SHAPES, parse_prompt
+    train, test = load_splits(PromptConfig(test_file="builtin:prompts-test.txt"))
+    assert test is not None and len(test) == 40 and not set(test.prompts) & set(train.prompts)
+    assert Counter(parse_prompt(p)[0] for p in test.prompts) == {s: 8 for s in SHAPES}
+    with pytest.raises(PromptError, match=r"'builtin:nope\.txt'"):
+        load_prompt_set("builtin:nope.txt")
+
+
 def test_split_that_leaves_nothing_to_train_is_refused():
     from digenrl.data.prompts import PromptSet
     with pytest.raises(PromptError, match="leaving none to train on"):

@@ -12,7 +12,8 @@ Two file formats, told apart by the name:
 A prompt's metadata record is its whole jsonl object (``prompt`` included), or
 ``{"prompt": text}`` for a text line. The built-in set (``digenrl/data/prompts.txt``) holds
 prompts of the shapes grammar that the shipped base model was trained on (see
-:mod:`digenrl.data.shapes`).
+:mod:`digenrl.data.shapes`); ``digenrl/data/prompts-test.txt`` holds 40 others (8 per shape),
+the default config's held-out set. A path ``builtin:<name>`` names such a shipped file.
 
 The test split (:func:`load_splits`) is ``prompts.test_file`` or, without one, a
 ``prompts.test_fraction`` of the prompt file held out by a permutation seeded with
@@ -103,10 +104,24 @@ def builtin_prompts() -> list[str]:
     return parse_prompts(text, "<built-in prompts.txt>")
 
 
+BUILTIN_PREFIX = "builtin:"
+"""``builtin:<name>`` names a prompt file shipped in ``digenrl/data/`` (``builtin:prompts-test.txt``)."""
+
+
 def load_prompt_set(path: str) -> PromptSet:
-    """The prompt set in the file at ``path`` (format by name); empty ``path``: the built-in set."""
+    """The prompt set in the file at ``path`` (format by name); empty ``path``: the built-in set;
+    ``builtin:<name>``: the package data file ``digenrl/data/<name>``."""
     if not path:
         return PromptSet(builtin_prompts())
+    if path.startswith(BUILTIN_PREFIX):
+        name = path[len(BUILTIN_PREFIX):]
+        shipped = importlib.resources.files("digenrl.data").joinpath(name)
+        if "/" in name or not name.endswith((".txt", ".jsonl")) or not shipped.is_file():
+            raise PromptError(f"prompt file {path!r}: no such prompt file in the package data")
+        text = shipped.read_text(encoding="utf-8")
+        if name.endswith(".jsonl"):
+            return parse_jsonl(text, repr(path))
+        return PromptSet(parse_prompts(text, repr(path)))
     p = Path(path)
     if not p.is_file():
         raise PromptError(f"prompt file {path!r} does not exist")
