@@ -1,29 +1,43 @@
-"""Transport benchmark: the project's codec + sockets against raw pyzmq, in one run.
+"""Transport benchmark: the project's codec + sockets against raw pyzmq, side by side in one run.
 
-    .venv/bin/python bench/transport.py [--repeats 2] [--quick]
+    .venv/bin/python bench/transport.py [--repeats 5] [--quick] [--json]
+
+Every figure is the median of interleaved repeats (codec and raw measured back to back,
+alternating which goes first); a ratio is the median of the per-repeat ratios.
 
 1. Goodput of per-timestep ``Chunk`` messages (x_t and x_next of 64 KiB, 1 MiB, 16 MiB
-   each, float32) over PUSH/PULL on tcp loopback, sender in a spawned process:
-   *codec* = ``Push.send`` (encode) -> ``Pull.recv`` (decode to tensors) under asyncio;
-   *raw* = the same frames sent with ``send_multipart(copy=False)`` and received with
-   ``recv_multipart(copy=False)`` by plain blocking pyzmq.
-2. Round-trip latency of a ``Heartbeat`` through ``Dealer``/``Router`` (echo server in a
-   spawned process) against a raw msgpack DEALER/ROUTER ping-pong.
-3. The codec's own encode+decode time per message, no socket.
+   each, float32) over PUSH/PULL on tcp loopback, sender in another process:
+   *codec* = ``Push.send(Chunk)`` (encode) -> ``Pull.recv()`` (decode to tensors) under uvloop;
+   *raw* = the same frames through blocking pyzmq ``send_multipart(copy=False)`` /
+   ``recv_multipart(copy=False)``. Goodput counts tensor bytes, first message to last.
+2. Round trip of a ``Heartbeat``: ``Dealer`` -> ``Router`` echo (another process) -> back,
+   against raw msgpack over blocking DEALER/ROUTER.
+3. The same Heartbeat round trip while the same two processes stream 16 MiB chunks
+   (PUSH/PULL, codec) in the background, against the idle round trip (both codec): control
+   must not queue behind bulk data.
+4. The codec alone: encode + decode, CPU microseconds per message.
+5. ``staged_chunk_goodput``: chunks device -> pinned host -> wire -> pinned host -> device
+   through :mod:`digenrl.transport.staging`, against the bare copies and raw pyzmq (on a
+   CPU-only machine "device" is the host; bench/gpu_check.py calls it on a GPU).
 
-Goodput counts tensor payload bytes only, from the first message received to the last.
+``--json`` prints one JSON object instead of tables (keys: ``goodput_ratio_64k``,
+``goodput_ratio_1m``, ``goodput_ratio_16m``, ``heartbeat_rtt_ratio``,
+``heartbeat_rtt_bulk_ratio`` and the figures behind them).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
 import timeit
+from multiprocessing.connection import Connection
+from typing import Any
 
 import msgpack
 import torch
@@ -35,9 +49,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from digenrl.transport.protocol import Chunk, Heartbeat, decode, encode
 from digenrl.transport.sockets import Dealer, Pull, Push, Router, SocketOptions
+from digenrl.transport.staging import DeviceToHost, HostToDevice
 
 OPTS = SocketOptions(max_frame_bytes=64 << 20, hwm=8)  # hwm 8: at most ~256 MiB queued at 16 MiB
 WARMUP = 3
+SIZES = {"64k": (64 << 10, 3000), "1m": (1 << 20, 400), "16m": (16 << 20, 30)}
 
 
 def _chunk(nbytes: int, i: int = 0) -> Chunk:
@@ -47,23 +63,36 @@ def _chunk(nbytes: int, i: int = 0) -> Chunk:
                  log_prob=torch.zeros(1))
 
 
-def _heartbeat(seq: int) -> Heartbeat:
-    return Heartbeat(node_id="rollout-0", incarnation=1, policy_version=3, state="running",
+def _heartbeat(seq: int, state: str = "running") -> Heartbeat:
+    return Heartbeat(node_id="rollout-0", incarnation=1, policy_version=3, state=state,
                      seq=seq, gpu={"free_mb": 40000.0, "util": 0.93},
                      stats={"chunks": 120, "bytes": 1 << 30})
 
 
-def _run(coro):  # type: ignore[no-untyped-def]
+def _run(coro: Any) -> Any:
     """The loop the actors use (STYLE.md: uvloop, made once at the entry point)."""
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(coro)
 
 
-# ------------------------------------------------------------------ processes (spawned)
+# ------------------------------------------------------------------ the peer process
 
 
-def _sender(mode: str, endpoint: str, nbytes: int, count: int, done: mp.Event) -> None:
+def _peer(conn: Connection) -> None:
+    """Serves the measurements' other end, one command at a time, until ``None``."""
     torch.set_num_threads(1)
+    while (cmd := conn.recv()) is not None:
+        kind, mode, *args = cmd
+        if kind == "send":
+            _send(conn, mode, *args)
+        elif kind == "echo":
+            _echo(conn, mode, *args)
+        elif kind == "bulk_echo":
+            _run(_bulk_echo(conn, *args))
+        conn.send("finished")
+
+
+def _send(conn: Connection, mode: str, endpoint: str, nbytes: int, count: int) -> None:
     if mode == "raw":
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PUSH)
@@ -72,7 +101,7 @@ def _sender(mode: str, endpoint: str, nbytes: int, count: int, done: mp.Event) -
         frames = encode(_chunk(nbytes))
         for _ in range(count):
             sock.send_multipart(frames, copy=False)
-        done.wait()
+        conn.recv()  # the receiver has everything: close
         sock.close(linger=0)
         ctx.term()
         return
@@ -81,26 +110,25 @@ def _sender(mode: str, endpoint: str, nbytes: int, count: int, done: mp.Event) -
         ctx = zmq.asyncio.Context()
         with Push(ctx, options=OPTS) as push:
             push.connect(endpoint)
-            base = _chunk(nbytes)
+            base = _chunk(nbytes).__dict__
             for i in range(count):
-                await push.send(Chunk(**{**base.__dict__, "task_id": i}))
-            while not done.is_set():  # keep the socket open until everything is received
-                await asyncio.sleep(0.01)
+                await push.send(Chunk(**{**base, "task_id": i}))
+            conn.recv()
         ctx.term()
 
     _run(run())
 
 
-def _echo(mode: str, endpoint: str, ready: mp.Event) -> None:
+def _echo(conn: Connection, mode: str, endpoint: str) -> None:
     if mode == "raw":
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.bind(endpoint)
-        ready.set()
+        conn.send("ready")
         while True:
             peer, body = sock.recv_multipart()
             msg = msgpack.unpackb(body)
-            if msg.get("stop"):
+            if msg.get("state") == "stopping":
                 break
             sock.send_multipart([peer, msgpack.packb(msg)])
         sock.close(linger=0)
@@ -111,15 +139,40 @@ def _echo(mode: str, endpoint: str, ready: mp.Event) -> None:
         ctx = zmq.asyncio.Context()
         with Router(ctx, options=OPTS) as router:
             router.bind(endpoint)
-            ready.set()
-            while True:
-                peer, msg = await router.recv()
-                if isinstance(msg, Heartbeat) and msg.state == "stopping":
-                    break
-                await router.send(msg, to=peer)
+            conn.send("ready")
+            await _echo_loop(router)
         ctx.term()
 
     _run(run())
+
+
+async def _echo_loop(router: Router) -> None:
+    while True:
+        peer, msg = await router.recv()
+        if isinstance(msg, Heartbeat) and msg.state == "stopping":
+            return
+        await router.send(msg, to=peer)
+
+
+async def _bulk_echo(conn: Connection, router_ep: str, pull_ep: str) -> None:
+    """A node with a control ROUTER (echo) and a data PULL (decodes every chunk) in one loop."""
+    ctx = zmq.asyncio.Context()
+    with Router(ctx, options=OPTS) as router, Pull(ctx, options=OPTS) as pull:
+        router.bind(router_ep)
+        pull.bind(pull_ep)
+        conn.send("ready")
+
+        async def drain() -> None:
+            while True:
+                await pull.recv()
+
+        drainer = asyncio.ensure_future(drain())
+        try:
+            await _echo_loop(router)
+        finally:
+            drainer.cancel()
+            await asyncio.gather(drainer, return_exceptions=True)
+    ctx.term()
 
 
 # ------------------------------------------------------------------ measurements
@@ -135,23 +188,17 @@ def _free_tcp() -> str:
     return ep
 
 
-def goodput(mode: str, nbytes: int, count: int) -> float:
+def goodput(peer: Connection, mode: str, nbytes: int, count: int) -> float:
     """Payload bytes per second received (x_t + x_next + log_prob)."""
-    spawn = mp.get_context("spawn")
-    done = spawn.Event()
     total = count + WARMUP
-
-    def start(endpoint: str) -> mp.Process:
-        proc = spawn.Process(target=_sender, args=(mode, endpoint, nbytes, total, done))
-        proc.start()
-        return proc
-
+    endpoint = _free_tcp()
     if mode == "raw":
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.RCVHWM, OPTS.hwm)
-        sock.bind("tcp://127.0.0.1:*")
-        proc = start(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        sock.bind(endpoint)
+        peer.send(("send", mode, endpoint, nbytes, total))
+        t0 = time.perf_counter()
         for i in range(total):
             sock.recv_multipart(copy=False)
             if i == WARMUP - 1:
@@ -160,10 +207,12 @@ def goodput(mode: str, nbytes: int, count: int) -> float:
         sock.close(linger=0)
         ctx.term()
     else:
-        async def run() -> tuple[float, mp.Process]:
+        async def run() -> float:
             ctx = zmq.asyncio.Context()
             with Pull(ctx, options=OPTS) as pull:
-                proc = start(pull.bind("tcp://127.0.0.1:*"))
+                pull.bind(endpoint)
+                peer.send(("send", mode, endpoint, nbytes, total))
+                t0 = time.perf_counter()
                 for i in range(total):
                     _, msg = await pull.recv()
                     assert isinstance(msg, Chunk) and msg.x_next.numel() == nbytes // 4
@@ -171,99 +220,313 @@ def goodput(mode: str, nbytes: int, count: int) -> float:
                         t0 = time.perf_counter()
                 elapsed = time.perf_counter() - t0
             ctx.term()
-            return elapsed, proc
+            return elapsed
 
-        elapsed, proc = _run(run())
-    done.set()
-    proc.join(timeout=30)
+        elapsed = _run(run())
+    peer.send("close")
+    assert peer.recv() == "finished"
     return count * (2 * nbytes + 4) / elapsed
 
 
-def latency(mode: str, pings: int) -> list[float]:
-    """Round-trip times in microseconds."""
-    spawn = mp.get_context("spawn")
-    ready = spawn.Event()
+def latency(peer: Connection, mode: str, pings: int) -> list[float]:
+    """Heartbeat round-trip times in microseconds (50 warm-up pings not counted)."""
     endpoint = _free_tcp()
-    proc = spawn.Process(target=_echo, args=(mode, endpoint, ready))
-    proc.start()
-    ready.wait(60)
+    peer.send(("echo", mode, endpoint))
+    assert peer.recv() == "ready"
     rtts: list[float] = []
     if mode == "raw":
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.connect(endpoint)
-        body = {k: v for k, v in _heartbeat(0).__dict__.items()}
+        body = dict(_heartbeat(0).__dict__)
         for i in range(pings + 50):
             t = time.perf_counter()
             sock.send(msgpack.packb({**body, "seq": i}))
             msgpack.unpackb(sock.recv())
             if i >= 50:
                 rtts.append((time.perf_counter() - t) * 1e6)
-        sock.send(msgpack.packb({"stop": True}))
-        sock.close(linger=100)
+        sock.send(msgpack.packb({**body, "state": "stopping"}))
+        sock.close(linger=1000)
         ctx.term()
     else:
         async def run() -> None:
             ctx = zmq.asyncio.Context()
             with Dealer(ctx, options=OPTS) as dealer:
                 dealer.connect(endpoint)
-                for i in range(pings + 50):
-                    t = time.perf_counter()
-                    await dealer.send(_heartbeat(i))
-                    await dealer.recv()
-                    if i >= 50:
-                        rtts.append((time.perf_counter() - t) * 1e6)
-                stop = Heartbeat(**{**_heartbeat(0).__dict__, "state": "stopping"})
-                await dealer.send(stop)
-                await asyncio.sleep(0.1)  # let the stop leave before linger-0 close
+                rtts.extend(await _pings(dealer, pings))
+                await dealer.send(_heartbeat(0, state="stopping"))
+                await asyncio.sleep(0.1)  # let the stop leave before the linger-0 close
             ctx.term()
 
         _run(run())
-    proc.join(timeout=30)
+    assert peer.recv() == "finished"
     return rtts
 
 
-def codec_us(msg: object, number: int) -> float:
-    """encode + decode, microseconds per message."""
-    frames_limit = 64 << 20
-    t = timeit.repeat(lambda: decode(encode(msg), max_frame_bytes=frames_limit),  # type: ignore[arg-type]
-                      number=number, repeat=5)
-    return min(t) / number * 1e6
+async def _pings(dealer: Dealer, pings: int, warmup: int = 50) -> list[float]:
+    rtts = []
+    for i in range(pings + warmup):
+        t = time.perf_counter()
+        await dealer.send(_heartbeat(i))
+        await dealer.recv()
+        if i >= warmup:
+            rtts.append((time.perf_counter() - t) * 1e6)
+    return rtts
+
+
+def latency_under_bulk(peer: Connection, pings: int, repeats: int,
+                       nbytes: int = 16 << 20) -> dict[str, Any]:
+    """Heartbeat round trips (codec) with and without a 16 MiB chunk stream between the same
+    two processes; idle and bulk blocks interleaved, ``repeats`` of each."""
+    router_ep, pull_ep = _free_tcp(), _free_tcp()
+    peer.send(("bulk_echo", "codec", router_ep, pull_ep))
+    assert peer.recv() == "ready"
+
+    async def run() -> dict[str, Any]:
+        ctx = zmq.asyncio.Context()
+        idle: list[float] = []
+        bulk: list[float] = []
+        ratios = []
+        with Dealer(ctx, options=OPTS) as dealer, Push(ctx, options=OPTS) as push:
+            dealer.connect(router_ep)
+            push.connect(pull_ep)
+            base = _chunk(nbytes).__dict__
+            sent = 0
+
+            async def stream() -> None:
+                nonlocal sent
+                while True:
+                    await push.send(Chunk(**{**base, "task_id": sent}))
+                    sent += 1
+
+            await _pings(dealer, 0)  # connect and warm up
+            for _ in range(repeats):
+                quiet = await _pings(dealer, pings, warmup=10)
+                streamer = asyncio.ensure_future(stream())
+                before = sent
+                while sent < before + 2 * OPTS.hwm:  # the pipes are full: bulk is flowing
+                    await asyncio.sleep(0.001)
+                busy = await _pings(dealer, pings, warmup=10)
+                streamer.cancel()
+                await asyncio.gather(streamer, return_exceptions=True)
+                idle += quiet
+                bulk += busy
+                ratios.append(statistics.median(busy) / statistics.median(quiet))
+            await dealer.send(_heartbeat(0, state="stopping"))
+            await asyncio.sleep(0.1)
+        ctx.term()
+        return {"idle_us": statistics.median(idle), "bulk_us": statistics.median(bulk),
+                "bulk_p99_us": _p99(bulk), "ratio": statistics.median(ratios),
+                "chunks_streamed": sent}
+
+    out = _run(run())
+    assert peer.recv() == "finished"
+    return out
+
+
+def _p99(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=100)[98] if len(xs) >= 2 else xs[0]
+
+
+def codec_us(msg: Any, number: int) -> float:
+    """encode + decode, CPU microseconds per message (best of 7)."""
+    limit = 64 << 20
+    timer = timeit.Timer(lambda: decode(encode(msg), max_frame_bytes=limit), timer=time.thread_time)
+    return min(timer.repeat(number=number, repeat=7)) / number * 1e6
+
+
+# ------------------------------------------------------------------ GPU staging path
+
+
+def staged_chunk_goodput(device: str = "cpu", nbytes: int = 1 << 20, count: int = 200,
+                         repeats: int = 3) -> dict[str, float]:
+    """Chunk goodput device -> host -> wire -> host -> device against raw pinned copies.
+
+    *staged*: the sampler side stages each chunk's two tensors with
+    :class:`~digenrl.transport.staging.DeviceToHost` (side-stream copy into a pooled pinned
+    buffer), sends it with ``Push.send(track=True)`` and returns the buffer on the send's
+    completion; the trainer side receives with ``Pull.recv()`` and lands the tensors with
+    :class:`~digenrl.transport.staging.HostToDevice` (pinned bounce, side-stream copy), then
+    waits for them on its stream. *raw*: ``tensor.to("cpu")`` into a pinned buffer
+    (blocking), raw pyzmq send/recv, ``copy_`` back to the device (blocking). Both over
+    inproc between two threads of this process (so only the staging and transport layers
+    differ, not the kernel's TCP). Returns MB/s medians and their ratio (staged / raw).
+    ``device="cpu"`` runs the same code with the CUDA parts off.
+    """
+    dev = torch.device(device)
+    n = nbytes // 4
+    src = [torch.randn(1, n, device=dev), torch.randn(1, n, device=dev)]
+    rates: dict[str, list[float]] = {"staged": [], "raw": []}
+    ratios = []
+    for rep in range(repeats):
+        order = ("staged", "raw") if rep % 2 == 0 else ("raw", "staged")
+        got = {m: _staged_once(m, dev, src, count) for m in order}
+        for m, secs in got.items():
+            rates[m].append(count * 2 * nbytes / secs / 1e6)
+        ratios.append(got["raw"] / got["staged"])
+    return {"staged_MBps": statistics.median(rates["staged"]),
+            "raw_MBps": statistics.median(rates["raw"]), "ratio": statistics.median(ratios),
+            "nbytes": float(nbytes), "device": device}  # type: ignore[dict-item]
+
+
+def _staged_once(mode: str, dev: torch.device, src: list[torch.Tensor], count: int) -> float:
+    """Seconds to move ``count`` chunks; sender and receiver share one thread (and, staged,
+    one event loop), so the figure is the per-chunk cost of each path, GIL hand-offs aside."""
+    endpoint = f"inproc://staged-{mode}-{time.monotonic_ns()}"
+    ctx = zmq.asyncio.Context()
+    cuda = dev.type == "cuda"
+    try:
+        if mode == "raw":
+            plain = zmq.Context.shadow(ctx.underlying)
+            pull, push = plain.socket(zmq.PULL), plain.socket(zmq.PUSH)
+            pull.bind(endpoint)
+            push.connect(endpoint)
+            pinned = [torch.empty_like(t, device="cpu", pin_memory=cuda) for t in src]
+            landed = [torch.empty_like(t) for t in src]
+            t0 = time.perf_counter()
+            for _ in range(count):
+                # a blocking device-to-host copy into fresh pinned memory (torch caches it)
+                out = [torch.empty_like(t, device="cpu", pin_memory=cuda).copy_(t) for t in src]
+                push.send_multipart([o.numpy() for o in out], copy=False)
+                frames = pull.recv_multipart(copy=False)
+                if cuda:  # what HostToDevice does, blocking: pinned bounce, then the copy
+                    for f, p, d in zip(frames, pinned, landed):
+                        p.view(-1).view(torch.uint8).numpy()[:] = memoryview(f.buffer)
+                        d.copy_(p)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            elapsed = time.perf_counter() - t0
+            push.close(linger=0)
+            pull.close(linger=0)
+            return elapsed
+
+        async def run() -> float:
+            d2h, h2d = DeviceToHost(dev), HostToDevice(dev)
+            with Pull(ctx, options=OPTS) as pull, Push(ctx, options=OPTS) as push:
+                pull.bind(endpoint)
+                push.connect(endpoint)
+
+                async def produce() -> None:
+                    for i in range(count):
+                        staged = d2h.stage(src)
+                        await staged.wait_ready()
+                        x_t, x_next = staged.tensors
+                        tracker = await push.send(Chunk(
+                            task_id=i, step=0, fragment=0, t_index=0, sigma=0.5, sigma_next=0.4,
+                            policy_version=0, x_t=x_t, x_next=x_next, log_prob=torch.zeros(1)),
+                            track=True)
+                        staged.release(tracker)
+
+                t0 = time.perf_counter()
+                producer = asyncio.ensure_future(produce())
+                for _ in range(count):
+                    _, msg = await pull.recv()
+                    assert isinstance(msg, Chunk)
+                    h2d.stage([msg.x_t, msg.x_next]).wait()
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                elapsed = time.perf_counter() - t0
+                await producer
+            return elapsed
+
+        return float(_run(run()))
+    finally:
+        ctx.term()
+
+
+# ------------------------------------------------------------------ main
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=2, help="runs per cell; the best is kept")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per cell (median)")
     ap.add_argument("--quick", action="store_true", help="fewer messages (smoke test)")
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     args = ap.parse_args()
     torch.set_num_threads(1)
     scale = 0.1 if args.quick else 1.0
-    sizes = [(64 << 10, 3000), (1 << 20, 300), (16 << 20, 24)]
-    print(f"# transport bench  python {sys.version.split()[0]}  pyzmq {zmq.__version__}  "
-          f"libzmq {zmq.zmq_version()}  cpus {os.cpu_count()}")
-    print("\n| tensor size | messages | codec MB/s | raw MB/s | codec/raw |")
-    print("|---|---|---|---|---|")
-    for nbytes, count in sizes:
-        count = max(8, int(count * scale))
-        best = {m: max(goodput(m, nbytes, count) for _ in range(args.repeats))
-                for m in ("codec", "raw")}
-        print(f"| {nbytes >> 10} KiB | {count} | {best['codec'] / 1e6:,.0f} | "
-              f"{best['raw'] / 1e6:,.0f} | {best['codec'] / best['raw']:.2f} |", flush=True)
+    load_before = os.getloadavg()
+    out: dict[str, Any] = {"python": sys.version.split()[0], "pyzmq": zmq.__version__,
+                           "libzmq": zmq.zmq_version(), "cpus": os.cpu_count(),
+                           "repeats": args.repeats}
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_peer, args=(child,), daemon=True)
+    proc.start()
+    try:
+        rates: dict[tuple[str, str], list[float]] = {}
+        ratios: dict[str, list[float]] = {k: [] for k in SIZES}
+        for rep in range(args.repeats):
+            order = ("codec", "raw") if rep % 2 == 0 else ("raw", "codec")
+            for key, (nbytes, count) in SIZES.items():
+                count = max(8, int(count * scale))
+                got = {m: goodput(parent, m, nbytes, count) for m in order}
+                for m, v in got.items():
+                    rates.setdefault((key, m), []).append(v / 1e6)
+                ratios[key].append(got["codec"] / got["raw"])
+        for key in SIZES:
+            out[f"goodput_ratio_{key}"] = statistics.median(ratios[key])
+            out[f"goodput_codec_MBps_{key}"] = statistics.median(rates[key, "codec"])
+            out[f"goodput_raw_MBps_{key}"] = statistics.median(rates[key, "raw"])
 
-    pings = max(200, int(2000 * scale))
-    lat = {m: latency(m, pings) for m in ("codec", "raw")}
+        pings = max(200, int(2000 * scale))
+        lat: dict[str, list[float]] = {"codec": [], "raw": []}
+        rtt_ratios = []
+        for rep in range(args.repeats):
+            order = ("codec", "raw") if rep % 2 == 0 else ("raw", "codec")
+            got_rtt = {m: latency(parent, m, pings) for m in order}
+            for m, v in got_rtt.items():
+                lat[m] += v
+            rtt_ratios.append(statistics.median(got_rtt["codec"]) / statistics.median(got_rtt["raw"]))
+        out["heartbeat_rtt_ratio"] = statistics.median(rtt_ratios)
+        for m in ("codec", "raw"):
+            out[f"heartbeat_rtt_{m}_us"] = statistics.median(lat[m])
+            out[f"heartbeat_rtt_{m}_p99_us"] = _p99(lat[m])
+
+        bulk = latency_under_bulk(parent, max(100, int(500 * scale)), args.repeats)
+        out["heartbeat_rtt_bulk_ratio"] = bulk["ratio"]
+        out["heartbeat_rtt_idle_us"] = bulk["idle_us"]
+        out["heartbeat_rtt_bulk_us"] = bulk["bulk_us"]
+        out["heartbeat_rtt_bulk_p99_us"] = bulk["bulk_p99_us"]
+    finally:
+        parent.send(None)
+        proc.join(timeout=30)
+
+    out["codec_us_heartbeat"] = codec_us(_heartbeat(1), 2000)
+    out["codec_us_chunk_64k"] = codec_us(_chunk(64 << 10), 2000)
+    out["codec_us_chunk_16m"] = codec_us(_chunk(16 << 20), 200)
+    staged = staged_chunk_goodput("cpu", 1 << 20, max(20, int(200 * scale)), args.repeats)
+    out["staged_goodput_ratio_1m_cpu"] = staged["ratio"]
+    out["staged_MBps_1m_cpu"] = staged["staged_MBps"]
+    out["raw_pinned_MBps_1m_cpu"] = staged["raw_MBps"]
+    out["load_avg_1m"] = [load_before[0], os.getloadavg()[0]]
+
+    if args.json:
+        print(json.dumps(out, indent=1, sort_keys=True))
+        return
+    print(f"# transport bench  python {out['python']}  pyzmq {out['pyzmq']}  libzmq "
+          f"{out['libzmq']}  cpus {out['cpus']}  load {out['load_avg_1m'][0]:.1f} -> "
+          f"{out['load_avg_1m'][1]:.1f}  medians of {args.repeats} interleaved repeats")
+    print("\n| tensor size | codec MB/s | raw MB/s | codec/raw |")
+    print("|---|---|---|---|")
+    for key in SIZES:
+        print(f"| {key} | {out[f'goodput_codec_MBps_{key}']:,.0f} | "
+              f"{out[f'goodput_raw_MBps_{key}']:,.0f} | {out[f'goodput_ratio_{key}']:.2f} |")
     print("\n| Heartbeat round trip | median us | p99 us |")
     print("|---|---|---|")
     for m in ("codec", "raw"):
-        q = statistics.quantiles(lat[m], n=100)
-        print(f"| {m} | {statistics.median(lat[m]):.0f} | {q[98]:.0f} |")
-    print(f"| codec/raw (median) | {statistics.median(lat['codec']) / statistics.median(lat['raw']):.2f} | |")
-
-    print("\n| codec only (encode+decode) | us/message |")
+        print(f"| {m} | {out[f'heartbeat_rtt_{m}_us']:.0f} | {out[f'heartbeat_rtt_{m}_p99_us']:.0f} |")
+    print(f"| codec/raw | {out['heartbeat_rtt_ratio']:.2f} | |")
+    print(f"| codec, idle (bulk test) | {out['heartbeat_rtt_idle_us']:.0f} | |")
+    print(f"| codec, under 16 MiB bulk | {out['heartbeat_rtt_bulk_us']:.0f} | "
+          f"{out['heartbeat_rtt_bulk_p99_us']:.0f} |")
+    print(f"| bulk/idle | {out['heartbeat_rtt_bulk_ratio']:.2f} | |")
+    print("\n| codec only (encode+decode) | CPU us/message |")
     print("|---|---|")
-    print(f"| Heartbeat | {codec_us(_heartbeat(1), 2000):.1f} |")
-    print(f"| Chunk, 2 x 64 KiB | {codec_us(_chunk(64 << 10), 2000):.1f} |")
-    print(f"| Chunk, 2 x 16 MiB | {codec_us(_chunk(16 << 20), 200):.1f} |")
+    print(f"| Heartbeat | {out['codec_us_heartbeat']:.1f} |")
+    print(f"| Chunk, 2 x 64 KiB | {out['codec_us_chunk_64k']:.1f} |")
+    print(f"| Chunk, 2 x 16 MiB | {out['codec_us_chunk_16m']:.1f} |")
+    print(f"\nstaged chunk path (cpu, 2 x 1 MiB): {out['staged_MBps_1m_cpu']:,.0f} MB/s, raw "
+          f"{out['raw_pinned_MBps_1m_cpu']:,.0f} MB/s, ratio {out['staged_goodput_ratio_1m_cpu']:.2f}")
 
 
 if __name__ == "__main__":

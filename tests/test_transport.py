@@ -334,3 +334,92 @@ async def test_a_recv_waiting_while_the_same_socket_sends_is_never_left_asleep(m
     await dealer.send(beat(2))  # > 1 ms since the last command check: the send processes them
     _, got = await asyncio.wait_for(waiting, WAIT)
     assert got.seq == 1
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Let the loop turn until ``condition`` holds (bounded by WAIT)."""
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.001)
+
+
+async def test_sends_at_the_high_water_mark_wait_in_order_and_go_when_the_peer_reads(ctx) -> None:
+    tight = SocketOptions(max_frame_bytes=1 << 20, hwm=2)
+    pull, push = Pull(ctx, options=tight), Push(ctx, options=tight)
+    try:
+        pull.bind("inproc://hwm")
+        push.connect("inproc://hwm")
+        n = 20
+
+        async def send_all() -> None:
+            for i in range(n):
+                await push.send(Shutdown(reason=str(i)))
+
+        sender = asyncio.ensure_future(send_all())
+        await _until(lambda: bool(push._send_waiters))  # the pipe is full: a send is parked
+        assert push.statistics().sent < n and not sender.done()
+        got = [(await asyncio.wait_for(pull.recv(), WAIT))[1] for _ in range(n)]
+        await asyncio.wait_for(sender, WAIT)
+        assert got == [Shutdown(reason=str(i)) for i in range(n)]
+    finally:
+        push.close()
+        pull.close()
+
+
+async def test_a_router_drops_and_counts_sends_to_a_peer_that_does_not_read(ctx) -> None:
+    tight = SocketOptions(max_frame_bytes=1 << 20, hwm=2)
+    router, dealer = Router(ctx, options=tight), Dealer(ctx, options=tight, identity=b"slow")
+    try:
+        router.bind("inproc://drop")
+        dealer.connect("inproc://drop")
+        await dealer.send(Shutdown(reason="hello"))
+        peer, _ = await asyncio.wait_for(router.recv(), WAIT)
+        for i in range(20):  # never blocks, never raises: the slow peer's excess is dropped
+            await asyncio.wait_for(router.send(Shutdown(reason=str(i)), to=peer), WAIT)
+        stats = router.statistics()
+        assert stats.dropped > 0 and stats.sent + stats.dropped == 20
+        got = [(await asyncio.wait_for(dealer.recv(), WAIT))[1] for _ in range(stats.sent)]
+        assert got == [Shutdown(reason=str(i)) for i in range(stats.sent)]  # the first ones
+    finally:
+        router.close()
+        dealer.close()
+
+
+async def test_a_heartbeat_round_trip_goes_through_while_bulk_data_is_stuck(make) -> None:
+    """Control and bulk data travel on separate sockets (ZeroMQ has no priorities within
+    one): a data PUSH parked at its high-water mark holds up nothing on the control pair."""
+    big = SocketOptions(max_frame_bytes=8 << 20, hwm=1)
+    pull, push = make(Pull, options=big), make(Push, options=big)
+    push.connect(pull.bind("tcp://127.0.0.1:*"))
+    router, dealer = make(Router), make(Dealer, identity=b"node")
+    dealer.connect(router.bind("tcp://127.0.0.1:*"))
+    x = torch.zeros(2, 1 << 18)  # 2 MiB a tensor
+
+    async def flood() -> None:
+        while True:
+            await push.send(_chunk(x, x))
+
+    flooding = asyncio.ensure_future(flood())
+    try:
+        await _until(lambda: bool(push._send_waiters))  # nobody reads the data: it is stuck
+        beat = Heartbeat(node_id="node", incarnation=1, policy_version=0, state="running",
+                         seq=1, gpu={}, stats={})
+        await asyncio.wait_for(dealer.send(beat), WAIT)
+        peer, got = await asyncio.wait_for(router.recv(), WAIT)
+        await router.send(got, to=peer)
+        assert messages_equal((await asyncio.wait_for(dealer.recv(), WAIT))[1], beat)
+        assert not flooding.done()
+    finally:
+        flooding.cancel()
+        await asyncio.gather(flooding, return_exceptions=True)
+
+
+async def test_a_receive_parked_on_a_socket_raises_closed_when_it_closes(make) -> None:
+    pull = make(Pull)
+    pull.bind("tcp://127.0.0.1:*")
+    waiting = asyncio.ensure_future(pull.recv())
+    await _until(lambda: bool(pull._recv_waiters))
+    pull.close()
+    with pytest.raises(Closed):
+        await asyncio.wait_for(waiting, WAIT)

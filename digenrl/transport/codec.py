@@ -356,18 +356,23 @@ def _decode(frames: Sequence[Any], max_frame_bytes: int, max_frames: int,
     n = len(frames)
     if not 1 <= n <= max_frames:
         raise ProtocolError(f"{n} frames; expected 1 to {max_frames}", reason="frames")
-    views = [as_buffer(f) for f in frames]
-    for i, v in enumerate(views):
-        if len(v) > max_frame_bytes:
-            raise ProtocolError(f"frame {i} has {len(v)} bytes, over the {max_frame_bytes}-byte "
+    head = frames[0]
+    head_view = head if type(head) is bytes else as_buffer(head)
+    views = [as_buffer(f) for f in frames[1:]] if n > 1 else []
+    limit = len(head_view)
+    for i, size in enumerate([limit, *map(len, views)]):
+        if size > max_frame_bytes:
+            raise ProtocolError(f"frame {i} has {size} bytes, over the {max_frame_bytes}-byte "
                                 "limit", reason="too_large")
-    limit = len(views[0])
     if limit > max_header_bytes:
         raise ProtocolError(f"header has {limit} bytes, over {max_header_bytes}",
                             reason="too_large")
-    # A header is small: msgpack reads bytes ~1.5 us faster than a memoryview, and its
-    # default limits (strings, containers) are already the buffer's length.
-    raw = views[0].tobytes()
+    # The header is small: msgpack reads bytes faster than a buffer view, and a zmq.Frame
+    # keeps its bytes copy. Tensor frames stay views (zero-copy).
+    raw = head_view if isinstance(head_view, bytes) else getattr(head, "bytes", None)
+    if type(raw) is not bytes:
+        raw = bytes(head_view)
+    # msgpack's default limits (strings, containers) are already the buffer's length.
     try:
         if limit <= _MAX_CONTAINER_LEN:
             header = msgpack.unpackb(raw, max_ext_len=0)
@@ -390,14 +395,14 @@ def _decode(frames: Sequence[Any], max_frame_bytes: int, max_frames: int,
     if cls is None:
         raise ProtocolError(f"unknown message tag {tag!r:.80}", reason="tag")
     entries = header.pop("_tensors", None)
-    if type(entries) is not list or len(entries) != len(views) - 1:
+    if type(entries) is not list or len(entries) != len(views):
         have = len(entries) if type(entries) is list else "no list of"
         raise ProtocolError(f"{cls.__name__}: header lists {have} tensors, message has "
-                            f"{len(views) - 1} tensor frames", reason="frames")
+                            f"{len(views)} tensor frames", reason="frames")
     kinds = cls.KINDS
     plan = _PLANS[cls]
     fields: dict[str, Any] = {n: {} for n in plan.dict_tensors}
-    for entry, view in zip(entries, views[1:]):
+    for entry, view in zip(entries, views):
         well_formed = type(entry) is list and len(entry) == 5
         name, key = (entry[0], entry[1]) if well_formed else ("", None)
         kind = kinds.get(name) if type(name) is str else None

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import socket as pysocket
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -54,6 +55,10 @@ if TYPE_CHECKING:
     from digenrl.config import Config
 
 log = structlog.get_logger("digenrl.transport")
+
+# plain ints: pyzmq's enum flags cost ~1 us an operation on the per-message path
+_EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 
 
 class SocketSecurity(Protocol):
@@ -130,14 +135,31 @@ class SocketStatistics:
     sent: int = 0
     received: int = 0
     bytes_sent: int = 0  # frame bytes of the messages sent (tensor payloads included)
+    dropped: int = 0  # sends a ROUTER dropped because the peer's queue was full
     bad_frames: int = 0
     bad_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 class Socket:
-    """A ZeroMQ socket that sends and receives protocol messages (see the module table)."""
+    """A ZeroMQ socket that sends and receives protocol messages (see the module table).
+
+    I/O path (docs/benchmarks.md, Transport): every operation first tries the socket
+    directly, non-blocking, through pyzmq's blocking API; only when it would block does
+    the caller park on a future. One reader callback per socket on ZeroMQ's descriptor
+    (:meth:`_service`) completes parked operations. ``zmq.asyncio``'s own futures, pollers
+    and per-operation event bookkeeping are not used: they cost ~50-100 us a message.
+
+    ZeroMQ's descriptor signals edges, not levels: any operation on the socket processes
+    its pending commands and can clear the signal of a message (or of room to send) that
+    arrived meanwhile. So after every operation done while some other operation is
+    parked, :meth:`_service` is scheduled to look at ``EVENTS`` and finish what it can;
+    otherwise that parked ``recv`` could sleep on with a message queued (the regression
+    test in tests/test_transport.py).
+    """
 
     KIND: ClassVar[int]
+    BATCH: ClassVar[int] = 64  # operations one _service call completes before it yields
+    YIELD_EVERY: ClassVar[int] = 8  # operations that did not wait, between yields to the loop
 
     def __init__(self, ctx: zmq.asyncio.Context, *, options: SocketOptions | None = None,
                  identity: bytes | None = None, security: SocketSecurity | None = None,
@@ -149,11 +171,15 @@ class Socket:
         self._stats = SocketStatistics()
         self._closed = False
         sock = ctx.socket(self.KIND)
-        self._sock: zmq.asyncio.Socket = sock
-        # A blocking-API view of the same socket for the non-blocking fast path: a ready
-        # message is taken without creating a future and polling (~2x faster per message).
-        self._sync = zmq.Socket.shadow(sock.underlying)
-        self._pending_sends = 0
+        self._sock: zmq.asyncio.Socket = sock  # for options and monitors only (zmq_socket)
+        # every send and recv goes through this blocking-API view of the same socket
+        self._sync: zmq.Socket[Any] = zmq.Socket.shadow(sock.underlying)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._recv_waiters: deque[asyncio.Future[list[zmq.Frame]]] = deque()
+        self._send_waiters: deque[tuple[list[Any], bool, asyncio.Future[Any]]] = deque()
+        self._service_soon = False
+        self._rx_hot = False  # the last read found a message: read again before asking EVENTS
+        self._unyielded = 0  # operations since the last yield to the loop
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_frame_bytes)
         sock.setsockopt(zmq.SNDHWM, self.options.hwm)
@@ -193,14 +219,29 @@ class Socket:
 
     @property
     def zmq_socket(self) -> zmq.asyncio.Socket:
-        """The underlying socket, for monitors and options this class does not wrap."""
+        """The underlying socket, for monitors and options this class does not wrap.
+
+        Do not send or receive through it: this class owns the socket's descriptor.
+        """
         return self._live()
 
     def close(self) -> None:
-        """Close with linger 0 (pending messages are dropped); idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._sock.close(linger=0)
+        """Close with linger 0 (pending messages are dropped); idempotent.
+
+        Operations still parked on the socket raise :class:`Closed`.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._sync.FD)
+        error = Closed(f"{self.name}: socket is closed")
+        for fut in [*self._recv_waiters, *(f for _, _, f in self._send_waiters)]:
+            if not fut.done():
+                fut.set_exception(error)
+        self._recv_waiters.clear()
+        self._send_waiters.clear()
+        self._sock.close(linger=0)
 
     def __enter__(self) -> Socket:
         return self
@@ -217,90 +258,204 @@ class Socket:
             raise Closed(f"{self.name}: socket is closed")
         return self._sock
 
-    # ------------------------------------------------------------ messages
+    # ------------------------------------------------------------ the I/O path
 
-    async def send(self, msg: Message, *, to: bytes | None = None) -> None:
-        """Send ``msg`` (tensor frames zero-copy: do not modify them in place afterwards)."""
-        if to is not None:
-            raise ValueError(f"{self.name}: only a Router sends to a peer identity")
-        await self._send_frames(encode(msg))
+    def _park(self) -> asyncio.Future[Any]:
+        """A future for an operation that would block; the descriptor's reader finishes it."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._loop.add_reader(self._sync.FD, self._service)
+        return self._loop.create_future()
 
-    async def _send_frames(self, frames: list[Any], peer: bytes | None = None) -> None:
-        sock = self._live()
-        try:
-            if self._pending_sends:  # keep order behind sends already waiting
-                raise zmq.Again()
-            self._sync.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            self._rearm(sock)
-            await asyncio.sleep(0)  # a yield, so a fast sender cannot starve other tasks
-        except zmq.Again:
-            self._pending_sends += 1
-            try:
-                await self._send_slow(sock, frames, peer)
-            finally:
-                self._pending_sends -= 1
-        except zmq.ZMQError as e:
-            self._raise_send_error(e, peer)
-        self._stats.sent += 1
-        self._stats.bytes_sent += sum(len(f) for f in frames)
+    def _after_op(self, *, sends_only: bool = False) -> None:
+        """An operation just ran on the socket: if another one is parked, look at EVENTS soon
+        (the operation may have consumed the descriptor's edge that would have woken it).
+        ``sends_only``: the operation was a receive that just found nothing, so parked
+        receives have nothing to gain from a look."""
+        if (self._send_waiters or (self._recv_waiters and not sends_only)) \
+                and not self._service_soon:
+            self._service_soon = True
+            assert self._loop is not None  # something is parked, so the loop is known
+            self._loop.call_soon(self._service)
 
-    @staticmethod
-    def _rearm(sock: zmq.asyncio.Socket) -> None:
-        """Wake whoever waits on ``sock`` if the fast path just cleared its readiness signal.
+    async def _maybe_yield(self) -> None:
+        """A yield to the loop every ``YIELD_EVERY`` operations that did not wait, so a fast
+        sender or a busy stream cannot starve other tasks (a yield per message costs a loop
+        turn, ~5 us, on every message)."""
+        self._unyielded += 1
+        if self._unyielded >= self.YIELD_EVERY:
+            self._unyielded = 0
+            await asyncio.sleep(0)
 
-        ZeroMQ's socket descriptor signals edges, not levels: a send or receive on the
-        blocking view processes the socket's pending commands, which clears the signal of a
-        message (or of room to send) that arrived meanwhile. A ``recv`` (or slow ``send``)
-        parked on the asyncio socket then sleeps on with the message queued, forever if
-        nothing else arrives. Reading ``EVENTS`` through the asyncio socket makes pyzmq
-        schedule its waiters for whatever is ready (pyzmq does the same after its own sends).
+    def _service(self) -> None:
+        """Finish parked operations while ZeroMQ says they can go (the descriptor's reader).
+
+        Reading ``EVENTS`` processes the socket's commands, which also resets the
+        descriptor. Up to :attr:`BATCH` operations per call, so one busy socket cannot hold
+        the loop; when it stops there with work left, it runs again on the loop's next turn.
         """
-        sock.get(zmq.EVENTS)
-
-    async def _send_slow(self, sock: zmq.asyncio.Socket, frames: list[Any],
-                         peer: bytes | None) -> None:
-        try:
-            await sock.send_multipart(frames, copy=False)
-        except zmq.ZMQError as e:
-            self._raise_send_error(e, peer)
-
-    def _raise_send_error(self, e: zmq.ZMQError, peer: bytes | None) -> None:
-        if e.errno == zmq.EHOSTUNREACH and peer is not None:
-            raise PeerLost(peer) from e
-        if e.errno in (zmq.ENOTSOCK, zmq.ETERM):
-            raise Closed(f"{self.name}: socket is closed") from e
-        raise e
-
-    async def recv(self) -> tuple[bytes | None, Message]:
-        """The next valid message and its sender's identity (ROUTER only, else None)."""
-        while True:
-            sock = self._live()
+        self._service_soon = False
+        if self._closed:
+            return
+        sync = self._sync
+        for _ in range(self.BATCH):
             try:
+                events = int(sync.getsockopt(_EVENTS))
+            except zmq.ZMQError as e:
+                self._fail_all(e)
+                return
+            if events & _POLLOUT and self._send_waiters:
+                frames, track, fut = self._send_waiters[0]
+                if fut.done():  # cancelled while parked: it never leaves
+                    self._send_waiters.popleft()
+                    continue
                 try:
-                    frames = self._sync.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    self._rearm(sock)
-                    await asyncio.sleep(0)  # a yield, so a busy stream cannot starve other tasks
+                    tracker = _send_multipart(sync, frames, track)
                 except zmq.Again:
-                    frames = await sock.recv_multipart(copy=False)
+                    pass
+                except zmq.ZMQError as e:
+                    self._send_waiters.popleft()
+                    fut.set_exception(self._send_error(e, None))
+                    continue
+                else:
+                    self._send_waiters.popleft()
+                    fut.set_result(tracker)
+                    continue
+            if events & _POLLIN and self._recv_waiters:
+                rfut = self._recv_waiters[0]
+                if rfut.done():
+                    self._recv_waiters.popleft()
+                    continue
+                try:
+                    frames = sync.recv_multipart(flags=_NOBLOCK, copy=False)
+                except zmq.Again:
+                    continue
+                except zmq.ZMQError as e:
+                    self._fail_all(e)
+                    return
+                self._recv_waiters.popleft()
+                rfut.set_result(frames)
+                if self._recv_waiters or self._send_waiters:
+                    continue
+            return  # nothing parked can go (or nothing is parked): the next edge brings us back
+        self._after_op()  # the batch ran out with work possibly left
+
+    def _fail_all(self, e: zmq.ZMQError) -> None:
+        error: BaseException = Closed(f"{self.name}: socket is closed") \
+            if e.errno in (zmq.ENOTSOCK, zmq.ETERM) else e
+        for fut in [*self._recv_waiters, *(f for _, _, f in self._send_waiters)]:
+            if not fut.done():
+                fut.set_exception(error)
+        self._recv_waiters.clear()
+        self._send_waiters.clear()
+
+    async def _send_frames(self, frames: list[Any], *, track: bool = False,
+                           peer: bytes | None = None) -> zmq.MessageTracker | None:
+        """Send now if ZeroMQ takes it; else wait in line (order kept) for room."""
+        self._live()
+        if not self._send_waiters:
+            try:
+                tracker = _send_multipart(self._sync, frames, track)
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as e:
+                raise self._send_error(e, peer) from e
+            else:
+                self._count_sent(frames)
+                self._after_op()
+                await self._maybe_yield()
+                return tracker
+        fut = self._park()
+        self._send_waiters.append((frames, track, fut))
+        self._after_op()  # the failed send may have processed commands: look at EVENTS
+        tracker = await fut
+        self._count_sent(frames)
+        return tracker
+
+    def _count_sent(self, frames: list[Any]) -> None:
+        self._stats.sent += 1
+        self._stats.bytes_sent += sum(map(len, frames))
+
+    def _send_error(self, e: zmq.ZMQError, peer: bytes | None) -> BaseException:
+        if e.errno == zmq.EHOSTUNREACH and peer is not None:
+            return PeerLost(peer)
+        if e.errno in (zmq.ENOTSOCK, zmq.ETERM):
+            return Closed(f"{self.name}: socket is closed")
+        return e
+
+    async def _recv_frames(self) -> list[zmq.Frame]:
+        """The next multipart message's frames (zero-copy), in arrival order.
+
+        While messages keep coming the socket is read directly; once a read found nothing
+        it asks ``EVENTS`` first, which costs the same system call as a read that fails but
+        not its exception (~5 us): a receiver that usually waits pays the cheap way.
+        """
+        self._live()
+        sync = self._sync
+        if not self._recv_waiters:
+            try:
+                if self._rx_hot or int(sync.getsockopt(_EVENTS)) & _POLLIN:
+                    frames = sync.recv_multipart(flags=_NOBLOCK, copy=False)
+                    self._rx_hot = True
+                    self._after_op()
+                    await self._maybe_yield()
+                    return frames
+            except zmq.Again:
+                pass
             except zmq.ZMQError as e:
                 if e.errno in (zmq.ENOTSOCK, zmq.ETERM):
                     raise Closed(f"{self.name}: socket is closed") from e
                 raise
-            peer, body = self._split(frames)
-            try:
-                msg = decode(body, max_frame_bytes=self.options.max_frame_bytes,
-                             max_frames=self.options.max_frames)
-            except ProtocolError as e:
-                await self._on_bad_frames(peer, frames, e)
-                continue
-            self._stats.received += 1
-            return peer, msg
+        self._rx_hot = False
+        fut: asyncio.Future[list[zmq.Frame]] = self._park()
+        self._recv_waiters.append(fut)
+        self._after_op(sends_only=True)
+        frames = await fut
+        self._unyielded = 0  # that wait was a yield
+        return frames
+
+    # ------------------------------------------------------------ messages
+
+    async def send(self, msg: Message, *, to: bytes | None = None,
+                   track: bool = False) -> zmq.MessageTracker | None:
+        """Send ``msg``; tensor frames go zero-copy: do not modify them in place until sent.
+
+        With ``track=True`` the result is a ``zmq.MessageTracker`` whose ``done`` says when
+        ZeroMQ has let go of the tensors' memory (a pooled buffer may be reused then; see
+        :mod:`digenrl.transport.staging`); else None.
+        """
+        if to is not None:
+            raise ValueError(f"{self.name}: only a Router sends to a peer identity")
+        return await self._send_frames(encode(msg), track=track)
+
+    async def recv(self) -> tuple[bytes | None, Message]:
+        """The next valid message and its sender's identity (ROUTER only, else None)."""
+        while True:
+            frames = await self._recv_frames()
+            peer, msg = self._accept(frames)
+            if msg is not None:
+                return peer, msg
+
+    def _accept(self, frames: list[zmq.Frame]) -> tuple[bytes | None, Message | None]:
+        """The one place where received frames become messages (or are counted and dropped).
+
+        Checks that concern a message's meaning rather than its bytes hook in here.
+        """
+        peer, body = self._split(frames)
+        try:
+            msg = decode(body, max_frame_bytes=self.options.max_frame_bytes,
+                         max_frames=self.options.max_frames)
+        except ProtocolError as e:
+            self._on_bad_frames(peer, frames, e)
+            return peer, None
+        self._stats.received += 1
+        return peer, msg
 
     def _split(self, frames: list[zmq.Frame]) -> tuple[bytes | None, list[zmq.Frame]]:
         return None, frames
 
-    async def _on_bad_frames(self, peer: bytes | None, frames: list[zmq.Frame],
-                             error: ProtocolError) -> None:
+    def _on_bad_frames(self, peer: bytes | None, frames: list[zmq.Frame],
+                       error: ProtocolError) -> None:
         stats = self._stats
         stats.bad_frames += 1
         stats.bad_by_reason[error.reason] = stats.bad_by_reason.get(error.reason, 0) + 1
@@ -309,6 +464,22 @@ class Socket:
         if n <= 10 or (n & (n - 1)) == 0:
             log.warning("bad_frames_dropped", socket=self.name, peer=_peer_name(peer, frames),
                         reason=error.reason, error=str(error), total_bad_frames=n)
+
+
+def _send_multipart(sock: zmq.Socket[Any], frames: list[Any],
+                    track: bool) -> zmq.MessageTracker | None:
+    """Send ``frames`` zero-copy without blocking (zmq.Again if ZeroMQ cannot take the first).
+
+    With ``track``, one tracker over *every* frame: pyzmq's ``send_multipart`` returns the
+    last frame's only, which for a chunk is the 4-byte log-prob, copied and done at once.
+    """
+    if not track:
+        sock.send_multipart(frames, flags=_NOBLOCK, copy=False)
+        return None
+    last = len(frames) - 1
+    trackers = [sock.send(f, _NOBLOCK | (_SNDMORE if i < last else 0), copy=False, track=True)
+                for i, f in enumerate(frames)]
+    return zmq.MessageTracker(*(t for t in trackers if t is not None and not t.done))
 
 
 def _peer_name(peer: bytes | None, frames: list[zmq.Frame]) -> str:
@@ -321,25 +492,57 @@ def _peer_name(peer: bytes | None, frames: list[zmq.Frame]) -> str:
 
 
 class Router(Socket):
-    """ROUTER: many peers, addressed by identity; unroutable sends raise PeerLost."""
+    """ROUTER: many peers, addressed by identity.
+
+    A send to an identity that is not connected raises PeerLost. A send to a peer whose
+    queue is at the high-water mark (it does not read) is dropped and counted in
+    ``statistics().dropped``, as ZeroMQ's ROUTER semantics have it: one slow peer must not
+    hold the sender's other peers up, and a ROUTER cannot wait for room per peer.
+    """
 
     KIND = zmq.ROUTER
 
     def _configure(self, sock: zmq.Socket) -> None:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
 
-    async def send(self, msg: Message, *, to: bytes | None = None) -> None:
-        """Send ``msg`` to the peer whose identity is ``to``."""
+    async def send(self, msg: Message, *, to: bytes | None = None,
+                   track: bool = False) -> zmq.MessageTracker | None:
+        """Send ``msg`` to the peer whose identity is ``to`` (dropped if its queue is full).
+
+        ``track`` is accepted for the common signature; a ROUTER's sends are not tracked.
+        """
         if to is None:
             raise ValueError(f"{self.name}: a Router needs to=<peer identity>")
-        await self._send_frames([to, *encode(msg)], peer=to)
+        self.send_nowait([to, *encode(msg)], to)
+        await self._maybe_yield()
+        return None
+
+    def send_nowait(self, frames: list[Any], peer: bytes) -> bool:
+        """Send ``frames`` (identity first) now; False (counted) if the peer's queue is full."""
+        self._live()
+        try:
+            self._sync.send_multipart(frames, flags=_NOBLOCK, copy=False)
+        except zmq.Again:
+            stats = self._stats
+            stats.dropped += 1
+            n = stats.dropped
+            if n <= 10 or (n & (n - 1)) == 0:
+                log.warning("send_dropped_at_hwm", socket=self.name, peer=peer.hex(),
+                            total_dropped=n)
+            return False
+        except zmq.ZMQError as e:
+            raise self._send_error(e, peer) from e
+        finally:
+            self._after_op()
+        self._count_sent(frames)
+        return True
 
     def _split(self, frames: list[zmq.Frame]) -> tuple[bytes | None, list[zmq.Frame]]:
         return frames[0].bytes, frames[1:]
 
-    async def _on_bad_frames(self, peer: bytes | None, frames: list[zmq.Frame],
-                             error: ProtocolError) -> None:
-        await super()._on_bad_frames(peer, frames, error)
+    def _on_bad_frames(self, peer: bytes | None, frames: list[zmq.Frame],
+                       error: ProtocolError) -> None:
+        super()._on_bad_frames(peer, frames, error)
         if isinstance(error, VersionMismatch) and peer is not None:
             # Tell the peer why it hears nothing back, instead of letting it time out; in its
             # own version (Shutdown's layout is frozen), so that an older node can read it.
@@ -347,7 +550,7 @@ class Router(Socket):
             theirs = error.peer_version
             version = theirs if type(theirs) is int and INT_MIN <= theirs <= INT_MAX else PROTOCOL_VERSION
             with contextlib.suppress(PeerLost):  # it already left; nothing to tell
-                await self._send_frames([peer, *encode(refusal, version=version)], peer=peer)
+                self.send_nowait([peer, *encode(refusal, version=version)], peer)
 
 
 class Dealer(Socket):
@@ -370,7 +573,8 @@ class Pull(Socket):
 
     KIND = zmq.PULL
 
-    async def send(self, msg: Message, *, to: bytes | None = None) -> None:
+    async def send(self, msg: Message, *, to: bytes | None = None,
+                   track: bool = False) -> zmq.MessageTracker | None:
         raise TypeError("a Pull socket cannot send")
 
 
@@ -388,9 +592,10 @@ class Pub(Socket):
         Messages published after this returns reach that subscriber (no slow-joiner loss).
         """
         while True:
-            frames = await self._live().recv_multipart()
-            if frames and frames[0][:1] == b"\x01":
-                return frames[0][1:]
+            frames = await self._recv_frames()
+            first = frames[0].bytes if frames else b""
+            if first[:1] == b"\x01":
+                return first[1:]
 
     async def recv(self) -> tuple[bytes | None, Message]:
         raise TypeError("a Pub socket cannot receive messages; see wait_subscribed()")
@@ -404,7 +609,8 @@ class Sub(Socket):
     def _configure(self, sock: zmq.Socket) -> None:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
 
-    async def send(self, msg: Message, *, to: bytes | None = None) -> None:
+    async def send(self, msg: Message, *, to: bytes | None = None,
+                   track: bool = False) -> zmq.MessageTracker | None:
         raise TypeError("a Sub socket cannot send")
 
 
