@@ -12,9 +12,10 @@ import torch
 import zmq
 import zmq.asyncio
 
-from digenrl.transport.protocol import Chunk
+from digenrl.transport.protocol import Chunk, WeightsPart
 from digenrl.transport.sockets import Pull, Push, SocketOptions
 from digenrl.transport.staging import DeviceToHost, HostPool, HostToDevice
+from digenrl.transport.weights import WeightAssembly, publish_parts
 
 WAIT = 10.0
 OPTS = SocketOptions(max_frame_bytes=8 << 20, hwm=16)
@@ -35,7 +36,7 @@ async def link() -> AsyncIterator[tuple[Push, Pull]]:
 
 def _chunk(x_t: torch.Tensor, x_next: torch.Tensor) -> Chunk:
     return Chunk(task_id=1, step=0, fragment=0, t_index=0, sigma=0.5, sigma_next=0.4,
-                 policy_version=0, x_t=x_t, x_next=x_next, log_prob=torch.zeros(1))
+                 policy_version=0, x_t=x_t, x_next=x_next, log_prob=torch.zeros(x_t.shape[0]))
 
 
 async def test_a_staged_buffer_is_not_reused_before_its_send_completes(link) -> None:
@@ -116,3 +117,18 @@ def test_on_cuda_staging_never_blocks_the_producers_stream() -> None:
     torch.cuda.current_stream().synchronize()
     assert torch.equal(landed[0], x) and torch.equal(landed[1], x * 2)
     staged.release()
+
+
+async def test_received_weights_are_assembled_without_a_copy(link) -> None:
+    push, pull = link
+    sd = {"a.weight": torch.randn(256, 256), "b.bias": torch.randn(256).to(torch.bfloat16)}
+    (part, checksum), = publish_parts(sd)[0]
+    await push.send(WeightsPart(version=1, part=0, nparts=1, checksum=checksum, tensors=part))
+    _, got = await asyncio.wait_for(pull.recv(), WAIT)
+    assert isinstance(got, WeightsPart)
+    asm = WeightAssembly(1, 1, publish_parts(sd)[1])
+    asm.add(0, dict(got.tensors), got.checksum)
+    out = asm.state_dict()
+    for k, t in sd.items():  # the received frames themselves: the apply's copy is the only one
+        assert out[k].data_ptr() == got.tensors[k].data_ptr()
+        assert torch.equal(out[k].view(torch.uint8), t.view(torch.uint8))

@@ -36,11 +36,12 @@ class _Link:
         self.hold.set()
         self.on_send: Any = None
 
-    async def send(self, msg: Any) -> None:
+    async def send(self, msg: Any, *, track: bool = False) -> None:
         await self.hold.wait()
         self.sent.append(msg)
         if self.on_send is not None:
             self.on_send(msg)
+        # track: a real socket's tracker; None means done at once (the staged buffer is free)
 
 
 class _Rollout(Actor):
@@ -75,9 +76,9 @@ async def test_the_sampler_runs_on_while_a_chunk_send_is_held() -> None:
     scored = threading.Event()
     actor, peers, push, control, task, policy, reward = _setup()
 
-    def scoring(images: Any, prompts: Any) -> Any:
+    def scoring(images: Any, prompts: Any, *meta: Any) -> Any:
         scored.set()
-        return reward(images, prompts)
+        return reward(images, prompts, *meta)
 
     push.hold.clear()  # the trainer link takes nothing for now
     gen = asyncio.create_task(_generate(actor, peers, task, policy, scoring))
@@ -101,6 +102,10 @@ async def test_the_sampler_runs_on_while_a_chunk_send_is_held() -> None:
     # the sampler's spans and the sends' are on different lanes of the trace
     lanes = {s.name: s.tid for s in actor.recorder.spans()}
     assert lanes["denoise_step"] == lanes["reward"] != lanes["send_chunk"]
+    # every chunk was staged in a pooled host buffer, and every buffer came back (held sends
+    # made the pool grow instead of stalling the sampler)
+    pool = peers._stager(policy.model).pool.statistics()
+    assert pool["in_flight"] == 0 and pool["allocated"] + pool["reused"] == len(chunks)
 
 
 @pytest.mark.asyncio
@@ -112,11 +117,12 @@ async def test_a_task_revoked_mid_way_commits_nothing_and_frees_the_compute_thre
     assert control.sent == []
     assert actor._computing is not None and actor._computing[1].done()
     assert actor.compute_stuck() is None
+    assert peers._stager(policy.model).pool.statistics()["in_flight"] == 0  # unsent: returned
 
 
 @pytest.mark.asyncio
 async def test_an_error_in_the_generation_reaches_the_caller() -> None:
-    def broken_reward(images: Any, prompts: Any) -> Any:
+    def broken_reward(images: Any, prompts: Any, *meta: Any) -> Any:
         raise RuntimeError("reward model fell over")
 
     actor, peers, push, control, task, policy, _ = _setup()

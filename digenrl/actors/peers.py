@@ -31,6 +31,7 @@ from digenrl.transport.protocol import (
     WeightsPart,
     WeightsRequest,
 )
+from digenrl.transport.staging import DeviceToHost
 from digenrl.transport.weights import WeightAssembly
 
 _EMPTY_IMAGES = torch.zeros(0, dtype=torch.uint8)
@@ -59,6 +60,7 @@ class NodePeers:
         self._prefetching: asyncio.Future[None] | None = None
         self._prefetch_failed = -1  # a version whose background fetch failed: not retried there
         self.unanswered = 0  # beats sent since the coordinator's last control message
+        self._d2h: DeviceToHost | None = None  # chunk staging, made for the first model streamed
         self.stale_weight_parts = 0  # parts answering a request of a fetch that was cancelled
 
     # ------------------------------------------------------------------ heartbeats
@@ -202,6 +204,13 @@ class NodePeers:
                 return await asyncio.to_thread(asm.state_dict)
 
     # ------------------------------------------------------------------ generation (TSP)
+    def _stager(self, model: Any) -> DeviceToHost:
+        """The chunk stager for ``model``'s device (pinned buffers and a copy stream on CUDA)."""
+        device = torch.device(getattr(model, "device", "cpu"))
+        if self._d2h is None or self._d2h.device != device:
+            self._d2h = DeviceToHost(device)
+        return self._d2h
+
     async def generate_and_stream(self, actor: Any, task: Assign, model: Any, version: int,
                                   reward_fn: Any, cfg: Config, span: str) -> bool:
         """Generate ``task``; each trained step goes to its owner the moment it exists.
@@ -241,16 +250,20 @@ class NodePeers:
                         hand((span, t0, t1, None))
                         t0 = clock()
                         result = job.finish()
+                        # the commit's tensors to the host here too, not on the event loop
+                        result.cond = {k: v.contiguous().cpu() for k, v in result.cond.items()}
+                        result.images = result.images.cpu()
                         hand(("reward", t0, clock(), None))
                         return result
-                    # to the host here, not on the event loop: a device-to-host copy there
-                    # would block it until the device finished everything queued since
-                    hand((span, t0, t1, (rec.index, rec.sigma, rec.sigma_next, rec.x_t.to(wire).cpu(),
-                                         rec.x_next.to(wire).cpu(), rec.log_prob.cpu())))
+                    # queued here, on the sampler's thread: a side-stream copy into a pooled
+                    # pinned buffer (transport/staging.py); the sampler's stream never waits
+                    staged = stager.stage([rec.x_t.to(wire), rec.x_next.to(wire), rec.log_prob])
+                    hand((span, t0, t1, (rec.index, rec.sigma, rec.sigma_next, staged)))
                 return None
             finally:
                 hand(None)
 
+        stager = self._stager(model)
         job_done = actor.submit(span, produce)
         t_start = time.perf_counter()
         sender = actor.recorder.named_lane(f"{actor.role}-chunk-sender")
@@ -263,26 +276,38 @@ class NodePeers:
                     actor.recorder.record(name, t0, t1, step=task.step, task=task.task_id)
                 if chunk is None:
                     continue
+                index, sigma, sigma_next, staged = chunk
                 if task.task_id in getattr(actor, "revoked", ()):
+                    staged.release()
                     halt.set()
                     await job_done  # the compute thread stops at its next pull
                     return False
-                index, sigma, sigma_next, x_t, x_next, log_prob = chunk
-                with actor.working("send_chunk", tid=sender, t=index):
-                    await self.pushes[int(task.owners[str(index)])].send(Chunk(
-                        task_id=task.task_id, step=task.step, fragment=task.fragment, t_index=index,
-                        sigma=sigma, sigma_next=sigma_next, policy_version=version,
-                        x_t=x_t, x_next=x_next, log_prob=log_prob))
+                tracker = None
+                try:
+                    with actor.working("send_chunk", tid=sender, t=index):
+                        await staged.wait_ready()
+                        x_t, x_next, log_prob = staged.tensors
+                        tracker = await self.pushes[int(task.owners[str(index)])].send(Chunk(
+                            task_id=task.task_id, step=task.step, fragment=task.fragment,
+                            t_index=index, sigma=sigma, sigma_next=sigma_next,
+                            policy_version=version, x_t=x_t, x_next=x_next, log_prob=log_prob),
+                            track=True)
+                finally:
+                    staged.release(tracker)  # reused once ZeroMQ has let go of it
             result = await job_done
         finally:
             halt.set()
+            while not handed.empty():  # chunks not sent (revoked, failed): buffers back
+                left = handed.get_nowait()
+                if left is not None and left[3] is not None:
+                    left[3][3].release()
         gen_seconds = time.perf_counter() - t_start
         for rank, push in self.pushes.items():
             await push.send(Commit(
                 task_id=task.task_id, step=task.step, fragment=task.fragment, node_id=self.node_id,
                 policy_version=version, prompt_ids=list(task.prompt_ids), rewards=result.rewards,
                 reward_terms=result.reward_terms, gen_seconds=gen_seconds,
-                cond={k: v.contiguous() for k, v in result.cond.items()},
+                cond=result.cond,
                 images=result.images if rank == 0 else _EMPTY_IMAGES))
         await self.control.send(Commit(
             task_id=task.task_id, step=task.step, fragment=task.fragment, node_id=self.node_id,

@@ -68,6 +68,7 @@ from digenrl.transport.protocol import (
     WeightsPart,
     WeightsRequest,
 )
+from digenrl.transport.staging import HostToDevice, Landed
 from digenrl.transport.weights import publish_parts
 
 
@@ -89,7 +90,9 @@ class TrainerActor(Actor):
         self.test_set, self.eval_reward = test_set, eval_reward  # held-out evaluation (rank 0)
         self.pending_eval: dict[str, Any] = {}  # rides on the next StepDone to the coordinator
         self.sigma_max = float(sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)[1])
-        self.staged: dict[int, dict[int, Chunk]] = defaultdict(dict)    # task -> t -> chunk
+        # task -> t -> (chunk, its tensors on their way to the training device)
+        self.staged: dict[int, dict[int, tuple[Chunk, Landed]]] = defaultdict(dict)
+        self.h2d = HostToDevice(getattr(policy.model, "device", "cpu"))
         self.pending: dict[int, list[Commit]] = defaultdict(list)        # step -> commits
         self.consumed_slots: dict[int, set[int]] = defaultdict(set)      # step -> fragments
         # version -> [(part tensors, part checksum)], served by rank 0's weights ROUTER
@@ -183,7 +186,9 @@ class TrainerActor(Actor):
                 self.refuse(why, msg, task=msg.task_id, step=msg.step, fragment=msg.fragment)
                 continue
             if isinstance(msg, Chunk):
-                self.staged[msg.task_id][msg.t_index] = msg
+                # on a GPU the copy starts now, on a side stream, while earlier work trains
+                self.staged[msg.task_id][msg.t_index] = (
+                    msg, self.h2d.stage([msg.x_t, msg.x_next, msg.log_prob]))
             elif isinstance(msg, Commit):
                 if msg.task_id in self.revoked:
                     self.staged.pop(msg.task_id, None)
@@ -262,11 +267,10 @@ class TrainerActor(Actor):
             self.log.error("stale fragment rejected", task=commit.task_id, step=step,
                            gen_version=commit.policy_version, version=self.policy.version)
         else:
-            records = {t: _record(c) for t, c in chunks.items()}
             crash_point("trainer", step, once=self.run_dir / "logs" / f"crashed-{self.node_id}")
             before = self.learner.stats.trained
             zero_before = self.learner.stats.discarded.get("zero_advantage", 0)
-            await self.in_thread("fragment_train", self._train, records, commit, len(trained_steps),
+            await self.in_thread("fragment_train", self._train, chunks, commit, len(trained_steps),
                                  passes, step=step, fragment=commit.fragment)
             trained = self.learner.stats.trained - before
             zero = self.learner.stats.discarded.get("zero_advantage", 0) - zero_before
@@ -296,8 +300,11 @@ class TrainerActor(Actor):
             task_id=commit.task_id, step=commit.step, fragment=commit.fragment, rank=self.rank,
             trained=trained, discarded=discarded, train_seconds=seconds))
 
-    def _train(self, records: dict[int, Any], commit: Commit, n_trained_total: int, passes: int) -> None:
+    def _train(self, chunks: dict[int, tuple[Chunk, Landed]], commit: Commit, n_trained_total: int,
+               passes: int) -> None:
         hang_point("trainer", commit.step, once=self.run_dir / "logs" / f"hung-{self.node_id}")  # TEST-ONLY
+        # on the compute thread: its stream is the one that waits for the chunks' copies
+        records = {t: _record(c, landed) for t, (c, landed) in chunks.items()}
         self.learner.train_fragment(records=records, cond=dict(commit.cond), rewards=commit.rewards,
                                     gen_version=commit.policy_version, n_trained_total=n_trained_total,
                                     sigma_max=self.sigma_max, reward_terms=commit.reward_terms,
@@ -382,10 +389,11 @@ class TrainerActor(Actor):
                                              self.reward_fn, self.cfg, span="tag_generate")
 
 
-def _record(c: Chunk) -> Any:
+def _record(c: Chunk, landed: Landed) -> Any:
     from digenrl.rl.sampler import StepRecord
+    x_t, x_next, log_prob = landed.wait()  # this thread's stream waits for the copies (GPU side)
     return StepRecord(index=c.t_index, sigma=c.sigma, sigma_next=c.sigma_next,
-                      x_t=c.x_t.float(), x_next=c.x_next.float(), log_prob=c.log_prob.float(), sde=True)
+                      x_t=x_t.float(), x_next=x_next.float(), log_prob=log_prob.float(), sde=True)
 
 
 __all__ = ["FragmentJob", "TrainerActor"]

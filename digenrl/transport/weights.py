@@ -62,8 +62,9 @@ class WeightAssembly:
             raise ValueError(f"weights v{self.version}: part {part} outside 0..{self.nparts - 1}")
         if tensor_checksum(tensors) != part_checksum:
             raise ValueError(f"weights v{self.version} part {part}: checksum mismatch")
-        # the frames are owned by zmq; copy out before they are reused
-        self.parts[part] = {k: v.clone() for k, v in tensors.items()}
+        # No copy: decoded tensors view their received frames, which ZeroMQ never reuses (the
+        # tensor keeps the frame alive). The apply's copy into the model is the only one.
+        self.parts[part] = dict(tensors)
         self.sums[part] = part_checksum
 
     def missing(self) -> list[int]:
