@@ -196,6 +196,9 @@ class RuntimeConfig:
     trace_flush_s: float = _f(5.0, "each node appends its new trace events to run_dir/trace every "
                               "this many seconds (memory stays flat; a killed node loses at most this much)",
                               gt=0)
+    weights_fanout: int = _f(1, "weights relay: each rollout serves the parts it has verified to at "
+                             "most this many others, trainer rank 0 serves one (1: a chain; 0: every "
+                             "rollout fetches from rank 0, whose egress grows with the rollouts)", ge=0)
     slowdown: float = _f(1.0, "TEST-ONLY knob: a rollout sleeps (slowdown-1)x its work", ge=1)
     slowdown_nodes: list[str] = _f([], "TEST-ONLY: node ids the slowdown applies to (empty = all rollouts)")
     trainer_slowdown: float = _f(1.0, "TEST-ONLY knob: a trainer rank sleeps (trainer_slowdown-1)x "

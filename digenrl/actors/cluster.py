@@ -270,6 +270,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
         "staleness_hist": actor.staleness_hist,
         "busy": {n: busy_share(b, w) for n, (b, w) in actor.busy_total.items()},
         "traffic": dict(zip(("messages", "bytes"), actor.traffic(), strict=True)),
+        "weights": actor.weights.summary(actor.latest_announce.version if actor.latest_announce else 0),
         "restarts": children.restarts if children else {},
         "stop_reason": actor.stop_reason,
         "unexpected_messages": dict(actor.unexpected_messages),

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from digenrl.actors.base import Actor
+from digenrl.actors.weightsync import WeightSync
 from digenrl.config import Config, to_toml
 from digenrl.core.credits import CreditError
 from digenrl.core.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerError, ShutdownCmd
@@ -65,6 +66,7 @@ from digenrl.transport.protocol import (
     StepDone,
     TagOffer,
     VersionAnnounce,
+    WeightsHeld,
     Welcome,
 )
 
@@ -114,8 +116,11 @@ class CoordinatorActor(Actor):
         self.recovery: dict[str, int] = {"trainer_resets": 0, "rollouts_lost": 0,
                                          "rolled_back_admitted": 0, "late_trained": 0,
                                          "ignored_announces": 0, "checkpoints": 0,
-                                         "checkpoints_skipped": 0, "stalls": 0, "rejoins": 0}
+                                         "checkpoints_skipped": 0, "stalls": 0, "rejoins": 0,
+                                         "final_weights_missing": 0}
         self.restart_requested = asyncio.Event()  # the launcher restarts every child on it
+        self.weights = WeightSync(cfg.runtime.weights_fanout, self._send_node)
+        self.finish_by: float | None = None  # done: waiting (until then) for rollouts to hold the last version
 
     # ------------------------------------------------------------------ checkpoints / recovery
     def restore_from(self, ckpt: Checkpoint | None) -> None:
@@ -190,6 +195,7 @@ class CoordinatorActor(Actor):
         self.waiting_rollouts.clear()
         self._peer_ids.clear()  # every node restarts and binds anew; late messages are dropped
         self._bound.clear()
+        self.weights.reset()
         self.latest_announce = None
         host = self.cfg.cluster.host
         from digenrl.transport.sockets import (
@@ -210,6 +216,7 @@ class CoordinatorActor(Actor):
         self.recovery["rollouts_lost"] += 1
         self.log.warning("rollout lost", node=node_id, code=code)
         del self.nodes[node_id]
+        await self.weights.leave(node_id)
         if node.get("ready"):
             await self._run(self.sched.node_lost(node_id, time.monotonic()))
 
@@ -323,12 +330,16 @@ class CoordinatorActor(Actor):
                 self.expect_version = None
             if self.latest_announce is None or msg.version > self.latest_announce.version:
                 self.latest_announce = msg
+                self.weights.published(msg.version, now)
                 await self.pub.send(msg)
             cmds = self.sched.version_published(msg.version, now)
             self._checkpoint(msg)
             await self._run(cmds)
         elif isinstance(msg, StepDone):
             self._step_done(msg)
+        elif isinstance(msg, WeightsHeld):
+            self.weights.held(msg.node_id, msg.version, now)
+            self._maybe_finish(now)
         elif isinstance(msg, TagOffer):
             if not await self._ensure_joined(msg.node_id, now):
                 self.unexpected("control", msg, why=f"from {msg.node_id!r}, not a welcomed node")
@@ -356,6 +367,8 @@ class CoordinatorActor(Actor):
             node["joined_before"] = True
             await self._run(self.sched.node_joined(node_id, node["role"], node["gpu"], now,
                                                    rank=node.get("rank")))
+            if node["role"] == "rollout":
+                await self.weights.join(node_id, node.get("relay", ""))
         return True
 
     async def _hello(self, peer: bytes, msg: Hello, now: float) -> None:
@@ -382,7 +395,9 @@ class CoordinatorActor(Actor):
             if len(self.trainers) < self.expected_trainers:
                 self.waiting_rollouts.append((peer, msg))
                 return
-            self.nodes[msg.node_id] = {"role": "rollout", "peer": peer, "gpu": msg.gpu}
+            await self.weights.leave(msg.node_id)  # a restarted rollout joins again when ready
+            self.nodes[msg.node_id] = {"role": "rollout", "peer": peer, "gpu": msg.gpu,
+                                       "relay": msg.weights_endpoint}
             await self._send(self._welcome(msg.node_id, 0, 0), to=peer)
             if self.latest_announce is not None:
                 await self._send(self.latest_announce, to=peer)
@@ -431,6 +446,11 @@ class CoordinatorActor(Actor):
             elif isinstance(cmd, ShutdownCmd):
                 if cmd.reason.startswith("trainer_lost"):
                     await self.reset(cmd.reason)
+                elif cmd.reason == "done":
+                    # every live rollout ends holding the final version (it is prefetching it)
+                    rt = self.cfg.runtime
+                    self.finish_by = time.monotonic() + 2 * rt.heartbeat_s * rt.heartbeat_misses
+                    self._maybe_finish(time.monotonic())
                 else:
                     self.request_stop(cmd.reason)
 
@@ -440,7 +460,30 @@ class CoordinatorActor(Actor):
             now = time.monotonic()
             await self._run(self.sched.tick(now))
             self._fence_silent()
+            for node_id in self.weights.members:  # lost by silence: out of the relay
+                if not self.sched.is_live(node_id):
+                    await self.weights.leave(node_id)
+            self._maybe_finish(now)
             await self._check_stall(now)
+
+    def _maybe_finish(self, now: float) -> None:
+        """After the last step: stop once every live rollout holds the final version, or at
+        the deadline (counted in recovery.final_weights_missing)."""
+        if self.finish_by is None or self.stopping:
+            return
+        final = self.latest_announce.version if self.latest_announce else 0
+        if self.weights.all_hold(final):
+            self.request_stop("done")
+        elif now >= self.finish_by:
+            missing = sorted(set(self.weights.members) - self.weights.holders(final))
+            self.recovery["final_weights_missing"] = len(missing)
+            self.log.warning("rollouts without the final version at the end", version=final, nodes=missing)
+            self.request_stop("done")
+
+    async def _send_node(self, node_id: str, msg: Any) -> None:
+        node = self.nodes.get(node_id)
+        if node is not None:
+            await self._send(msg, to=node["peer"])
 
     def _fence_silent(self) -> None:
         """Nodes the scheduler lost by silence (a SIGSTOP, a VM stall, a partition) are no

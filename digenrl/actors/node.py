@@ -187,7 +187,7 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
         host = bind or "tcp://127.0.0.1:*"
         if role == "trainer":
             data = track(zs.bind(ctx, "pull", host, boot))
-            weights = track(zs.bind(ctx, "router", host, boot))
+        weights = track(zs.bind(ctx, "router", host, boot))  # rank 0 serves, a rollout relays
         await control.send(Hello(node_id=node_id, role=role, gpu=gpu, incarnation=inc,
                                  pid=os.getpid(), host=pysocket.gethostname(),
                                  data_endpoint=data.endpoint if data else "",
@@ -220,7 +220,8 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
             sub = track(zs.connect(ctx, "sub", endpoints["pub"], cfg))
             wdealer = track(zs.connect(ctx, "dealer", endpoints["weights"], cfg))
             peers = NodePeers(node_id=node_id, incarnation=inc, cfg=cfg, control=control, sub=sub,
-                              pushes=pushes, weights=wdealer)
+                              pushes=pushes, weights=wdealer, relay=weights,
+                              connect=lambda ep: track(zs.connect(ctx, "dealer", ep, cfg)))
             model = await asyncio.to_thread(build_model, cfg.model, seed=cfg.run.seed, gpu=gpu)
             from digenrl.actors.rollout import RolloutActor
             actor: Any = RolloutActor(peers=peers, cfg=cfg, model=model, reward_fn=reward_fn, **kw)

@@ -1,10 +1,21 @@
 """A node's sockets and the behaviours rollouts and TAG helpers share.
 
 ``NodePeers`` owns a node's sockets (control DEALER to the coordinator, the announcement
-SUB, one PUSH per trainer rank, the weights DEALER, and on trainers the data PULL and rank
-0's weights ROUTER), the latest announced policy version, and three shared behaviours:
-heartbeats, catching up to a version at a trajectory boundary (TCSS), and generating one
-fragment while streaming its chunks to the ranks that own their timesteps (TSP).
+SUB, one PUSH per trainer rank, the weights DEALER to trainer rank 0, and its weights ROUTER:
+rank 0 serves every version from it, a rollout relays what it holds), the latest announced
+policy version, the :class:`~digenrl.transport.weights.WeightStore` of versions it serves,
+and three shared behaviours: heartbeats, catching up to a version at a trajectory boundary
+(TCSS), and generating one fragment while streaming its chunks to the ranks that own their
+timesteps (TSP).
+
+Weights relay (:mod:`digenrl.core.relay`): a rollout fetches each version from its
+*upstream* (``WeightsRoute`` from the coordinator; trainer rank 0 until told otherwise),
+keeping ``WEIGHTS_WINDOW`` part requests in flight, and serves every part it has verified to
+its own downstream as the part lands. A route change mid-fetch re-asks the parts in flight
+from the new upstream (parts already verified are kept); an upstream silent for the
+liveness timeout (``heartbeat_s x heartbeat_misses``) is bypassed for rank 0 for the rest
+of that version; ``WeightsMissing`` (the upstream moved on to a newer version) ends the
+fetch, and the node fetches the newest announced version instead.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import contextlib
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,25 +34,43 @@ from digenrl.config import Config
 from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.sampler import WIRE_DTYPES
 from digenrl.telemetry.nvml import GpuProbe
+from digenrl.transport.errors import Closed
 from digenrl.transport.protocol import (
     Assign,
     Chunk,
     Commit,
     Heartbeat,
     VersionAnnounce,
+    WeightsHeld,
+    WeightsMissing,
     WeightsPart,
     WeightsRequest,
+    WeightsRoute,
 )
 from digenrl.transport.staging import DeviceToHost
-from digenrl.transport.weights import WeightAssembly
+from digenrl.transport.weights import WeightAssembly, WeightStore, serve_weights
 
 _EMPTY_IMAGES = torch.zeros(0, dtype=torch.uint8)
+WEIGHTS_WINDOW = 2
+"""Part requests a fetch keeps in flight: one landing while the next is on the wire."""
+
+
+class WeightsSuperseded(Exception):
+    """The upstream will never hold the version being fetched (it moved to ``newest``)."""
+
+    def __init__(self, version: int, newest: int) -> None:
+        super().__init__(f"weights v{version}: superseded upstream (it holds v{newest})")
+        self.version, self.newest = version, newest
 
 
 class NodePeers:
     def __init__(self, *, node_id: str, incarnation: int, cfg: Config, control: Any,
                  sub: Any = None, pushes: dict[int, Any] | None = None, data: Any = None,
-                 weights: Any = None, gpu_probe: GpuProbe | None = None) -> None:
+                 weights: Any = None, gpu_probe: GpuProbe | None = None, relay: Any = None,
+                 connect: Callable[[str], Any] | None = None) -> None:
+        """``weights``: a rollout's DEALER to trainer rank 0 (a trainer's weights ROUTER);
+        ``relay``: a rollout's own weights ROUTER; ``connect(endpoint)``: a new DEALER (to an
+        upstream the coordinator names)."""
         self.node_id = node_id
         self.incarnation = incarnation
         self.cfg = cfg
@@ -62,6 +92,14 @@ class NodePeers:
         self.unanswered = 0  # beats sent since the coordinator's last control message
         self._d2h: DeviceToHost | None = None  # chunk staging, made for the first model streamed
         self.stale_weight_parts = 0  # parts answering a request of a fetch that was cancelled
+        self.store = WeightStore()
+        self.relay = relay
+        self.connect = connect
+        self.upstream_endpoint = ""  # "" = trainer rank 0 (self.weights)
+        self._upstream: Any = None  # DEALER to a relaying rollout
+        self._rerouted = asyncio.Event()
+        self.relay_fallbacks = 0  # fetches that bypassed a silent upstream for rank 0
+        self._superseded = -1  # newest version the upstream said it will never hold
 
     # ------------------------------------------------------------------ heartbeats
     def heartbeat_loop(self, actor: Any) -> Any:
@@ -133,7 +171,14 @@ class NodePeers:
                         with actor.recorder.span("wait", waiting_for=f"weights {ann.version}"):
                             await asyncio.wait({running})
                     else:
-                        sd = await self._fetch(actor, ann, span="weight_fetch")
+                        try:
+                            sd = await self._fetch(actor, ann, span="weight_fetch")
+                        except WeightsSuperseded:  # wait for the newer announcement, fetch that
+                            if self.announced is ann:
+                                self.announce_event.clear()
+                                with actor.recorder.span("wait", waiting_for=f"version > {ann.version}"):
+                                    await self.announce_event.wait()
+                            continue
                         await self._apply(actor, ann.version, sd)
                     continue
             if self.version >= floor:
@@ -161,6 +206,8 @@ class NodePeers:
             return  # the running fetch ends by starting the next one if still behind
         if self._prefetch_failed == ann.version:
             return  # the boundary fetches it in the foreground, where a failure is fatal
+        if self._superseded >= ann.version:
+            return  # the upstream moved on: the newer announcement starts the next fetch
         self._prefetching = asyncio.ensure_future(self._prefetch(actor, ann))
 
     async def stop_prefetch(self) -> None:
@@ -177,6 +224,10 @@ class NodePeers:
                 self._ready = (ann.version, sd)
         except asyncio.CancelledError:
             raise
+        except WeightsSuperseded as e:  # the next announcement starts the next fetch
+            actor.log.info("weights superseded upstream", version=e.version, newest=e.newest)
+            self._superseded = max(self._superseded, e.version)
+            return
         except Exception as e:  # the boundary fetches again, in the foreground
             actor.log.warning("weight prefetch failed; fetching at the boundary", version=ann.version,
                               error=repr(e))
@@ -184,24 +235,94 @@ class NodePeers:
             return
         self.prefetch(actor)  # a newer version may have been announced meanwhile
 
+    # ------------------------------------------------------------------ weights relay
+    def on_route(self, msg: WeightsRoute) -> None:
+        """Fetch from ``msg.upstream`` from now on ("" = trainer rank 0); a fetch in flight
+        re-asks its outstanding parts there."""
+        if msg.upstream == self.upstream_endpoint:
+            return
+        old, self._upstream = self._upstream, None
+        if msg.upstream:
+            if self.connect is None:
+                raise RuntimeError("a WeightsRoute needs NodePeers(connect=...)")
+            self._upstream = self.connect(msg.upstream)
+        self.upstream_endpoint = msg.upstream
+        if old is not None:
+            old.close()
+        self._rerouted.set()
+
+    def relay_loop(self, actor: Any) -> Any:
+        """The background loop serving this node's held versions on its weights ROUTER."""
+        async def relay() -> None:
+            if self.relay is not None:
+                await serve_weights(self.relay, self.store, actor.unexpected)
+        return relay
+
     async def _fetch(self, actor: Any, ann: VersionAnnounce, span: str) -> dict[str, torch.Tensor]:
-        """Request every part of ``ann`` over the weights DEALER; verify; whole tensors out."""
+        """Every part of ``ann`` from the upstream, verified as it lands (and served on from
+        here meanwhile); whole tensors out. Raises :class:`WeightsSuperseded`."""
         async with self.weights_lock:
             asm = WeightAssembly(ann.version, ann.nparts, ann.checksum)
-            with actor.working(span, version=ann.version):
-                for part in range(ann.nparts):
-                    await self.weights.send(WeightsRequest(version=ann.version, part=part))
-                    while True:
-                        _, msg = await self.weights.recv()
-                        if not isinstance(msg, WeightsPart):
-                            actor.unexpected("weights", msg)
-                        elif msg.version == ann.version and msg.part == part:
-                            await asyncio.to_thread(asm.add, part, dict(msg.tensors), msg.checksum)
-                            break
-                        else:
-                            # a part requested by a fetch that was cancelled mid-way: dropped
-                            self.stale_weight_parts += 1
-                return await asyncio.to_thread(asm.state_dict)
+            self.store.begin(asm)
+            try:
+                with actor.working(span, version=ann.version):
+                    await self._fetch_parts(actor, asm)
+                    sd = await asyncio.to_thread(asm.state_dict)
+            except BaseException:
+                self.store.abandon(ann.version)
+                raise
+        await self.control.send(WeightsHeld(node_id=self.node_id, version=ann.version))
+        return sd
+
+    async def _fetch_parts(self, actor: Any, asm: WeightAssembly) -> None:
+        rt = self.cfg.runtime
+        silent_s = rt.heartbeat_s * rt.heartbeat_misses
+        in_flight: set[int] = set()
+        bypass = False  # the upstream went silent: rank 0 serves the rest of this version
+        while missing := asm.missing():
+            sock = self.weights if bypass or self._upstream is None else self._upstream
+            self._rerouted.clear()
+            due = [p for p in missing if p not in in_flight][:max(0, WEIGHTS_WINDOW - len(in_flight))]
+            exchange = asyncio.ensure_future(self._exchange(sock, asm.version, due, in_flight))
+            rerouted = asyncio.ensure_future(self._rerouted.wait())
+            done, _ = await asyncio.wait({exchange, rerouted}, timeout=silent_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            rerouted.cancel()
+            if not done and sock is not self.weights:
+                bypass = True
+                self.relay_fallbacks += 1
+                actor.log.warning("weights upstream silent; fetching from trainer rank 0",
+                                  version=asm.version, upstream=self.upstream_endpoint, silent_s=silent_s)
+            if exchange not in done or exchange.cancelled() or isinstance(exchange.exception(), Closed):
+                # silent, or re-routed (closing the old socket cancels or ends its receive):
+                # the requests in flight there are lost; ask again, from the new upstream
+                exchange.cancel()
+                await asyncio.gather(exchange, return_exceptions=True)
+                in_flight.clear()
+                continue
+            msg = exchange.result()
+            if self._rerouted.is_set():  # answered just as the route changed: keep the part,
+                in_flight.clear()        # and ask the new upstream for the rest
+            if isinstance(msg, WeightsMissing) and msg.version == asm.version:
+                raise WeightsSuperseded(asm.version, msg.newest)
+            if not isinstance(msg, WeightsPart | WeightsMissing):
+                actor.unexpected("weights", msg)
+            elif msg.version != asm.version or isinstance(msg, WeightsMissing):
+                self.stale_weight_parts += 1  # the answer to a fetch that was abandoned
+            else:
+                in_flight.discard(msg.part)
+                if msg.part not in asm.parts:  # the same part twice (asked again): once is enough
+                    await asyncio.to_thread(asm.add, msg.part, dict(msg.tensors), msg.checksum)
+                    self.store.landed()
+
+    @staticmethod
+    async def _exchange(sock: Any, version: int, due: list[int], in_flight: set[int]) -> Any:
+        """Ask for the ``due`` parts, then the next answer."""
+        for part in due:
+            await sock.send(WeightsRequest(version=version, part=part))
+            in_flight.add(part)
+        _, msg = await sock.recv()
+        return msg
 
     # ------------------------------------------------------------------ generation (TSP)
     def _stager(self, model: Any) -> DeviceToHost:

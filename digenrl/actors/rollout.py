@@ -1,7 +1,8 @@
 """Rollout node: generates assigned fragments, streaming each denoising step to its trainer rank.
 
     coordinator --Assign/Revoke/Shutdown--> [DEALER control]  rollout  [PUSH] --Chunk/Commit--> trainer ranks
-    coordinator --VersionAnnounce (PUB)---> [SUB]                      [DEALER] <--WeightsPart-- trainer rank 0
+    coordinator --VersionAnnounce (PUB)---> [SUB]                      [DEALER] <--WeightsPart-- its upstream:
+    downstream rollouts --WeightsRequest--> [ROUTER relay]                        trainer rank 0 or a rollout
 
 | blocking call              | waits for                              | unblocked by                |
 |----------------------------|----------------------------------------|-----------------------------|
@@ -25,7 +26,14 @@ from typing import Any
 from digenrl.actors.base import Actor
 from digenrl.actors.peers import NodePeers
 from digenrl.config import Config
-from digenrl.transport.protocol import Assign, Heartbeat, Revoke, Shutdown, VersionAnnounce
+from digenrl.transport.protocol import (
+    Assign,
+    Heartbeat,
+    Revoke,
+    Shutdown,
+    VersionAnnounce,
+    WeightsRoute,
+)
 
 
 class RolloutActor(Actor):
@@ -42,7 +50,8 @@ class RolloutActor(Actor):
         self.revoked: set[int] = set()
 
     def background(self) -> list[Any]:
-        return [self.peers.heartbeat_loop(self), self._control_loop, self._announce_loop]
+        return [self.peers.heartbeat_loop(self), self._control_loop, self._announce_loop,
+                self.peers.relay_loop(self)]
 
     async def main(self) -> None:
         while not self.stopping:
@@ -77,6 +86,8 @@ class RolloutActor(Actor):
                 self.request_stop(msg.reason)
             elif isinstance(msg, VersionAnnounce):  # one the PUB dropped, re-sent on a beat
                 self.peers.on_announce(msg)
+            elif isinstance(msg, WeightsRoute):  # the relay re-linked: fetch from there
+                self.peers.on_route(msg)
             elif not isinstance(msg, Heartbeat):  # a Heartbeat answers ours: proof of life
                 self.unexpected("control", msg)
             self.peers.prefetch(self)

@@ -31,7 +31,6 @@ from collections import defaultdict
 from functools import partial
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from digenrl.actors.base import Actor
@@ -65,11 +64,9 @@ from digenrl.transport.protocol import (
     StepDone,
     TagOffer,
     VersionAnnounce,
-    WeightsPart,
-    WeightsRequest,
 )
 from digenrl.transport.staging import HostToDevice, Landed
-from digenrl.transport.weights import publish_parts
+from digenrl.transport.weights import publish_parts, serve_weights
 
 
 class TrainerActor(Actor):
@@ -95,8 +92,6 @@ class TrainerActor(Actor):
         self.h2d = HostToDevice(getattr(policy.model, "device", "cpu"))
         self.pending: dict[int, list[Commit]] = defaultdict(list)        # step -> commits
         self.consumed_slots: dict[int, set[int]] = defaultdict(set)      # step -> fragments
-        # version -> [(part tensors, part checksum)], served by rank 0's weights ROUTER
-        self.published: dict[int, list[tuple[dict[str, torch.Tensor], str]]] = {}
         self.rejected_stale = 0
         self.revoked: set[int] = set()
         self.tag_tasks: asyncio.Queue[Assign] = asyncio.Queue()
@@ -225,22 +220,10 @@ class TrainerActor(Actor):
                 self.unexpected("control", msg)
 
     async def _weights_loop(self) -> None:
+        """Rank 0 serves the published versions (the first rollout of the relay, or all of
+        them with runtime.weights_fanout = 0); a version no longer kept is answered missing."""
         assert self.peers.weights is not None
-        while True:
-            peer, msg = await self.peers.weights.recv()
-            if not isinstance(msg, WeightsRequest):
-                self.unexpected("weights", msg)
-                continue
-            parts = self.published.get(msg.version, [])
-            if not 0 <= msg.part < len(parts):
-                # a version no longer kept (the newest three are) or a part it does not
-                # have: nothing to send, so counted and logged
-                self.unexpected("weights", msg, why=f"v{msg.version} part {msg.part} not served")
-                continue
-            tensors, checksum = parts[msg.part]
-            await self.peers.weights.send(WeightsPart(
-                version=msg.version, part=msg.part, nparts=len(parts),
-                checksum=checksum, tensors=tensors), to=peer)
+        await serve_weights(self.peers.weights, self.peers.store, self.unexpected)
 
     # ---------------------------------------------------------------- training
     async def _consume(self, commit: Commit) -> None:
@@ -374,9 +357,7 @@ class TrainerActor(Actor):
             sd = {k: v.detach().to("cpu").contiguous() for k, v in full.items()}
             # checksums once per version, off the event loop (not once per request)
             parts, whole = await asyncio.to_thread(publish_parts, sd)
-            self.published[version] = parts
-            for old in [v for v in self.published if v < version - 2]:
-                del self.published[old]
+            self.peers.store.publish(version, parts, whole)  # the newest three are kept
         await self.peers.control.send(VersionAnnounce(
             version=version, step=version, nparts=len(parts),
             nbytes=sum(t.numel() * t.element_size() for p, _ in parts for t in p.values()),

@@ -34,7 +34,8 @@ from digenrl.transport.frames import as_buffer, frame_to_tensor, tensor_to_frame
 # other version would fail every weight fetch, so it is refused at the handshake instead.
 # 3: Hello carries data_endpoint / weights_endpoint (host was "data|weights" on trainers);
 # roles and heartbeat states are Literals checked on decode; WeightsApplied is gone.
-PROTOCOL_VERSION = 3
+# 4: weights relay: WeightsRoute, WeightsMissing, WeightsHeld; rollouts serve weights too.
+PROTOCOL_VERSION = 4
 
 FROZEN_TAGS = frozenset({"shutdown"})
 """Messages whose layout never changes (``{"t": "shutdown", "v": N, "reason": str,

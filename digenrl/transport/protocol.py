@@ -18,7 +18,12 @@ any message it has no branch for: ``Actor.unexpected``)::
                                                      (rollouts that missed one), Shutdown
     coordinator -> rollouts (PUB -> SUB)             VersionAnnounce, Shutdown
     rollout/TAG trainer -> trainer rank (PUSH->PULL) Chunk, Commit
-    node -> trainer rank 0 (weights DEALER->ROUTER)  WeightsRequest; answered by WeightsPart
+    rollout -> its weights upstream (DEALER->ROUTER) WeightsRequest; answered by WeightsPart or
+                                                     WeightsMissing. The upstream is trainer
+                                                     rank 0 or, relaying, another rollout
+                                                     (core/relay.py; coordinator: WeightsRoute)
+    coordinator -> rollout (ROUTER -> DEALER)        WeightsRoute (where to fetch from)
+    rollout -> coordinator (control)                 WeightsHeld (a version arrived verified)
 
 A node of another protocol version is refused at its first message (the Hello) with a
 one-line Shutdown naming both versions (:class:`~digenrl.transport.sockets.Router`).
@@ -57,8 +62,8 @@ __all__ = [
     "DEFAULT_MAX_FRAMES", "DEFAULT_MAX_HEADER_BYTES", "DTYPES", "INT_MAX", "INT_MIN",
     "PROTOCOL_VERSION", "Assign", "Chunk", "Commit", "Consumed", "Heartbeat", "Hello",
     "JSONDict", "Message", "NodeState", "ProtocolError", "Revoke", "Role", "Shutdown",
-    "StepDone", "TagOffer", "VersionAnnounce", "VersionMismatch", "WeightsPart",
-    "WeightsRequest", "Welcome", "decode", "encode", "message", "message_types",
+    "StepDone", "TagOffer", "VersionAnnounce", "VersionMismatch", "WeightsHeld", "WeightsMissing",
+    "WeightsPart", "WeightsRequest", "WeightsRoute", "Welcome", "decode", "encode", "message", "message_types",
     "messages_equal", "tensor_checksum",
 ]
 
@@ -78,7 +83,7 @@ class Hello(Message):
     pid: int  # OS process id, for operators
     host: str  # host name, for operators
     data_endpoint: str  # trainer: its PULL address for chunks and commits; "" for a rollout
-    weights_endpoint: str  # trainer: its weights ROUTER address (rank 0 serves); "" for a rollout
+    weights_endpoint: str  # its weights ROUTER address (trainer rank 0 serves, a rollout relays)
 
 
 @message("welcome")
@@ -197,6 +202,31 @@ class WeightsPart(Message):
     nparts: int
     checksum: str  # tensor_checksum of this part's tensors
     tensors: dict[str, torch.Tensor]  # parameter name -> tensor
+
+
+@message("weights_missing")
+class WeightsMissing(Message):
+    """The server will never hold this part: the version was superseded or dropped."""
+
+    version: int
+    part: int
+    newest: int  # the newest version the server holds or is fetching (-1: none)
+
+
+@message("weights_route")
+class WeightsRoute(Message):
+    """Where a rollout fetches weight parts from (a membership change re-links the relay)."""
+
+    upstream: str  # a rollout's weights ROUTER address; "" = trainer rank 0's
+    upstream_node: str  # that node's id, for logs ("" for rank 0)
+
+
+@message("weights_held")
+class WeightsHeld(Message):
+    """A rollout holds ``version`` whole and verified (it can generate with it and serve it)."""
+
+    node_id: str
+    version: int
 
 
 @message("step_done")

@@ -1,18 +1,31 @@
-"""Weight sets by version: split into parts for the wire, reassembled and verified on arrival.
+"""Weight sets by version: split into parts for the wire, reassembled, verified, served, relayed.
 
 A version is published as parts of about ``PART_BYTES`` each, with one checksum per part
 (CRC-32 over names, dtypes, shapes and bytes) and a set checksum over the part checksums
 in order. A receiver verifies each part as it lands and the set from the part checksums, so
 every byte is hashed once on each side.
+
+Serving (:func:`serve_weights`, a ROUTER answering ``WeightsRequest``) works from a
+:class:`WeightStore`: trainer rank 0 publishes complete versions into it, and a rollout
+puts in the version it is fetching, so it can serve each part to the rollouts downstream of
+it the moment that part has landed and been verified (the pipelined relay; who serves whom
+is :mod:`digenrl.core.relay`). A request for a part that has not landed yet waits for it; a
+request for a version the server will never hold (superseded: it moved to a newer one, or
+dropped) is answered with ``WeightsMissing``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from digenrl.transport.protocol import tensor_checksum
+from digenrl.transport.errors import Closed, PeerLost
+from digenrl.transport.protocol import WeightsMissing, WeightsPart, WeightsRequest, tensor_checksum
 
 PART_BYTES = 4 << 20
 
@@ -76,3 +89,102 @@ class WeightAssembly:
         if set_checksum([self.sums[p] for p in range(self.nparts)]) != self.checksum:
             raise ValueError(f"weights v{self.version}: whole-set checksum mismatch")
         return {k: v for p in range(self.nparts) for k, v in self.parts[p].items()}
+
+
+class WeightStore:
+    """The weight sets a node can serve: the newest ``keep`` versions, complete or landing.
+
+    Versions enter in increasing order (a node only ever moves to a newer version), so a
+    version below the newest that is not held will never be: requests for it are answered
+    as missing. Single event loop; callers announce each landed part with :meth:`landed`.
+    """
+
+    def __init__(self, keep: int = 3) -> None:
+        self.keep = keep
+        self._sets: dict[int, WeightAssembly] = {}
+        self._gone = -1  # versions <= this are not held and never will be
+        self._changed = asyncio.Event()
+
+    @property
+    def newest(self) -> int:
+        return max(self._sets, default=self._gone)
+
+    def get(self, version: int) -> WeightAssembly | None:
+        return self._sets.get(version)
+
+    def publish(self, version: int, parts: list[tuple[dict[str, torch.Tensor], str]], whole: str) -> None:
+        """A complete version (trainer rank 0's own, already checksummed by publish_parts)."""
+        asm = WeightAssembly(version, len(parts), whole)
+        for i, (tensors, checksum) in enumerate(parts):
+            asm.parts[i], asm.sums[i] = tensors, checksum
+        self.begin(asm)
+
+    def begin(self, asm: WeightAssembly) -> None:
+        """A version being fetched: its parts are served as they land."""
+        self._sets[asm.version] = asm
+        for old in sorted(self._sets)[:-self.keep]:
+            del self._sets[old]
+            self._gone = max(self._gone, old)
+        self.landed()
+
+    def abandon(self, version: int) -> None:
+        """A fetch that will not finish: requests waiting for its parts get WeightsMissing."""
+        asm = self._sets.get(version)
+        if asm is not None and asm.missing():
+            del self._sets[version]
+            self._gone = max(self._gone, version)
+            self.landed()
+
+    def landed(self) -> None:
+        """Wake the requests waiting on this store (a part landed, a version began or went)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def part(self, version: int, part: int) -> WeightAssembly | None:
+        """The version's assembly once ``part`` has landed in it; None if it never will."""
+        while True:
+            asm = self._sets.get(version)
+            if asm is not None:
+                if not 0 <= part < asm.nparts:
+                    return None
+                if part in asm.parts:
+                    return asm
+            elif version <= self._gone or version < self.newest:
+                return None
+            await self._changed.wait()
+
+
+MAX_WAITING_REQUESTS = 1024
+"""Requests a server holds at once; beyond it they are answered as missing (a peer cannot
+make it hold unbounded state)."""
+
+
+async def serve_weights(router: Any, store: WeightStore,
+                        unexpected: Callable[[str, object], None] | None = None) -> None:
+    """Answer ``WeightsRequest`` on ``router`` from ``store`` until cancelled; each request
+    waits for its part on its own, so one not yet landed never holds the others up."""
+    waiting: set[asyncio.Task[None]] = set()
+
+    async def answer(peer: bytes, req: WeightsRequest) -> None:
+        asm = None if len(waiting) > MAX_WAITING_REQUESTS else await store.part(req.version, req.part)
+        if asm is None:
+            reply: Any = WeightsMissing(version=req.version, part=req.part, newest=store.newest)
+        else:
+            reply = WeightsPart(version=req.version, part=req.part, nparts=asm.nparts,
+                                checksum=asm.sums[req.part], tensors=asm.parts[req.part])
+        with contextlib.suppress(PeerLost, Closed):  # it left (or we are closing): nobody to tell
+            await router.send(reply, to=peer)
+
+    try:
+        while True:
+            peer, msg = await router.recv()
+            if not isinstance(msg, WeightsRequest):
+                if unexpected is not None:
+                    unexpected("weights", msg)
+                continue
+            task = asyncio.ensure_future(answer(peer, msg))
+            waiting.add(task)
+            task.add_done_callback(waiting.discard)
+    finally:
+        for task in list(waiting):
+            task.cancel()

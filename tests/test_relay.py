@@ -1,0 +1,218 @@
+"""The weights relay: tree membership (sans-I/O), and rollouts relaying parts over real sockets.
+
+Rollouts here are real :class:`NodePeers` with their own weights ROUTER, fetching from trainer
+rank 0's ROUTER (a :class:`WeightStore` served by :func:`serve_weights`, as the trainer does)
+or from each other, on loopback. Egress is read from the sockets' own byte counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import structlog
+import torch
+import zmq.asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from digenrl.actors.peers import NodePeers, WeightsSuperseded
+from digenrl.config import load_config
+from digenrl.core.relay import RelayTree
+from digenrl.telemetry.trace import SpanRecorder
+from digenrl.transport.protocol import VersionAnnounce, WeightsHeld, WeightsRoute
+from digenrl.transport.sockets import Dealer, Router, SocketOptions
+from digenrl.transport.weights import WeightAssembly, WeightStore, publish_parts, serve_weights
+
+OPTS = SocketOptions(max_frame_bytes=8 << 20, hwm=16)
+WAIT = 20.0
+
+
+# ----------------------------------------------------------------------------- the tree
+
+@settings(max_examples=60, deadline=None)
+@given(fanout=st.integers(0, 3), ops=st.lists(st.tuples(st.booleans(), st.integers(0, 50)), max_size=60))
+def test_the_tree_stays_a_tree_and_every_change_is_reported(fanout: int, ops: list[tuple[bool, int]]) -> None:
+    tree, told = RelayTree(fanout), {}
+    for join, n in ops:
+        node = f"r{n}"
+        changed = tree.join(node) if join else tree.leave(node)
+        if not join:
+            told.pop(node, None)
+        told.update(changed)
+        for m in tree.members:
+            assert told.get(m) == tree.upstream(m)  # a node is told whenever its upstream moves
+            assert len(tree.downstream(m)) <= fanout
+            seen, x = set(), m
+            while x is not None:  # every path ends at rank 0
+                assert x not in seen
+                seen.add(x)
+                x = tree.upstream(x)
+        from_rank0 = [m for m in tree.members if tree.upstream(m) is None]
+        assert len(from_rank0) == (len(tree.members) if fanout == 0 else min(1, len(tree.members)))
+
+
+def test_a_chain_relinks_only_the_moved_node_and_the_leavers_child() -> None:
+    tree = RelayTree(1)
+    for n in "abcd":
+        tree.join(n)
+    assert [tree.upstream(n) for n in "abcd"] == [None, "a", "b", "c"]
+    assert tree.leave("b") == {"d": "a", "c": "d"}  # d takes b's place; c now fetches from d
+    assert tree.leave("c") == {}  # the tail leaves: nobody re-links
+
+
+# ----------------------------------------------------------------------------- the store
+
+async def test_a_request_waits_for_its_part_and_an_abandoned_version_is_missing() -> None:
+    store = WeightStore()
+    parts, whole = publish_parts({f"w{i}": torch.full((4,), float(i)) for i in range(3)}, part_bytes=16)
+    asm = WeightAssembly(1, len(parts), whole)
+    store.begin(asm)
+    waiting = asyncio.ensure_future(store.part(1, 2))
+    future = asyncio.ensure_future(store.part(2, 0))  # not begun yet: waits too
+    await asyncio.sleep(0)
+    assert not waiting.done() and not future.done()
+    asm.add(2, *parts[2])
+    store.landed()
+    assert await asyncio.wait_for(waiting, WAIT) is asm
+    store.abandon(1)
+    assert await store.part(1, 0) is None  # will never land
+    store.begin(WeightAssembly(3, 1, whole))
+    assert await asyncio.wait_for(future, WAIT) is None  # superseded by version 3
+
+
+# ----------------------------------------------------------------------------- real sockets
+
+class _Actor:
+    role = "rollout"
+
+    def __init__(self, name: str) -> None:
+        self.recorder = SpanRecorder(name, "rollout")
+        self.log = structlog.get_logger()
+        self.unexpected_seen: list[Any] = []
+
+    def working(self, name: str, **args: Any) -> Any:
+        return self.recorder.span(name, **args)
+
+    def unexpected(self, socket: str, msg: object, why: str = "") -> None:
+        self.unexpected_seen.append(msg)
+
+
+class _Cluster:
+    """Trainer rank 0's weights ROUTER and N rollouts' NodePeers with relay ROUTERs."""
+
+    def __init__(self, n: int, **overrides: Any) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.cfg = load_config(None, [f"runtime.{k}={v}" for k, v in overrides.items()])
+        self.rank0 = Router(self.ctx, options=OPTS)
+        self.rank0_ep = self.rank0.bind("tcp://127.0.0.1:*")
+        self.rank0_store = WeightStore()
+        self.coordinator = Router(self.ctx, options=OPTS)
+        coord_ep = self.coordinator.bind("tcp://127.0.0.1:*")
+        self.sockets: list[Any] = [self.rank0, self.coordinator]
+        self.peers: list[NodePeers] = []
+        self.relay_eps: list[str] = []
+        for i in range(n):
+            relay = Router(self.ctx, options=OPTS)
+            self.relay_eps.append(relay.bind("tcp://127.0.0.1:*"))
+            control, to_rank0 = Dealer(self.ctx, options=OPTS), Dealer(self.ctx, options=OPTS)
+            control.connect(coord_ep)
+            to_rank0.connect(self.rank0_ep)
+            self.sockets += [relay, control, to_rank0]
+            self.peers.append(NodePeers(node_id=f"rollout-{i}", incarnation=1, cfg=self.cfg, control=control,
+                                        weights=to_rank0, relay=relay, connect=self._dealer))
+        self.actors = [_Actor(f"rollout-{i}") for i in range(n)]
+        self.tasks = [asyncio.ensure_future(serve_weights(self.rank0, self.rank0_store))]
+        self.tasks += [asyncio.ensure_future(p.relay_loop(a)()) for p, a in zip(self.peers, self.actors)]
+
+    def _dealer(self, endpoint: str) -> Dealer:
+        d = Dealer(self.ctx, options=OPTS)
+        d.connect(endpoint)
+        self.sockets.append(d)
+        return d
+
+    def publish(self, version: int, mib: int = 1) -> tuple[VersionAnnounce, dict[str, torch.Tensor]]:
+        sd = {f"w{i}": torch.full((64 * 1024,), float(version * 100 + i)) for i in range(4 * mib)}  # 256 KiB each
+        parts, whole = publish_parts(sd, part_bytes=300_000)
+        self.rank0_store.publish(version, parts, whole)
+        return VersionAnnounce(version=version, step=version, nparts=len(parts), nbytes=mib << 20,
+                               checksum=whole), sd
+
+    def chain(self) -> None:
+        for i in range(1, len(self.peers)):
+            self.peers[i].on_route(WeightsRoute(upstream=self.relay_eps[i - 1], upstream_node=f"rollout-{i - 1}"))
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for s in self.sockets:
+            s.close()
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Any]:
+    made: list[_Cluster] = []
+
+    def make(n: int, **overrides: Any) -> _Cluster:
+        made.append(_Cluster(n, **overrides))
+        return made[-1]
+
+    yield make
+    for c in made:
+        await c.close()
+
+
+async def test_a_chain_of_rollouts_holds_a_version_that_rank_0_sent_once(cluster: Any) -> None:
+    c = cluster(4)
+    c.chain()
+    ann, sd = c.publish(1, mib=2)
+    got = await asyncio.wait_for(asyncio.gather(*(p._fetch(a, ann, "weight_prefetch")
+                                                  for p, a in zip(c.peers, c.actors))), WAIT)
+    for held in got:
+        assert held.keys() == sd.keys() and all(torch.equal(held[k], sd[k]) for k in sd)
+    set_bytes = sum(t.numel() * t.element_size() for t in sd.values())
+    # rank 0 sent the set once (frames add a few headers); each relay the set once, the tail none
+    assert set_bytes <= c.rank0.statistics().bytes_sent <= 1.01 * set_bytes
+    relayed = [p.relay.statistics().bytes_sent for p in c.peers]
+    assert all(set_bytes <= b <= 1.01 * set_bytes for b in relayed[:-1]) and relayed[-1] == 0
+    for _ in c.peers:  # each rollout told the coordinator it holds the version
+        _, msg = await asyncio.wait_for(c.coordinator.recv(), WAIT)
+        assert isinstance(msg, WeightsHeld) and msg.version == 1
+
+
+async def test_a_route_change_mid_fetch_asks_the_new_upstream_for_the_parts_in_flight(cluster: Any) -> None:
+    c = cluster(2)
+    ann, sd = c.publish(1)
+    mute = Router(c.ctx, options=OPTS)  # an upstream that takes requests and never answers
+    c.sockets.append(mute)
+    c.peers[1].on_route(WeightsRoute(upstream=mute.bind("tcp://127.0.0.1:*"), upstream_node="mute"))
+    fetch = asyncio.ensure_future(c.peers[1]._fetch(c.actors[1], ann, "weight_prefetch"))
+    await asyncio.wait_for(mute.recv(), WAIT)  # a request is in flight there
+    c.peers[1].on_route(WeightsRoute(upstream="", upstream_node=""))  # re-linked to rank 0
+    held = await asyncio.wait_for(fetch, WAIT)
+    assert all(torch.equal(held[k], sd[k]) for k in sd) and c.peers[1].relay_fallbacks == 0
+
+
+async def test_an_upstream_silent_for_the_liveness_timeout_is_bypassed_for_rank_0(cluster: Any) -> None:
+    c = cluster(1, heartbeat_s=0.05, heartbeat_misses=2)
+    ann, sd = c.publish(1)
+    mute = Router(c.ctx, options=OPTS)
+    c.sockets.append(mute)
+    c.peers[0].on_route(WeightsRoute(upstream=mute.bind("tcp://127.0.0.1:*"), upstream_node="mute"))
+    held = await asyncio.wait_for(c.peers[0]._fetch(c.actors[0], ann, "weight_prefetch"), WAIT)
+    assert all(torch.equal(held[k], sd[k]) for k in sd) and c.peers[0].relay_fallbacks == 1
+
+
+async def test_a_version_the_upstream_moved_past_ends_the_fetch_as_superseded(cluster: Any) -> None:
+    c = cluster(2)
+    c.chain()
+    old, _ = c.publish(1)
+    new, _ = c.publish(2)
+    await asyncio.wait_for(c.peers[0]._fetch(c.actors[0], new, "weight_prefetch"), WAIT)
+    with pytest.raises(WeightsSuperseded, match="v1"):  # rollout-0 holds v2: v1 will never be there
+        await asyncio.wait_for(c.peers[1]._fetch(c.actors[1], old, "weight_prefetch"), WAIT)
+    assert c.peers[1].store.get(1) is None  # the abandoned version is not served on
