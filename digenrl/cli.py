@@ -28,6 +28,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default=None, help="override run.mode")
     p.add_argument("--rollouts", type=int, default=None, help="rollout processes")
     p.add_argument("--trainers", type=int, default=None, help="trainer ranks")
+    p.add_argument("--rewards", type=int, default=None,
+                   help="reward worker processes hosting the reward terms (default cluster.rewards: 0)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps")
     p.add_argument("--run-dir", default=None, help="output folder (default runs/<mode>-<time>)")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its checkpoint")
@@ -155,11 +157,11 @@ def one_line(e: BaseException) -> str:
 
 def build_node_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="digenrl-node", description="run one DigenRL role by hand")
-    p.add_argument("--role", required=True, choices=["coordinator", "rollout", "trainer"])
+    p.add_argument("--role", required=True, choices=["coordinator", "rollout", "trainer", "reward"])
     p.add_argument("--coordinator", default=None, metavar="ENDPOINT",
                    help="coordinator control address, e.g. tcp://10.0.0.1:5555 (nodes)")
     p.add_argument("--bind", default=None, metavar="ENDPOINT",
-                   help="address to bind (coordinator: control ROUTER; trainer: data PULL)")
+                   help="address to bind (coordinator: control ROUTER; trainer: data PULL; reward: requests ROUTER)")
     p.add_argument("--gpu", default=None, help="GPU type this node declares (H100, L40S, cpu, ...)")
     p.add_argument("--node-id", default=None, help="stable node id (default role-host-pid)")
     p.add_argument("--rank", type=int, default=None,

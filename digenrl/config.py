@@ -147,6 +147,10 @@ class RewardTerm:
 @dataclass(frozen=True, kw_only=True)
 class RewardConfig:
     terms: list[RewardTerm] = _f([RewardTerm()], "weighted reward terms, summed")
+    worker_batch: int = _f(32, "reward workers (cluster.rewards > 0) score up to this many images "
+                           "per call, gathered across fragments and rollouts", ge=1)
+    worker_timeout_s: float = _f(300.0, "a fragment whose scores have not come back from a reward "
+                                 "worker within this is discarded as 'reward_timeout'", gt=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,6 +212,8 @@ class RuntimeConfig:
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
     rollouts: int = _f(1, "rollout processes `digenrl launch` starts", ge=0)
+    rewards: int = _f(0, "reward worker processes (`digenrl-node --role reward`) hosting the reward "
+                      "terms; 0 scores in the generating process (cheap rewards)", ge=0)
     trainers: int = _f(1, "trainer ranks `digenrl launch` starts", ge=1)
     gpu: str = _f("cpu", "GPU type nodes declare (H100, H800, H20, L40S, cpu)")
     rollout_gpu: str = _f("", "GPU type the launcher's rollout nodes declare ('' = cluster.gpu)")

@@ -40,6 +40,10 @@ def _counts(cfg: Config, args: argparse.Namespace, mode: str | None) -> Config:
             raise ConfigError(f"--rollouts 0: mode {mode or cfg.run.mode} needs at least one "
                               "rollout (only colocated runs without them)")
         cl = dataclasses.replace(cl, rollouts=args.rollouts)
+    if getattr(args, "rewards", None) is not None:
+        if args.rewards < 0:
+            raise ConfigError(f"--rewards {args.rewards}: expected 0 or more")
+        cl = dataclasses.replace(cl, rewards=args.rewards)
     if getattr(args, "trainers", None) is not None:
         if args.trainers < 1:
             raise ConfigError(f"--trainers {args.trainers}: expected at least 1")
@@ -144,6 +148,9 @@ def run_colocated_ranks(cfg: Config, run_dir: Path, resume: bool = False) -> dic
 
 def check_runtime_support(cfg: Config) -> None:
     """Refuse, before any process starts, what the runtime cannot do."""
+    if cfg.cluster.rewards and cfg.run.mode == "colocated":
+        raise ConfigError(f"cluster.rewards = {cfg.cluster.rewards}: reward workers serve rollout "
+                          "nodes; colocated mode has none (use digenrl or disagg-sync, or 0)")
     if cfg.model.fsdp and cfg.runtime.tag == "always" and cfg.run.mode != "colocated":
         raise ConfigError("model.fsdp = true with runtime.tag = 'always': a sharded trainer rank "
                           "cannot generate alone (its passes are collectives over all ranks); "

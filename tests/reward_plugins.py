@@ -58,3 +58,10 @@ def attributes(images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.
     """Several values per image, as a judge returns them."""
     b = images.shape[0]
     return {"shape": torch.ones(b), "all": torch.full((b,), 0.5)}
+
+
+def fails_when_flagged(images: torch.Tensor, prompts: Sequence[str], metadata) -> torch.Tensor:
+    """Raises for a batch holding a prompt whose metadata says ``fail``; else the mean pixel."""
+    if any(m.get("fail") for m in metadata):
+        raise RuntimeError("a flagged prompt")
+    return images.float().mean(dim=(1, 2, 3)) / 255.0

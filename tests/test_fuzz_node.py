@@ -45,7 +45,7 @@ def _seeds() -> list[list[bytes]]:
               policy_version=0, x_t=x, x_next=x + 1, log_prob=torch.zeros(2)),
         Commit(task_id=1, step=0, fragment=0, node_id="n", policy_version=0, prompt_ids=[1],
                rewards=[0.5, 0.25], reward_terms={"a": [1.0, 2.0]}, gen_seconds=0.1,
-               cond={"e": x}, images=torch.zeros(0, dtype=torch.uint8)),
+               cond={"e": x}, images=torch.zeros(0, dtype=torch.uint8), discard=""),
     ]
     return [[bytes(f) for f in encode(m)] for m in msgs]
 

@@ -86,7 +86,7 @@ def test_the_message_set_is_registered() -> None:
         "hello", "welcome", "heartbeat", "assign", "chunk", "commit", "consumed",
         "version_announce", "weights_request", "weights_part", "weights_missing", "weights_route",
         "weights_held", "step_done",
-        "tag_offer", "revoke", "shutdown"}
+        "tag_offer", "revoke", "shutdown", "score", "scored"}
 
 
 @pytest.mark.parametrize("tag", sorted(message_types()))
@@ -163,8 +163,8 @@ def test_a_shutdown_reads_in_any_protocol_version_and_nothing_else_does() -> Non
 def test_roles_and_states_outside_their_sets_are_refused_both_ways() -> None:
     hello = protocol.Hello(node_id="n", role="rollout", gpu="cpu", incarnation=1, pid=1, host="h",
                            data_endpoint="", weights_endpoint="")
-    assert protocol.Hello.KINDS["role"] == "literal:rollout|trainer"
-    with pytest.raises(ValueError, match=r"Hello\.role = 'admin': expected one of rollout\|trainer"):
+    assert protocol.Hello.KINDS["role"] == "literal:rollout|trainer|reward"
+    with pytest.raises(ValueError, match=r"Hello\.role = 'admin': expected one of rollout\|trainer\|reward"):
         encode(protocol.Hello(**{**hello.__dict__, "role": "admin"}))
     header = _header(encode(hello))
     header["role"] = "coordinator"
@@ -321,4 +321,4 @@ def test_weights_part_with_slashes_in_names_and_messages_equal_is_strict() -> No
     assert isinstance(got, WeightsPart) and tensor_checksum(got.tensors) == part.checksum
     assert not messages_equal(Shutdown(reason="a"), Shutdown(reason="b"))
     assert not messages_equal(_chunk(), _chunk(x_t=torch.zeros(2, 3, 4)))
-    assert protocol.PROTOCOL_VERSION == 4
+    assert protocol.PROTOCOL_VERSION == 5

@@ -62,7 +62,7 @@ def _setup(reward_fn: Any = None) -> tuple[_Rollout, NodePeers, _Link, _Link, As
     peers = NodePeers(node_id="rollout-0", incarnation=1, cfg=cfg, control=control, pushes={0: push})
     task = Assign(task_id=7, step=0, fragment=0, prompt_ids=[0], prompts=["a red cube"], seeds=[1, 2],
                   group_size=2, version_floor=0, lease_s=60.0, sde_steps=sde,
-                  owners={str(t): 0 for t in trained})
+                  owners={str(t): 0 for t in trained}, metadata=['{"prompt": "a red cube"}'])
     return _Rollout(), peers, push, control, task, policy, reward_fn or build_reward(cfg.reward.terms)
 
 

@@ -113,7 +113,7 @@ async def test_tensors_of_every_dtype_and_shape_arrive_bit_identical(make, addre
                      "mask": torch.tensor([[True, False]]),
                      "ids": torch.arange(6, dtype=torch.int64),
                      "tok": torch.arange(6, dtype=torch.int32), "empty": torch.zeros(3, 0, 2)},
-               images=torch.randint(0, 256, (2, 3, 8, 8), generator=g, dtype=torch.uint8)),
+               images=torch.randint(0, 256, (2, 3, 8, 8), generator=g, dtype=torch.uint8), discard=""),
     ]
     for msg in sent:
         await push.send(msg)

@@ -63,24 +63,33 @@ class Children:
         self.cfg, self.run_dir, self.coordinator = cfg, run_dir, coordinator
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.restarts: dict[str, int] = {}
+        self.ports: dict[str, int] = {}  # reward workers' fixed ports
         self.max_restarts = max_restarts
         self.log = get_logger("launcher", "launcher")
 
     def specs(self) -> list[tuple[str, str]]:
-        return [(f"trainer-{r}", "trainer") for r in range(self.cfg.cluster.trainers)] + \
+        return [(f"reward-{r}", "reward") for r in range(self.cfg.cluster.rewards)] + \
+               [(f"trainer-{r}", "trainer") for r in range(self.cfg.cluster.trainers)] + \
                [(f"rollout-{r}", "rollout") for r in range(self.cfg.cluster.rollouts)]
 
     def gpu(self, role: str) -> str:
         """The GPU type a child of ``role`` declares (cluster.rollout_gpu / trainer_gpu / gpu)."""
         cl = self.cfg.cluster
+        if role == "reward":
+            return cl.gpu
         return (cl.rollout_gpu if role == "rollout" else cl.trainer_gpu) or cl.gpu
 
     async def start(self, node_id: str, role: str) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.run.threads), PYTHONUNBUFFERED="1")
         err = open(self.run_dir / "logs" / f"{node_id}.stderr", "ab")  # noqa: SIM115 - child owns it
+        bind: list[str] = []
+        if role == "reward":  # one address for the worker's life: a restart binds it again
+            host = self.cfg.cluster.host
+            port = self.ports.setdefault(node_id, free_port(host))
+            bind = ["--bind", f"tcp://{host}:{port}"]
         self.procs[node_id] = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "digenrl.cli", "node", "--role", role, "--coordinator", self.coordinator,
-            "--node-id", node_id, "--run-dir", str(self.run_dir), "--gpu", self.gpu(role),
+            "--node-id", node_id, "--run-dir", str(self.run_dir), "--gpu", self.gpu(role), *bind,
             stdout=err, stderr=err, env=env)
         err.close()
         write_json_atomic(self.run_dir / "logs" / "pids.json",
@@ -182,7 +191,8 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     except BaseException:  # refused (plain text off loopback, no keys): nothing left open
         ctx.term()
         raise
-    prompts = load_splits(cfg.prompts)[0].prompts
+    train_set = load_splits(cfg.prompts)[0]
+    prompts = train_set.prompts
     sched = make_scheduler(cfg, len(prompts))
 
     def new_scheduler() -> Scheduler:  # same params (no model build), for a rewind
@@ -192,6 +202,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     metrics = MetricsWriter(run_dir)
     recorder = SpanRecorder("coordinator", "coordinator")
     actor = CoordinatorActor(cfg=cfg, scheduler=sched, control=control, pub=pub, prompts=prompts,
+                             metadata=train_set.metadata,
                              run_dir=run_dir, dist_endpoint=f"tcp://{host}:{free_port(host)}",
                              metrics=metrics, progress=Progress(cfg.run.steps),
                              expected_trainers=cfg.cluster.trainers, node_id="coordinator",

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -77,9 +78,13 @@ class CoordinatorActor(Actor):
     def __init__(self, *, cfg: Config, scheduler: Scheduler, control: Any, pub: Any, prompts: list[str],
                  run_dir: Path, dist_endpoint: str, metrics: Any, progress: Any = None,
                  expected_trainers: int, scheduler_factory: Callable[[], Scheduler] | None = None,
-                 max_resets: int = 3, **kw: Any) -> None:
+                 max_resets: int = 3, metadata: list[dict[str, Any]] | None = None, **kw: Any) -> None:
         super().__init__(**kw)
         self.cfg = cfg
+        # each prompt's metadata record as JSON text, sent with its Assign (rewards read it)
+        self.metadata = [json.dumps(m) for m in (metadata or [{"prompt": p} for p in prompts])]
+        self.rewards: dict[str, dict[str, Any]] = {}  # reward workers: node_id -> {peer, endpoint}
+        self.trainers_welcomed = False
         self.sched = scheduler
         self.control = control
         self.pub = pub
@@ -192,6 +197,8 @@ class CoordinatorActor(Actor):
         self.recovery["rolled_back_admitted"] += admitted_before - self.sched.statistics()["admitted"]
         self.nodes.clear()
         self.trainers.clear()
+        self.rewards.clear()
+        self.trainers_welcomed = False
         self.waiting_rollouts.clear()
         self._peer_ids.clear()  # every node restarts and binds anew; late messages are dropped
         self._bound.clear()
@@ -212,6 +219,11 @@ class CoordinatorActor(Actor):
             return
         if node["role"] == "trainer":
             await self.reset(f"{node_id} exited with code {code}" + (f" ({why})" if why else ""))
+            return
+        if node["role"] == "reward":  # its fragments in flight time out (reward_timeout) at the rollouts
+            self.recovery["reward_workers_lost"] = self.recovery.get("reward_workers_lost", 0) + 1
+            self.log.warning("reward worker lost", node=node_id, code=code)
+            del self.nodes[node_id]
             return
         self.recovery["rollouts_lost"] += 1
         self.log.warning("rollout lost", node=node_id, code=code)
@@ -357,7 +369,7 @@ class CoordinatorActor(Actor):
     async def _ensure_joined(self, node_id: str, now: float) -> bool:
         """A welcomed node joins the schedule with its first sign of life (its model is built)."""
         node = self.nodes.get(node_id)
-        if node is None:
+        if node is None or node["role"] == "reward":  # reward workers are not scheduled
             return False
         if not node.get("ready"):
             node["ready"] = True
@@ -372,6 +384,17 @@ class CoordinatorActor(Actor):
         return True
 
     async def _hello(self, peer: bytes, msg: Hello, now: float) -> None:
+        if msg.role == "reward":
+            # welcomed at once (it needs no peer); the others wait until every worker is known,
+            # since rollouts and TAG helpers connect to all of them (a restarted worker binds
+            # its old address again: the launcher gives each worker a fixed one)
+            self._bind(peer, msg)
+            self.rewards[msg.node_id] = {"peer": peer, "endpoint": msg.data_endpoint}
+            self.nodes[msg.node_id] = {"role": "reward", "peer": peer, "gpu": msg.gpu}
+            await self._send(self._welcome(msg.node_id, sorted(self.rewards).index(msg.node_id),
+                                           self.cfg.cluster.rewards), to=peer)
+            await self._release(now)
+            return
         if msg.role == "trainer":
             if any(t["node_id"] == msg.node_id for t in self.trainers.values()) and \
                     len(self.trainers) == self.expected_trainers:
@@ -384,15 +407,10 @@ class CoordinatorActor(Actor):
                                    "data_endpoint": msg.data_endpoint,
                                    "weights_endpoint": msg.weights_endpoint}
             self.nodes[msg.node_id] = {"role": "trainer", "peer": peer, "rank": rank, "gpu": msg.gpu}
-            if len(self.trainers) == self.expected_trainers:
-                for r, t in self.trainers.items():
-                    await self._send(self._welcome(t["node_id"], r, self.expected_trainers), to=t["peer"])
-                for p, h in self.waiting_rollouts:
-                    await self._hello(p, h, now)
-                self.waiting_rollouts.clear()
+            await self._release(now)
         else:  # a rollout (the codec admits no other role)
             self._bind(peer, msg)
-            if len(self.trainers) < self.expected_trainers:
+            if not self.trainers_welcomed:
                 self.waiting_rollouts.append((peer, msg))
                 return
             await self.weights.leave(msg.node_id)  # a restarted rollout joins again when ready
@@ -402,8 +420,22 @@ class CoordinatorActor(Actor):
             if self.latest_announce is not None:
                 await self._send(self.latest_announce, to=peer)
 
+    async def _release(self, now: float) -> None:
+        """Welcome the trainers (then the waiting rollouts) once every trainer rank and every
+        reward worker has said Hello: their Welcome lists the workers to send samples to."""
+        if self.trainers_welcomed or len(self.trainers) < self.expected_trainers \
+                or len(self.rewards) < self.cfg.cluster.rewards:
+            return
+        self.trainers_welcomed = True
+        for r, t in self.trainers.items():
+            await self._send(self._welcome(t["node_id"], r, self.expected_trainers), to=t["peer"])
+        waiting, self.waiting_rollouts = self.waiting_rollouts, []
+        for p, h in waiting:
+            await self._hello(p, h, now)
+
     def _welcome(self, node_id: str, rank: int, world: int) -> Welcome:
         endpoints = {f"trainer/{r}": t["data_endpoint"] for r, t in self.trainers.items()}
+        endpoints.update({f"reward/{n}": w["endpoint"] for n, w in self.rewards.items()})
         endpoints["dist"] = self.dist_endpoint
         endpoints["pub"] = self.pub.endpoint
         endpoints["weights"] = self.trainers[0]["weights_endpoint"] if self.trainers else ""
@@ -435,7 +467,8 @@ class CoordinatorActor(Actor):
                     prompt_ids=list(cmd.prompt_ids), prompts=[self.prompts[i] for i in cmd.prompt_ids],
                     seeds=list(cmd.seeds), group_size=cmd.group_size, version_floor=cmd.version_floor,
                     lease_s=cmd.lease_s, sde_steps=list(cmd.sde_steps),
-                    owners={str(t): r for t, r in zip(cmd.trained_steps, cmd.owners)}),
+                    owners={str(t): r for t, r in zip(cmd.trained_steps, cmd.owners)},
+                    metadata=[self.metadata[i] for i in cmd.prompt_ids]),
                     to=node["peer"])
             elif isinstance(cmd, RevokeCmd):
                 node = self.nodes.get(cmd.node_id)

@@ -187,7 +187,10 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
         host = bind or "tcp://127.0.0.1:*"
         if role == "trainer":
             data = track(zs.bind(ctx, "pull", host, boot))
-        weights = track(zs.bind(ctx, "router", host, boot))  # rank 0 serves, a rollout relays
+        elif role == "reward":  # Score requests from rollouts and TAG helpers
+            data = track(zs.bind(ctx, "router", host, boot))
+        if role != "reward":
+            weights = track(zs.bind(ctx, "router", host, boot))  # rank 0 serves, a rollout relays
         await control.send(Hello(node_id=node_id, role=role, gpu=gpu, incarnation=inc,
                                  pid=os.getpid(), host=pysocket.gethostname(),
                                  data_endpoint=data.endpoint if data else "",
@@ -214,24 +217,32 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
         from digenrl.actors.peers import NodePeers
         from digenrl.models import build_model
         from digenrl.rl.rewards import build_reward
-        reward_fn = build_reward(cfg.reward.terms)
+        # with reward workers, only they build the reward (its models may need a GPU each)
+        workers = cfg.cluster.rewards > 0 and role != "reward"
+        reward_fn = None if workers else build_reward(cfg.reward.terms)
+        scorers = {k.split("/", 1)[1]: track(zs.connect(ctx, "dealer", v, cfg))
+                   for k, v in sorted(endpoints.items()) if k.startswith("reward/")} if workers else {}
         kw = dict(node_id=node_id, recorder=recorder, log=log.bind(policy_version=0))
-        if role == "rollout":
+        if role == "reward":
+            from digenrl.actors.reward import RewardActor
+            peers = NodePeers(node_id=node_id, incarnation=inc, cfg=cfg, control=control)
+            actor: Any = RewardActor(peers=peers, cfg=cfg, router=data, reward_fn=reward_fn, **kw)
+        elif role == "rollout":
             sub = track(zs.connect(ctx, "sub", endpoints["pub"], cfg))
             wdealer = track(zs.connect(ctx, "dealer", endpoints["weights"], cfg))
             peers = NodePeers(node_id=node_id, incarnation=inc, cfg=cfg, control=control, sub=sub,
-                              pushes=pushes, weights=wdealer, relay=weights,
+                              pushes=pushes, weights=wdealer, relay=weights, scorers=scorers,
                               connect=lambda ep: track(zs.connect(ctx, "dealer", ep, cfg)))
             model = await asyncio.to_thread(build_model, cfg.model, seed=cfg.run.seed, gpu=gpu)
             from digenrl.actors.rollout import RolloutActor
-            actor: Any = RolloutActor(peers=peers, cfg=cfg, model=model, reward_fn=reward_fn, **kw)
+            actor = RolloutActor(peers=peers, cfg=cfg, model=model, reward_fn=reward_fn, **kw)
         else:
             import torch.distributed as dist
 
             from digenrl.actors.trainer import TrainerActor
             from digenrl.rl.policy import build_policy
             peers = NodePeers(node_id=node_id, incarnation=inc, cfg=cfg, control=control,
-                              pushes=pushes, data=data, weights=weights)
+                              pushes=pushes, data=data, weights=weights, scorers=scorers)
             if msg.world_size > 1:  # before the policy: FSDP shards over this group
                 await asyncio.to_thread(dist.init_process_group, "gloo", init_method=endpoints["dist"],
                                         rank=msg.rank, world_size=msg.world_size)

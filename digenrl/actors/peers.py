@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from digenrl.config import Config
-from digenrl.rl.fragment import FragmentJob
+from digenrl.rl.fragment import FragmentJob, FragmentResult
 from digenrl.rl.sampler import WIRE_DTYPES
 from digenrl.telemetry.nvml import GpuProbe
 from digenrl.transport.errors import Closed
@@ -40,6 +41,8 @@ from digenrl.transport.protocol import (
     Chunk,
     Commit,
     Heartbeat,
+    Score,
+    Scored,
     VersionAnnounce,
     WeightsHeld,
     WeightsMissing,
@@ -67,7 +70,8 @@ class NodePeers:
     def __init__(self, *, node_id: str, incarnation: int, cfg: Config, control: Any,
                  sub: Any = None, pushes: dict[int, Any] | None = None, data: Any = None,
                  weights: Any = None, gpu_probe: GpuProbe | None = None, relay: Any = None,
-                 connect: Callable[[str], Any] | None = None) -> None:
+                 connect: Callable[[str], Any] | None = None,
+                 scorers: dict[str, Any] | None = None) -> None:
         """``weights``: a rollout's DEALER to trainer rank 0 (a trainer's weights ROUTER);
         ``relay``: a rollout's own weights ROUTER; ``connect(endpoint)``: a new DEALER (to an
         upstream the coordinator names)."""
@@ -91,6 +95,11 @@ class NodePeers:
         self._prefetch_failed = -1  # a version whose background fetch failed: not retried there
         self.unanswered = 0  # beats sent since the coordinator's last control message
         self._d2h: DeviceToHost | None = None  # chunk staging, made for the first model streamed
+        # reward workers (cluster.rewards > 0): a DEALER each; answers resolve futures by task
+        self.scorers = scorers or {}
+        self._outstanding = dict.fromkeys(self.scorers, 0)
+        self._scores: dict[int, tuple[str, asyncio.Future[Scored]]] = {}
+        self._to_commit: asyncio.Queue[tuple[Assign, FragmentResult, int, float, float]] = asyncio.Queue()
         self.stale_weight_parts = 0  # parts answering a request of a fetch that was cancelled
         self.store = WeightStore()
         self.relay = relay
@@ -344,7 +353,9 @@ class NodePeers:
         """
         trained = sorted(int(t) for t in task.owners)
         job = FragmentJob(model=model, cfg=cfg, prompts=list(task.prompts), seeds=list(task.seeds),
-                          sde_steps=list(task.sde_steps), trained_steps=trained, reward_fn=reward_fn)
+                          sde_steps=list(task.sde_steps), trained_steps=trained,
+                          reward_fn=None if self.scorers else reward_fn,
+                          metadata=[json.loads(m) for m in task.metadata])
         wire = WIRE_DTYPES[cfg.sampler.wire_dtype]
         nodes = cfg.runtime.slowdown_nodes
         slowed = self.node_id in nodes if nodes else actor.role == "rollout"
@@ -423,15 +434,83 @@ class NodePeers:
                 if left is not None and left[3] is not None:
                     left[3][3].release()
         gen_seconds = time.perf_counter() - t_start
+        if self.scorers:  # a reward worker scores; the commit goes when its answer comes
+            await self._send_for_scoring(task, result, version, gen_seconds)
+            return True
+        await self.commit(task, result, version, gen_seconds, result.rewards, result.reward_terms, "")
+        return True
+
+    async def commit(self, task: Assign, result: FragmentResult, version: int, gen_seconds: float,
+                     rewards: list[float], reward_terms: dict[str, list[float]], discard: str) -> None:
+        """The fragment's Commit to every trainer rank (rank 0 also gets the images) and the coordinator."""
         for rank, push in self.pushes.items():
             await push.send(Commit(
                 task_id=task.task_id, step=task.step, fragment=task.fragment, node_id=self.node_id,
-                policy_version=version, prompt_ids=list(task.prompt_ids), rewards=result.rewards,
-                reward_terms=result.reward_terms, gen_seconds=gen_seconds,
+                policy_version=version, prompt_ids=list(task.prompt_ids), rewards=rewards,
+                reward_terms=reward_terms, gen_seconds=gen_seconds,
                 cond=result.cond,
-                images=result.images if rank == 0 else _EMPTY_IMAGES))
+                images=result.images if rank == 0 else _EMPTY_IMAGES, discard=discard))
         await self.control.send(Commit(
             task_id=task.task_id, step=task.step, fragment=task.fragment, node_id=self.node_id,
-            policy_version=version, prompt_ids=list(task.prompt_ids), rewards=result.rewards,
-            reward_terms=result.reward_terms, gen_seconds=gen_seconds, cond={}, images=_EMPTY_IMAGES))
-        return True
+            policy_version=version, prompt_ids=list(task.prompt_ids), rewards=rewards,
+            reward_terms=reward_terms, gen_seconds=gen_seconds, cond={}, images=_EMPTY_IMAGES,
+            discard=discard))
+
+    # ------------------------------------------------------------------ reward workers
+    async def _send_for_scoring(self, task: Assign, result: FragmentResult, version: int,
+                                gen_seconds: float) -> None:
+        """Hand the fragment's images to the least busy reward worker and queue its commit; the
+        caller goes on to its next fragment at once (it never waits for the scorer)."""
+        g = result.images.shape[0] // max(len(task.prompts), 1)
+        name = min(self.scorers, key=lambda n: self._outstanding[n])
+        fut: asyncio.Future[Scored] = asyncio.get_running_loop().create_future()
+        self._scores[task.task_id] = (name, fut)
+        self._outstanding[name] += 1
+        await self.scorers[name].send(Score(
+            task_id=task.task_id, step=task.step, images=result.images,
+            prompts=[p for p in task.prompts for _ in range(g)],
+            metadata=[m for m in task.metadata for _ in range(g)]))
+        self._to_commit.put_nowait((task, result, version, gen_seconds, time.monotonic()))
+
+    def reward_loops(self, actor: Any) -> list[Any]:
+        """Background loops of a node whose rewards are scored by workers: one receiving each
+        worker's answers, one committing fragments as their answers come (in order)."""
+        if not self.scorers:
+            return []
+
+        def receiver(name: str, sock: Any) -> Any:
+            async def receive_scores() -> None:
+                while True:
+                    _, msg = await sock.recv()
+                    entry = self._scores.get(msg.task_id) if isinstance(msg, Scored) else None
+                    if entry is None:
+                        actor.unexpected(f"scorer {name}", msg, why="no fragment waits for it")
+                    elif not entry[1].done():
+                        entry[1].set_result(msg)
+            return receive_scores
+
+        async def commit_scored() -> None:
+            limit = self.cfg.reward.worker_timeout_s
+            while True:
+                task, result, version, gen_seconds, t0 = await self._to_commit.get()
+                name, fut = self._scores[task.task_id]
+                try:
+                    scored: Scored | None = await asyncio.wait_for(
+                        asyncio.shield(fut), max(0.0, limit - (time.monotonic() - t0)))
+                except TimeoutError:
+                    scored = None
+                del self._scores[task.task_id]
+                self._outstanding[name] -= 1
+                if task.task_id in getattr(actor, "revoked", ()):
+                    continue  # re-queued elsewhere: commit nothing
+                if scored is None or scored.error:
+                    discard = "reward_timeout" if scored is None else "reward_failed"
+                    actor.log.error("fragment discarded: no rewards", task=task.task_id, worker=name,
+                                    reason=discard, error=scored.error if scored else
+                                    f"no answer within reward.worker_timeout_s = {limit:g}")
+                    await self.commit(task, result, version, gen_seconds, [], {}, discard)
+                else:
+                    await self.commit(task, result, version, gen_seconds,  # generation only
+                                      list(scored.rewards), dict(scored.reward_terms), "")
+
+        return [*(receiver(n, s) for n, s in self.scorers.items()), commit_scored]

@@ -51,7 +51,7 @@ class RolloutActor(Actor):
 
     def background(self) -> list[Any]:
         return [self.peers.heartbeat_loop(self), self._control_loop, self._announce_loop,
-                self.peers.relay_loop(self)]
+                self.peers.relay_loop(self), *self.peers.reward_loops(self)]
 
     async def main(self) -> None:
         while not self.stopping:

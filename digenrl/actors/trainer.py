@@ -102,7 +102,8 @@ class TrainerActor(Actor):
 
     # ---------------------------------------------------------------- loops
     def background(self) -> list[Any]:
-        loops = [self.peers.heartbeat_loop(self), self._control_loop, self._data_loop]
+        loops = [self.peers.heartbeat_loop(self), self._control_loop, self._data_loop,
+                 *self.peers.reward_loops(self)]
         if self.rank == 0:
             loops.append(self._weights_loop)
         return loops
@@ -194,7 +195,7 @@ class TrainerActor(Actor):
                     self.staged.pop(msg.task_id, None)
                     self.log.warning("duplicate of a trained slot dropped", task=msg.task_id,
                                      step=msg.step, fragment=msg.fragment)
-                    await self._report(msg, 0, {"duplicate_slot": len(msg.rewards)}, 0.0)
+                    await self._report(msg, 0, {"duplicate_slot": len(msg.prompt_ids) * self.cfg.train.group_size}, 0.0)
                     continue
                 self.pending[msg.step].append(msg)
                 self.wake.set()
@@ -231,17 +232,25 @@ class TrainerActor(Actor):
         if commit.task_id in self.revoked or commit.fragment in self.consumed_slots[step]:
             self.staged.pop(commit.task_id, None)
             if commit.task_id not in self.revoked:  # see _data_loop: report the duplicate
-                await self._report(commit, 0, {"duplicate_slot": len(commit.rewards)}, 0.0)
+                await self._report(commit, 0, {"duplicate_slot": len(commit.prompt_ids) * self.cfg.train.group_size}, 0.0)
             return
         chunks = self.staged.pop(commit.task_id, {})
-        n = len(commit.rewards)
+        # a discarded fragment (its reward worker failed) carries no rewards: count its trajectories
+        n = len(commit.prompt_ids) * self.cfg.train.group_size if commit.discard else len(commit.rewards)
         discarded: dict[str, int] = {}
         trained = 0
         t0 = time.perf_counter()
         trained_steps = self._trained_of(step)
         passes = pass_count(trained_steps, self.world_size, self.cfg.runtime.tsp, commit.fragment,
                             self.cfg.runtime.fragments_per_step, self.rank)
-        if not within_staleness(self.policy.version, commit.policy_version, self.cfg.runtime.staleness):
+        if commit.discard:  # named, never trained on made-up rewards
+            discarded[commit.discard] = n
+            self.learner.discard(n, commit.discard)
+            if self.policy.sharded:  # the other ranks reach the same commit: keep passes paired
+                await self.in_thread("fragment_train", self.learner.idle, passes, step=step)
+            self.log.error("fragment discarded by its rollout", task=commit.task_id, step=step,
+                           reason=commit.discard)
+        elif not within_staleness(self.policy.version, commit.policy_version, self.cfg.runtime.staleness):
             self.rejected_stale += n
             discarded["stale"] = n
             self.learner.discard(n, "stale")

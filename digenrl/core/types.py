@@ -9,7 +9,7 @@ from typing import Literal
 from digenrl.config import Config, resolve_mode
 from digenrl.core.plan import DEFAULT_GPU_SPEEDS
 
-Role = Literal["rollout", "trainer"]
+Role = Literal["rollout", "trainer", "reward"]
 
 
 class SchedulerError(ValueError):

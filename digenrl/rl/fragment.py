@@ -40,7 +40,7 @@ class FragmentJob:
     seeds: Sequence[int]
     sde_steps: Sequence[int]
     trained_steps: Sequence[int]
-    reward_fn: Reward
+    reward_fn: Reward | None  # None: decode only (reward workers score elsewhere)
     metadata: Sequence[Mapping[str, Any]] | None = None  # per prompt; None: {"prompt": text}
     _final: torch.Tensor | None = field(default=None, init=False)
     _cond: Cond | None = field(default=None, init=False)
@@ -60,13 +60,17 @@ class FragmentJob:
                 yield rec
 
     def finish(self) -> FragmentResult:
-        """Decode the final latents and score them (after the last step)."""
+        """Decode the final latents and score them (after the last step; without a reward_fn
+        the rewards are empty and a reward worker scores the images)."""
         assert self._final is not None and self._cond is not None, "steps() must run first"
         g = self.cfg.train.group_size
         images = self.model.decode(self._final)
         prompts = [p for p in self.prompts for _ in range(g)]
         meta = None if self.metadata is None else [m for m in self.metadata for _ in range(g)]
-        total, terms = self.reward_fn(images, prompts, meta)
+        if self.reward_fn is None:
+            total, terms = torch.zeros(0), {}
+        else:
+            total, terms = self.reward_fn(images, prompts, meta)
         return FragmentResult(
             rewards=[float(r) for r in total],
             reward_terms={k: [float(x) for x in v] for k, v in terms.items()},

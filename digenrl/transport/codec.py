@@ -35,7 +35,9 @@ from digenrl.transport.frames import as_buffer, frame_to_tensor, tensor_to_frame
 # 3: Hello carries data_endpoint / weights_endpoint (host was "data|weights" on trainers);
 # roles and heartbeat states are Literals checked on decode; WeightsApplied is gone.
 # 4: weights relay: WeightsRoute, WeightsMissing, WeightsHeld; rollouts serve weights too.
-PROTOCOL_VERSION = 4
+# 5: reward workers (role "reward", Score/Scored); Assign carries each prompt's metadata;
+# Commit.discard names a fragment discarded untrained (a reward worker's failure).
+PROTOCOL_VERSION = 5
 
 FROZEN_TAGS = frozenset({"shutdown"})
 """Messages whose layout never changes (``{"t": "shutdown", "v": N, "reason": str,

@@ -61,7 +61,7 @@ from digenrl.transport.frames import DTYPES, tensor_checksum
 __all__ = [
     "DEFAULT_MAX_FRAMES", "DEFAULT_MAX_HEADER_BYTES", "DTYPES", "INT_MAX", "INT_MIN",
     "PROTOCOL_VERSION", "Assign", "Chunk", "Commit", "Consumed", "Heartbeat", "Hello",
-    "JSONDict", "Message", "NodeState", "ProtocolError", "Revoke", "Role", "Shutdown",
+    "JSONDict", "Message", "NodeState", "ProtocolError", "Revoke", "Role", "Score", "Scored", "Shutdown",
     "StepDone", "TagOffer", "VersionAnnounce", "VersionMismatch", "WeightsHeld", "WeightsMissing",
     "WeightsPart", "WeightsRequest", "WeightsRoute", "Welcome", "decode", "encode", "message", "message_types",
     "messages_equal", "tensor_checksum",
@@ -77,13 +77,13 @@ class Hello(Message):
     """A node introduces itself to the coordinator (first message on the control socket)."""
 
     node_id: str  # stable name of the node, e.g. "rollout-0"
-    role: Role  # "rollout" | "trainer" (the coordinator says no Hello)
+    role: Role  # "rollout" | "trainer" | "reward" (the coordinator says no Hello)
     gpu: str  # GPU type the node declares (H100, L40S, cpu, ...)
     incarnation: int  # bumps on every restart, so the coordinator can drop a dead twin's work
     pid: int  # OS process id, for operators
     host: str  # host name, for operators
-    data_endpoint: str  # trainer: its PULL address for chunks and commits; "" for a rollout
-    weights_endpoint: str  # its weights ROUTER address (trainer rank 0 serves, a rollout relays)
+    data_endpoint: str  # trainer: its PULL for chunks and commits; reward: its ROUTER for Score; rollout: ""
+    weights_endpoint: str  # its weights ROUTER address (trainer rank 0 serves, a rollout relays; reward: "")
 
 
 @message("welcome")
@@ -126,6 +126,7 @@ class Assign(Message):
     lease_s: float  # the task is revoked if not committed within this many seconds
     sde_steps: list[int]  # denoising step indices sampled stochastically (and trained)
     owners: JSONDict  # str(timestep index) -> trainer rank that trains it (TSP)
+    metadata: list[str]  # each prompt's metadata record as JSON text (the rewards get it), same order
 
 
 @message("chunk")
@@ -159,6 +160,30 @@ class Commit(Message):
     gen_seconds: float  # wall time generating the fragment
     cond: dict[str, torch.Tensor]  # conditioning the trainer needs (prompt embeddings, ...)
     images: torch.Tensor  # uint8 decoded samples for logging; may be empty
+    discard: str  # "" normally; else why every trajectory is discarded untrained (rewards empty):
+    #               "reward_failed", "reward_timeout" (a reward worker's failure, named, never a zero)
+
+
+@message("score")
+class Score(Message):
+    """A rollout (or TAG helper) asks a reward worker to score a fragment's decoded samples."""
+
+    task_id: int  # the fragment's attempt; the answer names it
+    step: int
+    images: torch.Tensor  # uint8 (N, 3, H, W), N = len(prompts)
+    prompts: list[str]  # one per sample (each group's prompt repeated)
+    metadata: list[str]  # one JSON record per sample, as Assign.metadata
+
+
+@message("scored")
+class Scored(Message):
+    """A reward worker's answer to one Score: rewards, or the error that stopped it."""
+
+    task_id: int
+    rewards: list[float]  # one per sample; empty when error is set
+    reward_terms: JSONDict  # term label -> list of per-sample values
+    error: str  # "" or the reward's one-line error (the fragment is then discarded, named)
+    seconds: float  # time the worker spent scoring the batch this request was in
 
 
 @message("consumed")

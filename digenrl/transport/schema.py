@@ -131,6 +131,53 @@ def _commit_whole(m: Any) -> str | None:
     return None
 
 
+def _commit_discard(m: Any) -> str | None:
+    if m.discard:  # a fragment discarded by its rollout (a reward worker's failure) carries no rewards
+        if m.rewards or m.reward_terms:
+            return f"discard = {m.discard!r} with {len(m.rewards)} rewards: expected none"
+        if not m.prompt_ids:
+            return "a discarded commit without prompt ids"
+        return _commit_tensors(m)
+    if not m.rewards:
+        return "no rewards and no discard reason"
+    return _commit_whole(m)
+
+
+def _commit_tensors(m: Any) -> str | None:
+    if m.images.numel() and str(m.images.dtype) != "torch.uint8":
+        return f"images {m.images.dtype}: expected uint8"
+    if len(m.cond) > 64:
+        return f"{len(m.cond)} conditioning tensors: expected at most 64"
+    return None
+
+
+def _assign_whole(m: Any) -> str | None:
+    if len(m.metadata) != len(m.prompts):
+        return f"{len(m.metadata)} metadata records for {len(m.prompts)} prompts"
+    return None
+
+
+def _score_whole(m: Any) -> str | None:
+    x = m.images
+    if x.dim() != 4 or x.shape[1] != 3 or str(x.dtype) != "torch.uint8":
+        return f"images {tuple(x.shape)} {x.dtype}: expected uint8 (N, 3, H, W)"
+    if not (len(m.prompts) == len(m.metadata) == x.shape[0]):
+        return f"{x.shape[0]} images, {len(m.prompts)} prompts, {len(m.metadata)} metadata: expected one each"
+    return None
+
+
+def _scored_whole(m: Any) -> str | None:
+    if bool(m.error) == bool(m.rewards):
+        return "expected rewards or an error, not both or neither"
+    if not all(_number(r) for r in m.rewards):
+        return "rewards: expected finite numbers"
+    return None
+
+
+def _metadata(v: list[str]) -> bool:
+    return len(v) <= MAX_LIST and all(len(x) <= MAX_PROMPT for x in v)
+
+
 def _sigmas(m: Any) -> str | None:
     if not (0.0 <= m.sigma_next <= m.sigma <= 1.0):
         return f"sigma = {m.sigma!r}, sigma_next = {m.sigma_next!r}: expected 0 <= sigma_next <= sigma <= 1"
@@ -161,14 +208,20 @@ RULES: dict[str, dict[str, Rule]] = {
                "seeds": ((lambda v: len(v) <= MAX_LIST), "at most 65536 seeds"),
                "group_size": ((lambda v: 1 <= v <= MAX_LIST), "a group size >= 1"),
                "version_floor": _NONNEG, "lease_s": ((lambda v: 0 < v < 1e9), "finite seconds > 0"),
-               "sde_steps": (_ints(1 << 20), "timestep indices"), "owners": (_owners, "timestep -> rank")},
+               "sde_steps": (_ints(1 << 20), "timestep indices"), "owners": (_owners, "timestep -> rank"),
+               "metadata": (_metadata, "bounded JSON records")},
     "chunk": {"task_id": _NONNEG, "step": _NONNEG, "fragment": _FRAGMENT, "t_index": _T_INDEX,
               "policy_version": _NONNEG},
     "commit": {"task_id": _NONNEG, "step": _NONNEG, "fragment": _FRAGMENT, "node_id": _NAME,
                "policy_version": _NONNEG, "prompt_ids": (_ints(I62), "prompt indices >= 0"),
-               "rewards": ((lambda v: 0 < len(v) <= MAX_LIST), "1 to 65536 rewards"),
+               "rewards": ((lambda v: len(v) <= MAX_LIST), "at most 65536 rewards"),
                "reward_terms": (_reward_terms, "a map of term names to lists of numbers"),
-               "gen_seconds": _SECONDS},
+               "gen_seconds": _SECONDS, "discard": (_text(MAX_NAME), "a short reason or ''")},
+    "score": {"task_id": _NONNEG, "step": _NONNEG, "prompts": (_prompts, "bounded prompts"),
+              "metadata": (_metadata, "bounded JSON records")},
+    "scored": {"task_id": _NONNEG, "rewards": ((lambda v: len(v) <= MAX_LIST), "at most 65536 rewards"),
+               "reward_terms": (_reward_terms, "a map of term names to lists of numbers"),
+               "error": _TEXT, "seconds": _SECONDS},
     "consumed": {"task_id": _NONNEG, "step": _NONNEG, "fragment": _FRAGMENT, "rank": _RANK,
                  "trained": ((lambda v: 0 <= v <= MAX_LIST), "0 to 65536 trajectories"),
                  "discarded": (_counts, "a map of reasons to counts"), "train_seconds": _SECONDS},
@@ -189,7 +242,9 @@ RULES: dict[str, dict[str, Rule]] = {
     "revoke": {"task_id": _NONNEG, "reason": _TEXT},
     "shutdown": {"reason": _TEXT},
 }
-WHOLE: dict[str, Callable[[Any], str | None]] = {"chunk": _sigmas, "commit": _commit_whole}
+WHOLE: dict[str, Callable[[Any], str | None]] = {
+    "chunk": _sigmas, "commit": _commit_discard, "assign": _assign_whole, "score": _score_whole,
+    "scored": _scored_whole}
 """Checks across fields (shapes of a message's tensors), by tag."""
 
 
