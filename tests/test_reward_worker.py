@@ -128,3 +128,23 @@ def test_a_launch_with_a_reward_worker_trains_scored_fragments_and_discards_fail
     assert any(s.node == "reward-0" and s.name == "score" for s in spans)
     assert not any(s.node.startswith("rollout") and s.name == "score" for s in spans)
     assert "reward-0" in summary["busy"]
+
+
+def test_the_protocol_boundary_refuses_inconsistent_reward_messages():
+    from digenrl.transport.errors import ProtocolError
+    from digenrl.transport.protocol import Commit
+    from digenrl.transport.schema import check
+
+    img = torch.zeros(2, 3, 4, 4, dtype=torch.uint8)
+    base = dict(task_id=1, step=0, fragment=0, node_id="rollout-0", policy_version=0, prompt_ids=[3],
+                gen_seconds=0.1, cond={}, images=img)
+    check(Commit(**base, rewards=[], reward_terms={}, discard="reward_failed"))  # a named discard
+    check(Commit(**base, rewards=[0.1, 0.2], reward_terms={}, discard=""))
+    for bad, why in [(Commit(**base, rewards=[0.5, 0.5], reward_terms={}, discard="reward_failed"), "expected none"),
+                     (Commit(**base, rewards=[], reward_terms={}, discard=""), "no rewards and no discard")]:
+        with pytest.raises(ProtocolError, match=why):
+            check(bad)
+    with pytest.raises(ProtocolError, match="2 images, 1 prompts, 2 metadata"):
+        check(Score(task_id=1, step=0, images=img, prompts=["a"], metadata=["{}", "{}"]))
+    with pytest.raises(ProtocolError, match="rewards or an error, not both"):
+        check(Scored(task_id=1, rewards=[0.1], reward_terms={}, error="boom", seconds=0.0))

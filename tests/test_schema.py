@@ -43,7 +43,8 @@ def _chunk(**kw: Any) -> Chunk:
 def _commit(**kw: Any) -> Commit:
     args: dict[str, Any] = dict(task_id=1, step=0, fragment=0, node_id="rollout-0", policy_version=0,
                                 prompt_ids=[3, 4], rewards=[0.5] * 4, reward_terms={"jpeg": [1.0] * 4},
-                                gen_seconds=0.1, cond={}, images=torch.zeros(4, 3, 8, 8, dtype=torch.uint8))
+                                gen_seconds=0.1, cond={}, images=torch.zeros(4, 3, 8, 8, dtype=torch.uint8),
+                                discard="")
     return Commit(**{**args, **kw})
 
 

@@ -170,7 +170,7 @@ def _scored_whole(m: Any) -> str | None:
     if bool(m.error) == bool(m.rewards):
         return "expected rewards or an error, not both or neither"
     if not all(_number(r) for r in m.rewards):
-        return "rewards: expected finite numbers"
+        return "rewards: expected numbers"
     return None
 
 
