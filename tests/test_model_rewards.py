@@ -15,6 +15,7 @@ from digenrl.config import RewardTerm
 from digenrl.rl.rewards import RewardError, build_reward
 from digenrl.rl.rewards.local import clip_pixels
 
+# exact comparisons run on the CPU in float32 (device "auto" would take a GPU and bf16 there)
 PROMPTS = ["a red square", "a blue circle on a green background", "a cat"]
 
 
@@ -37,8 +38,8 @@ def reference_logits(model, folder, imgs, prompts) -> torch.Tensor:
 def test_pickscore_and_clipscore_equal_transformers_clip_forward(tmp_path):
     model = tiny_clip_folder(tmp_path / "clip")
     ref = reference_logits(model, tmp_path / "clip", images(), PROMPTS)
-    pick = build_reward([RewardTerm(name="pickscore", args={"weights": str(tmp_path / "clip"), "batch_size": 2})])
-    clip = build_reward([RewardTerm(name="clipscore", args={"weights": str(tmp_path / "clip")})])
+    pick = build_reward([RewardTerm(name="pickscore", args={"device": "cpu", "weights": str(tmp_path / "clip"), "batch_size": 2})])
+    clip = build_reward([RewardTerm(name="clipscore", args={"device": "cpu", "weights": str(tmp_path / "clip")})])
     # same weights, same inputs, our batching (2 + 1) vs one forward: float32 rounding only
     torch.testing.assert_close(pick(images(), PROMPTS)[0], ref, rtol=1e-5, atol=1e-5)
     cos = ref / model.logit_scale.exp()
@@ -47,14 +48,14 @@ def test_pickscore_and_clipscore_equal_transformers_clip_forward(tmp_path):
 
 def test_scores_depend_on_the_prompt(tmp_path):
     tiny_clip_folder(tmp_path / "clip", seed=3)
-    pick = build_reward([RewardTerm(name="pickscore", args={"weights": str(tmp_path / "clip")})])
+    pick = build_reward([RewardTerm(name="pickscore", args={"device": "cpu", "weights": str(tmp_path / "clip")})])
     a = pick(images(1).expand(2, -1, -1, -1).contiguous(), ["a red square", "two dogs running"])[0]
     assert a[0] != a[1]
 
 
 def test_bf16_towers_stay_close_to_float32(tmp_path):
     tiny_clip_folder(tmp_path / "clip")
-    args = {"weights": str(tmp_path / "clip")}
+    args = {"device": "cpu", "weights": str(tmp_path / "clip")}
     f32 = build_reward([RewardTerm(name="clipscore", args=args)])(images(), PROMPTS)[0]
     b16 = build_reward([RewardTerm(name="clipscore", args={**args, "dtype": "bfloat16"})])(images(), PROMPTS)[0]
     assert b16.dtype == torch.float32
@@ -70,7 +71,7 @@ def test_aesthetic_is_the_laion_mlp_on_the_normalised_image_embedding(tmp_path):
     for idx, (i, o) in zip((0, 2, 4, 6, 7), itertools.pairwise(dims)):
         head[f"layers.{idx}.weight"], head[f"layers.{idx}.bias"] = torch.randn(o, i) / i ** 0.5, torch.randn(o)
     torch.save(head, tmp_path / "aes" / "sac+logos+ava1-l14-linearMSE_aesthetic.pth")
-    got = build_reward([RewardTerm(name="aesthetic", args={"weights": str(tmp_path / "aes")})])(images(), PROMPTS)[0]
+    got = build_reward([RewardTerm(name="aesthetic", args={"device": "cpu", "weights": str(tmp_path / "aes")})])(images(), PROMPTS)[0]
     with torch.no_grad():
         emb = model.visual_projection(model.vision_model(
             pixel_values=clip_pixels(images(), 32, torch.device("cpu"), torch.float32)).pooler_output)
@@ -91,7 +92,7 @@ def test_hpsv2_runs_an_open_clip_checkpoint_as_the_clip_it_is(tmp_path):
                                        "patch_size": 8, "mlp_ratio": 2.0},
         "text_cfg": {"context_length": 16, "vocab_size": model.config.text_config.vocab_size,
                      "width": 16, "heads": 2, "layers": 2, "mlp_ratio": 2.0}}}))
-    got = build_reward([RewardTerm(name="hpsv2", args={"weights": str(folder)})])(images(), PROMPTS)[0]
+    got = build_reward([RewardTerm(name="hpsv2", args={"device": "cpu", "weights": str(folder)})])(images(), PROMPTS)[0]
     ref = reference_logits(model, tmp_path / "src", images(), PROMPTS) / model.logit_scale.exp()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
@@ -152,7 +153,7 @@ def test_imagereward_is_blips_grounded_cls_feature_through_the_mlp_standardised(
 
     from digenrl.rl.rewards.imagereward import MEAN, STD
     tok, vision, text, mlp = tiny_imagereward_folder(tmp_path / "ir")
-    got = build_reward([RewardTerm(name="imagereward", args={"weights": str(tmp_path / "ir"),
+    got = build_reward([RewardTerm(name="imagereward", args={"device": "cpu", "weights": str(tmp_path / "ir"),
                                                              "batch_size": 2})])(images(), PROMPTS)[0]
     with torch.no_grad():  # the ImageReward package's score, step by step, on the same towers
         emb = vision(pixel_values=clip_pixels(images(), 32, torch.device("cpu"), torch.float32)).last_hidden_state
