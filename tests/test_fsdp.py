@@ -2,11 +2,13 @@
 
 The sharded update must equal the unsharded one: the ranks' reduce-scattered gradients are
 sums like the unsharded all-reduce, and padding passes (ranks that train fewer timesteps)
-move nothing. Checkpoints gather the shards and restore them bit for bit.
+move nothing. Checkpoints go through torch.distributed.checkpoint: each rank writes its own
+shard, and any rank count (or one unsharded trainer) loads them back bit for bit.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -135,3 +137,44 @@ def test_a_sharded_run_killed_mid_run_resumes_bit_identical(tmp_path: Path) -> N
     a, b = _final(whole), _final(cut)
     # exact on purpose: same machine and thread count, so a resumed run must replay the same arithmetic
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_is_written_shard_by_shard_and_loads_on_another_rank_count(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    run, stores = tmp_path / "run", tmp_path / "stores"
+    run.mkdir()
+    stores.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # two ranks save, then three load (and rank 0 alone, unsharded): see tests/dcp_worker.py
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.dcp_worker", str(r), str(run), str(stores)],
+                              env=env, stderr=subprocess.PIPE, text=True) for r in range(3)]
+    errors = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(e[-2000:] for e in errors)
+    vdir = run / "checkpoint" / "v000001"
+    # each rank wrote its own shard file (nothing gathered): no whole-weights file exists
+    assert sorted(p.name for p in (vdir / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (vdir / "policy.safetensors").exists() and not (vdir / "optimizer.pt").exists()
+    manifest = json.loads((vdir / "manifest.json").read_text())
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(manifest["files"])
+    ref = torch.load(run / "reference.pt", weights_only=True)
+    assert any(float(s["exp_avg"].abs().max()) > 0 for s in ref["optim"].values())  # a real step
+    for name in ("loaded-3", "loaded-1", "loaded-1-bf16"):  # resharded over 3; unsharded; masters
+        got = torch.load(run / f"{name}.pt", weights_only=True)
+        assert got["version"] == ref["version"] == 1, name
+        # exact on purpose: a checkpoint moves float32 bytes, it must not change one
+        assert got["weights"].keys() == ref["weights"].keys(), name
+        # trained parameters travel as their float32 masters, also into a bfloat16 model
+        assert all(got["weights"][k].dtype == torch.float32 for k in ref["optim"]), name
+        # a bfloat16 model keeps its buffers (the positional table) in bfloat16: those are
+        # compared after the same rounding; everything float32 is compared as it is
+        assert all(torch.equal(got["weights"][k], ref["weights"][k].to(got["weights"][k].dtype))
+                   for k in ref["weights"]), name
+        assert got["optim"].keys() == ref["optim"].keys(), name
+        for param, state in ref["optim"].items():
+            assert all(torch.equal(torch.as_tensor(got["optim"][param][k]), torch.as_tensor(v))
+                       for k, v in state.items()), (name, param)

@@ -9,12 +9,18 @@ Layout (one folder per checkpointed version, the newest two kept)::
                                                    when the newest does not verify
     run_dir/checkpoint/v000004/policy.safetensors   trainable weights (LoRA: the adapter)
                               optimizer.pt          AdamW state (torch.save, weights_only load)
+                              dcp/                  instead of those two when the trainer is
+                                                    sharded (FSDP): torch.distributed.checkpoint,
+                                                    one file per rank with its own shard of the
+                                                    weights and optimizer state (no gather), and
+                                                    the metadata that lets any rank count load it
                               trainer.json          version, torch/python RNG states, counters
                               scheduler.json        coordinator: scheduler.snapshot(), last
                                                     VersionAnnounce, staleness histogram, ...
 
 Two processes write one checkpoint: trainer rank 0 writes its three files when it reaches a
-checkpointed version (before announcing it), then the coordinator, on that announcement,
+checkpointed version (before announcing it; sharded, every rank writes its shard first and
+rank 0 then lists them in ``trainer.json``), then the coordinator, on that announcement,
 writes ``scheduler.json`` and the manifest. Every file is written to a temporary name and
 renamed, and a reader trusts only what the manifest names with matching sizes and hashes,
 so a checkpoint torn by a crash at any moment is never used: the previous one is.
@@ -24,7 +30,7 @@ The coordinator's snapshot is taken while it handles the announcement of version
 ledger then holds exactly the steps below v as trained, and the attempts alive at that
 moment become discarded "restart" on restore (their slots are regenerated; content is a
 function of (seed, step), so nothing else needs saving). Multi-host runs need ``run_dir``
-on storage that trainer rank 0 and the coordinator share.
+on storage that trainer rank 0 and the coordinator share (sharded: every trainer rank).
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ from digenrl.fileio import write_atomic, write_json_atomic, write_text_atomic
 FORMAT = 1
 TRAINER_FILES = ("policy.safetensors", "optimizer.pt", "trainer.json")
 ALL_FILES = (*TRAINER_FILES, "scheduler.json")
+DCP_DIR = "dcp"
+"""A sharded trainer's weights and optimizer state (torch.distributed.checkpoint) instead of
+policy.safetensors + optimizer.pt; its files are listed in trainer.json and the manifest."""
 KEEP = 2
 
 
@@ -98,12 +107,27 @@ def save_trainer_state(run_dir: Path, policy: Any, counters: dict[str, Any], *,
                        write: bool = True) -> Path:
     """Rank 0 at a step boundary: weights, optimizer state, version, RNG states, ``counters``.
 
-    A sharded (FSDP) policy gathers its state first, a collective: every trainer rank calls
-    this, and only the one with ``write`` (rank 0) writes.
+    A sharded (FSDP) policy writes through torch.distributed.checkpoint: every trainer rank
+    calls this and writes its own shard (a collective, nothing gathered), then the one with
+    ``write`` (rank 0) writes trainer.json naming every rank's files.
     """
     from safetensors.torch import save_file
 
     d = version_dir(run_dir, policy.version)
+    if getattr(policy, "sharded", False):
+        import torch.distributed as dist
+
+        from digenrl.rl.sharding import save_sharded
+
+        shards = d / DCP_DIR
+        if write and shards.exists():  # an earlier attempt at this version (before a rewind)
+            shutil.rmtree(shards)
+        dist.barrier()  # no rank writes its shard before that is gone
+        save_sharded(shards, policy)
+        if write:
+            files = sorted(str(p.relative_to(d)) for p in shards.rglob("*") if p.is_file())
+            _write_trainer_json(d, policy, counters, files, layout="dcp")
+        return d
     sd = {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict_for_sync().items()}
     optimizer_state = policy.optimizer_state()
     if not write:
@@ -112,22 +136,31 @@ def save_trainer_state(run_dir: Path, policy: Any, counters: dict[str, Any], *,
     write_atomic(d / "policy.safetensors",
                  lambda tmp: save_file(sd, str(tmp), metadata={"version": str(policy.version)}))
     write_atomic(d / "optimizer.pt", lambda tmp: torch.save(optimizer_state, tmp))
+    _write_trainer_json(d, policy, counters, ["policy.safetensors", "optimizer.pt"], layout="whole")
+    return d
+
+
+def _write_trainer_json(d: Path, policy: Any, counters: dict[str, Any], files: list[str], *,
+                        layout: str) -> None:
     py_state = random.getstate()
     write_json_atomic(d / "trainer.json", {
-        "format": FORMAT, "version": policy.version, "counters": counters,
+        "format": FORMAT, "version": policy.version, "counters": counters, "layout": layout,
         "rng": {"torch": torch.get_rng_state().tolist(),
                 "python": [py_state[0], list(py_state[1]), py_state[2]]},
-        "files": {n: _describe(d / n) for n in ("policy.safetensors", "optimizer.pt")}})
-    return d
+        "files": {n: _describe(d / n) for n in files}})
 
 
 def load_trainer_state(ckpt: Checkpoint, policy: Any) -> dict[str, Any]:
     """Load weights, optimizer state, version and RNG states into ``policy``; returns the counters."""
     from safetensors.torch import load_file
 
-    policy.load_sync_state(load_file(str(ckpt.path / "policy.safetensors")))
-    state = torch.load(ckpt.path / "optimizer.pt", map_location="cpu", weights_only=True)
-    policy.load_optimizer_state(state)
+    if ckpt.trainer.get("layout") == "dcp":  # any rank count reads it (a collective if sharded)
+        from digenrl.rl.sharding import load_sharded
+        load_sharded(ckpt.path / DCP_DIR, policy)
+    else:
+        policy.load_sync_state(load_file(str(ckpt.path / "policy.safetensors")))
+        state = torch.load(ckpt.path / "optimizer.pt", map_location="cpu", weights_only=True)
+        policy.load_optimizer_state(state)
     policy.optimizer.zero_grad(set_to_none=True)
     policy.version = ckpt.version
     rng = ckpt.trainer["rng"]
@@ -154,8 +187,9 @@ def commit_checkpoint(run_dir: Path, version: int, coordinator: dict[str, Any]) 
         raise CheckpointError(f"checkpoint v{version}: {d}/trainer.json is missing or of another "
                               "version (trainer rank 0 writes it before announcing the version)")
     write_json_atomic(d / "scheduler.json", {"format": FORMAT, "version": version, **coordinator})
+    trainer_files = sorted(json.loads((d / "trainer.json").read_text()).get("files", {}))
     manifest = {"format": FORMAT, "version": version, "dir": d.name,
-                "files": {n: _describe(d / n) for n in ALL_FILES}}
+                "files": {n: _describe(d / n) for n in [*trainer_files, "trainer.json", "scheduler.json"]}}
     write_json_atomic(d / "manifest.json", manifest)
     write_json_atomic(checkpoint_root(run_dir) / "manifest.json", manifest)
     _prune(run_dir, keep_from=version)
@@ -214,11 +248,13 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         got = manifest.get("format") if isinstance(manifest, dict) else manifest
         raise CheckpointError(f"{path}: format = {got!r:.40}: expected {FORMAT}")
     dname, files = manifest.get("dir"), manifest.get("files")
+    whole = isinstance(files, dict) and set(files) == set(ALL_FILES)
+    sharded = isinstance(files, dict) and {"trainer.json", "scheduler.json"} <= set(files) and \
+        f"{DCP_DIR}/.metadata" in files and all(n.startswith(f"{DCP_DIR}/") or n.endswith(".json") for n in files)
     if (not isinstance(dname, str) or not dname.startswith("v") or not dname[1:].isdigit()
-            or not isinstance(files, dict) or set(files) != set(ALL_FILES)
-            or not isinstance(manifest.get("version"), int)):
+            or not (whole or sharded) or not isinstance(manifest.get("version"), int)):
         raise CheckpointError(f"{path}: not a checkpoint manifest (dir, version and the files "
-                              f"{', '.join(ALL_FILES)} expected)")
+                              f"{', '.join(ALL_FILES)}, or {DCP_DIR}/ instead of the first two, expected)")
     return manifest
 
 

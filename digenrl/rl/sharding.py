@@ -24,6 +24,8 @@ ranks' collectives unmatched).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -117,3 +119,69 @@ def step_passes(trained: Sequence[int], ranks: int, tsp: bool, fragments: int) -
     """Passes every rank runs in a step: the busiest rank's count (the others pad to it)."""
     return max(sum(pass_count(trained, ranks, tsp, f, fragments, r) for f in range(fragments))
                for r in range(ranks))
+
+
+# ---------------------------------------------------------------------------- checkpoints (DCP)
+
+def _dcp_state(policy: object) -> dict[str, object]:
+    """This rank's view of the trained state (model shards + optimizer state by parameter name)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(policy.model.transformer, policy.optimizer,  # type: ignore[attr-defined]
+                                        options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_sharded(folder: str | Path, policy: object) -> None:
+    """torch.distributed.checkpoint: every rank writes its own shard of the weights and of the
+    optimizer state (``__<rank>_0.distcp``), rank 0 the metadata; nothing is gathered. A
+    collective: every trainer rank calls it."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_dcp_state(policy), checkpoint_id=str(folder))
+
+
+def load_sharded(folder: str | Path, policy: object) -> None:
+    """Load a :func:`save_sharded` checkpoint into ``policy`` whatever its rank count: a sharded
+    policy reads the parts of the shards it now owns (resharding); an unsharded one (a single
+    trainer) takes whole tensors. Sharded: a collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    if getattr(policy, "has_masters", False):  # only unsharded policies have separate masters
+        _load_into_masters(folder, policy)
+        return
+    state = _dcp_state(policy)
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(policy.model.transformer, policy.optimizer,  # type: ignore[attr-defined]
+                   model_state_dict=state["model"], optim_state_dict=state["optim"],  # type: ignore[arg-type]
+                   options=StateDictOptions(ignore_frozen_params=True))
+
+
+def _load_into_masters(folder: str | Path, policy: Any) -> None:
+    """A single trainer with float32 masters over a low-precision module (rl/policy.py): the
+    checkpoint's whole tensors become the masters (and their rounding the module), its
+    optimizer state, keyed by parameter name, the masters' state. Buffers the checkpoint
+    holds (positional tables) are loaded too; what it does not hold keeps its value."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(str(folder), str(whole))
+        state = torch.load(whole, map_location="cpu", weights_only=True)
+    lora = getattr(policy.model, "lora_rank", 0)
+    to_key = {fqn: (fqn.replace(".default", "") if lora else fqn) for fqn in state["model"]}
+    masters = policy._master_keys()  # sync key -> index in policy.params
+    missing = sorted(set(masters) - set(to_key.values()))
+    if missing:
+        raise ValueError(f"checkpoint {folder}: no tensor for {missing[:3]} ({len(missing)} in all)")
+    sd = policy.state_dict_for_sync()
+    sd.update({key: state["model"][fqn] for fqn, key in to_key.items() if key in sd})
+    policy.load_sync_state(sd)
+    index_of = {fqn: masters[key] for fqn, key in to_key.items() if key in masters}
+    optim = state["optim"]
+    policy.optimizer.load_state_dict({
+        "state": {index_of[fqn]: s for fqn, s in optim["state"].items()},
+        "param_groups": [{**g, "params": [index_of[fqn] for fqn in g["params"]]} for g in optim["param_groups"]]})
