@@ -4,6 +4,7 @@ the report's curves, and `digenrl eval` on a saved policy."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -100,7 +101,10 @@ def test_digenrl_eval_refuses_a_missing_checkpoint_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_digenrl_mode_evaluates_on_trainer_rank_0_at_start_and_end(tmp_path):
+def test_digenrl_mode_evaluates_on_trainer_rank_0_at_start_and_end(tmp_path, monkeypatch):
+    # the eval terms name tests/reward_plugins.py: the launched nodes import it too
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
     cfg = resolve_mode(load_config(None, [*TINY, "run.steps=2", "run.eval_every=2"]), "digenrl")
     run_dir = make_run_dir(cfg, str(tmp_path / "run"))
     summary = launch(cfg, run_dir)
