@@ -109,6 +109,12 @@ class SamplerConfig:
         "0 = the pipeline's default (FLUX 3.5, HunyuanVideo 6.0)", ge=0)
     wire_dtype: Literal["float32", "bfloat16"] = _f(
         "float32", "dtype latents are stored/sent in; log-probs are computed on the rounded value")
+    ode_solver: Literal["euler", "dpm2"] = _f(
+        "euler", "solver of the ODE (noise-free) steps: euler, or dpm2 (DPM-Solver++(2M), the "
+        "higher-order solver of MixGRPO-Flash); SDE steps are always the SDE")
+    ode_compress: float = _f(
+        1.0, "share of the ODE steps after the last SDE step that are taken (MixGRPO-Flash: 0.4); "
+        "the rest of the schedule is covered by fewer, longer steps. 1 = every step", gt=0, le=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,13 +130,34 @@ class TrainConfig:
     adv_clip: float = _f(5.0, "advantages are clipped to +-adv_clip", gt=0)
     adv_std: Literal["group", "global"] = _f(
         "group", "normalise advantages by the group's std or the whole step's std")
-    timesteps: Literal["all", "fraction", "window"] = _f(
-        "all", "which denoising steps are trained: all, a leading fraction, or a Flow-GRPO-Fast "
-        "window (SDE inside, ODE outside)")
+    timesteps: Literal["all", "fraction", "window", "mix"] = _f(
+        "all", "which denoising steps are trained: all, a leading fraction, a Flow-GRPO-Fast "
+        "window at a random place (SDE inside, ODE outside), or mix: MixGRPO's sliding window "
+        "(SDE inside, ODE outside) whose position advances over training")
     timestep_fraction: float = _f(1.0, "fraction of steps trained when timesteps='fraction'", gt=0, le=1)
-    window_size: int = _f(2, "window length W when timesteps='window'", ge=1)
+    window_size: int = _f(2, "window length W when timesteps='window' or 'mix'", ge=1)
     window_lo: int = _f(0, "earliest window start (inclusive)", ge=0)
     window_hi: int = _f(0, "latest window end (exclusive); 0 means T//2", ge=0)
+    window_shift_every: int = _f(
+        10, "mix: optimizer steps the window stays at one place (MixGRPO's shift interval tau)", ge=1)
+    window_stride: int = _f(
+        1, "mix: denoising steps the window moves by at each shift; past window_hi it rolls back "
+        "to window_lo", ge=1)
+    algorithm: Literal["grpo", "nft", "awm"] = _f(
+        "grpo", "grpo: Flow-GRPO / DanceGRPO / MixGRPO (per-step chunks, behaviour log-probs); "
+        "nft: DiffusionNFT; awm: Advantage Weighted Matching (both train on final clean samples "
+        "at timesteps the trainer draws; rollouts may use any solver)")
+    guard: bool = _f(False, "grpo: GRPO-Guard's regulated clipping (per-timestep ratio "
+                     "normalisation, 1/|dt| gradient reweighting); 'sde' and 'dance' steps only")
+    forward_timesteps: int = _f(
+        2, "nft/awm: timesteps the trainer draws per sample and step (stratified, shifted like "
+        "the sampler); at most sampler.num_steps", ge=1)
+    nft_beta: float = _f(1.0, "nft: beta, the step from the behaviour velocity to the implicit "
+                         "positive/negative policies", gt=0)
+    awm_clip: float = _f(1.0, "awm: PPO clip range of AWM's flow-matching likelihood ratio (the "
+                         "reference uses 1, i.e. hardly any clipping)", gt=0)
+    nft_adaptive: bool = _f(True, "nft: DiffusionNFT's adaptive weighting (each branch's squared "
+                            "x0 error over its detached mean absolute error)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -346,6 +373,29 @@ def _check_consistency(cfg: Config) -> None:
                 f"train.window_size = {t.window_size}: the window [{t.window_lo}, "
                 f"{t.window_lo}+{t.window_size}) must fit in train.window_hi = {hi} and "
                 f"sampler.num_steps = {s.num_steps}")
+    if t.timesteps == "mix" and t.algorithm == "grpo":
+        hi = t.window_hi or s.num_steps // 2 or 1
+        if t.window_size > min(hi, s.num_steps) - t.window_lo:
+            raise ConfigError(
+                f"train.window_size = {t.window_size}: the MixGRPO window must fit in "
+                f"[train.window_lo = {t.window_lo}, train.window_hi = {hi}) and sampler.num_steps = "
+                f"{s.num_steps}")
+    if t.algorithm != "grpo":
+        if t.forward_timesteps > s.num_steps:
+            raise ConfigError(f"train.forward_timesteps = {t.forward_timesteps}: expected at most "
+                              f"sampler.num_steps = {s.num_steps}")
+        if t.guard:
+            raise ConfigError(f"train.guard = true: GRPO-Guard is a switch on the GRPO loss; "
+                              f"train.algorithm = {t.algorithm!r} has no likelihood ratio to guard")
+        if cfg.model.fsdp:
+            raise ConfigError(f"model.fsdp = true with train.algorithm = {t.algorithm!r}: sharded "
+                              "training of the forward-process losses is not implemented")
+    if t.guard and s.sde_type not in ("sde", "dance"):
+        raise ConfigError(f"train.guard = true with sampler.sde_type = {s.sde_type!r}: GRPO-Guard's "
+                          "ratio normalisation is defined for the Gaussian steps 'sde' and 'dance'")
+    if t.guard and cfg.model.fsdp and cfg.runtime.staleness > 0 and cfg.run.mode == "digenrl":
+        raise ConfigError("train.guard = true with model.fsdp and runtime.staleness > 0: the "
+                          "behaviour weights of stale versions are not kept for sharded models")
     if cfg.runtime.fragments_per_step > t.prompts_per_step:
         raise ConfigError(
             f"runtime.fragments_per_step = {cfg.runtime.fragments_per_step}: expected at most "

@@ -130,3 +130,91 @@ def test_loss_weight_is_one_over_batch_times_trained_steps():
     assert loss_weight(16, 8) == 1 / 128
     with pytest.raises(ValueError, match="n_trained = 0"):
         loss_weight(16, 0)
+
+
+# ----------------------------------------------------------------------------- MixGRPO window
+
+
+def test_mix_window_slides_by_the_stride_every_shift_interval_and_rolls_back():
+    from digenrl.core.plan import mix_window_start
+
+    starts = [mix_window_start(s, window_size=2, window_lo=1, window_hi=6, shift_every=3, stride=1)
+              for s in range(15)]
+    # positions 1, 2, 3, 4 (the window [4, 6) is the last that ends by hi = 6), then back to 1
+    assert starts == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4, 1, 1, 1]
+    stride2 = [mix_window_start(s, window_size=2, window_lo=0, window_hi=8, shift_every=1, stride=2)
+               for s in range(5)]
+    assert stride2 == [0, 2, 4, 6, 0]
+
+
+def test_mix_plan_is_the_sliding_window_sde_inside_and_trained_and_a_pure_function_of_the_step():
+    from digenrl.config import load_config
+    from digenrl.core.plan import plan_for_step
+
+    cfg = load_config(None, ["sampler.num_steps=8", "train.timesteps=mix", "train.window_size=2",
+                             "train.window_lo=0", "train.window_hi=6", "train.window_shift_every=2",
+                             "train.window_stride=1"])
+    plans = [plan_for_step(cfg, s) for s in range(12)]
+    assert [p[0] for p in plans[::2]] == [[0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [0, 1]]
+    assert all(trained == sde for trained, sde in plans)
+    assert plan_for_step(cfg, 7) == plans[7]  # no state: a restarted node computes the same
+
+
+def test_mix_window_that_does_not_fit_is_a_config_error_naming_the_key():
+    from digenrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"train\.window_size = 5"):
+        load_config(None, ["sampler.num_steps=8", "train.timesteps=mix", "train.window_size=5"])
+
+
+def test_forward_algorithms_plan_the_trainers_draw_slots_and_sample_sde_unless_ode():
+    from digenrl.config import ConfigError, load_config
+    from digenrl.core.plan import plan_for_step
+
+    cfg = load_config(None, ["sampler.num_steps=6", "train.algorithm=nft", "train.forward_timesteps=3"])
+    assert plan_for_step(cfg, 5) == ([0, 1, 2], [0, 1, 2, 3, 4, 5])
+    ode = load_config(None, ["train.algorithm=awm", "sampler.sde_type=ode"])
+    assert plan_for_step(ode, 0)[1] == []
+    with pytest.raises(ConfigError, match=r"train\.forward_timesteps = 9"):
+        load_config(None, ["sampler.num_steps=8", "train.algorithm=nft", "train.forward_timesteps=9"])
+    with pytest.raises(ConfigError, match=r"train\.guard = true"):
+        load_config(None, ["train.algorithm=nft", "train.guard=true"])
+
+
+# ----------------------------------------------------------------------------- GRPO-Guard
+
+
+def test_guarded_log_ratio_is_the_noise_projected_mean_gap_written_out():
+    """x' = mu_old + s eps: RatioNorm's log-ratio is exactly mean(eps (mu_new - mu_old))."""
+    from digenrl.rl.grpo import guarded_surrogate
+
+    g = torch.Generator().manual_seed(0)
+    b, shape = 3, (2, 4, 4)
+    s = torch.tensor([0.3, 0.05, 0.8])
+    mu_old = torch.randn(b, *shape, generator=g)
+    mu_new = mu_old + 0.01 * torch.randn(b, *shape, generator=g)
+    eps = torch.randn(b, *shape, generator=g)
+    sb = s.view(b, 1, 1, 1)
+    x = mu_old + sb * eps
+
+    def logp(mu):  # Gaussian log-density averaged over elements
+        return (-((x - mu) ** 2) / (2 * sb**2) - sb.log() - 0.5 * math.log(2 * math.pi)).reshape(b, -1).mean(1)
+
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    loss, stats = guarded_surrogate(logp(mu_new), logp(mu_old), mu_new, mu_old, s, adv, clip_range=10.0)
+    expected_delta = (eps * (mu_new - mu_old)).reshape(b, -1).mean(1)
+    # no clipping at eps = 10: the loss is -A exp(delta)
+    torch.testing.assert_close(loss, -adv * torch.exp(expected_delta), rtol=1e-5, atol=1e-6)
+    # the plain log-ratio is shifted below 0 by mean(dmu^2) / (2 s^2): the bias RatioNorm removes
+    plain = logp(mu_new) - logp(mu_old)
+    gap = ((mu_new - mu_old) ** 2).reshape(b, -1).mean(1)
+    torch.testing.assert_close(plain, expected_delta / s - gap / (2 * s**2), rtol=1e-4, atol=1e-6)
+    assert stats["approx_kl"] == pytest.approx(0.5 * float((expected_delta**2).mean()), rel=1e-4)
+
+
+def test_guard_weight_is_one_over_the_step_length():
+    from digenrl.rl.grpo import guard_weight
+
+    assert guard_weight(0.75, 0.5) == pytest.approx(4.0)
+    with pytest.raises(ValueError, match=r"sigma = 0\.5, sigma_next = 0\.5"):
+        guard_weight(0.5, 0.5)

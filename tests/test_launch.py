@@ -84,3 +84,30 @@ def test_tsp_two_ranks_and_gap_four_fragments_give_the_same_update(tmp_path: Pat
     for other in (_final_params(gap), _final_params(tsp)):
         for k in p0:
             torch.testing.assert_close(other[k], p0[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_nft_runtime_update_equals_the_colocated_loops_at_staleness_zero(tmp_path: Path) -> None:
+    """DiffusionNFT through the wire (CleanSample, the trainer's own draws, two TSP ranks
+    splitting the draw slots) leaves the colocated loop's parameters."""
+    nft = ["train.algorithm=nft", "train.forward_timesteps=2", "sampler.ode_solver=dpm2"]
+    a, _ = _launch(tmp_path, "colocated", [*nft, "runtime.fragments_per_step=1"])
+    b, summary = _launch(tmp_path, "disagg-sync", nft, trainers=2)
+    _accounting_adds_up(summary, 4, 2)
+    pa, pb = _final_params(a), _final_params(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        torch.testing.assert_close(pa[k], pb[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_nft_at_staleness_four_trains_samples_up_to_four_versions_old_and_dates_each(tmp_path: Path) -> None:
+    run_dir, summary = _launch(tmp_path, "digenrl", [
+        "train.algorithm=nft", "runtime.staleness=4", "run.steps=6", "runtime.fragments_per_step=1",
+        "runtime.trainer_slowdown=3", "runtime.tag=never"])
+    _accounting_adds_up(summary, 4, 6)
+    assert summary["accounting"]["discarded"].get("stale", 0) == 0
+    lines = read_metrics(run_dir)
+    stale = {int(k.split("/")[1]) for x in lines for k in x if k.startswith("staleness/")}
+    assert 1 < max(stale) <= 4  # the rollout ran ahead, never past K
+    for x in lines:
+        assert sum(v for k, v in x.items() if k.startswith("staleness/")) == x["trained"]
+        assert x["rejected_stale"] == 0

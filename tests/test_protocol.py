@@ -83,7 +83,7 @@ any_message = st.sampled_from(sorted(message_types().items())).flatmap(lambda kv
 
 def test_the_message_set_is_registered() -> None:
     assert set(message_types()) == {
-        "hello", "welcome", "heartbeat", "assign", "chunk", "commit", "consumed",
+        "hello", "welcome", "heartbeat", "assign", "chunk", "clean_sample", "commit", "consumed",
         "version_announce", "weights_request", "weights_part", "weights_missing", "weights_route",
         "weights_held", "step_done",
         "tag_offer", "revoke", "shutdown", "score", "scored"}
@@ -321,4 +321,4 @@ def test_weights_part_with_slashes_in_names_and_messages_equal_is_strict() -> No
     assert isinstance(got, WeightsPart) and tensor_checksum(got.tensors) == part.checksum
     assert not messages_equal(Shutdown(reason="a"), Shutdown(reason="b"))
     assert not messages_equal(_chunk(), _chunk(x_t=torch.zeros(2, 3, 4)))
-    assert protocol.PROTOCOL_VERSION == 5
+    assert protocol.PROTOCOL_VERSION == 6

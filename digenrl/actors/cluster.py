@@ -37,9 +37,12 @@ from digenrl.transport.sockets import free_port
 
 
 def bytes_per_trajectory(cfg: Config, latent_numel: int) -> int:
-    """Latent bytes one trajectory puts in flight: (x_t, x_next) per trained step, wire dtype."""
-    from digenrl.core.plan import plan_for_step
+    """Latent bytes one trajectory puts in flight: (x_t, x_next) per trained step, wire dtype;
+    the forward-process algorithms send only the final latents."""
+    from digenrl.core.plan import FORWARD_ALGORITHMS, plan_for_step
     elem = 2 if cfg.sampler.wire_dtype == "bfloat16" else 4
+    if cfg.train.algorithm in FORWARD_ALGORITHMS:
+        return latent_numel * elem
     return 2 * latent_numel * elem * max(1, len(plan_for_step(cfg, 0)[0]))
 
 
@@ -245,7 +248,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
         control.close()
         pub.close()
         ctx.term()
-        for close in (metrics.close, lambda: recorder.dump(actor.trace_path)):
+        for close in (actor.flush_metrics, metrics.close, lambda: recorder.dump(actor.trace_path)):
             try:
                 close()
             except OSError as e:  # already failing for it (a full disk): the run's error says so

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from digenrl.config import Config
-from digenrl.core.plan import plan_for_step, step_prompts, trajectory_seed
+from digenrl.core.plan import FORWARD_ALGORITHMS, plan_for_step, step_prompts, trajectory_seed
 from digenrl.data.prompts import load_splits
 from digenrl.rl.checkpoint import colocated_checkpoint, colocated_resume, crash_point
 from digenrl.rl.evaluate import build_eval_reward, eval_due, evaluate
@@ -89,17 +89,20 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
         busy_before = busy_clock.stats()
         ids = step_prompts(cfg.run.seed, step, P, len(prompts))
         trained, sde = plan_for_step(cfg, step)
+        forward = cfg.train.algorithm in FORWARD_ALGORITHMS  # trained = the trainer's draw slots
+        seeds = [trajectory_seed(cfg.run.seed, step, q, g) for q in my_groups for g in range(G)]
         job = FragmentJob(model=policy.model, cfg=cfg, prompts=[prompts[ids[g]] for g in my_groups],
-                          seeds=[trajectory_seed(cfg.run.seed, step, q, g) for q in my_groups for g in range(G)],
-                          sde_steps=sde, trained_steps=trained, reward_fn=reward_fn,
-                          metadata=[train_set.metadata[ids[g]] for g in my_groups])
+                          seeds=seeds, sde_steps=sde, trained_steps=[] if forward else trained,
+                          reward_fn=reward_fn, metadata=[train_set.metadata[ids[g]] for g in my_groups])
         with recorder.span("generate", step=step):
             records, result = job.run_all()
         crash_point("generate", step)  # TEST-ONLY fault hook (DIGENRL_TEST_CRASH)
         with recorder.span("fragment_train", step=step):
-            learner.train_fragment(records=records, cond=result.cond, rewards=result.rewards,
+            learner.train_fragment(records={j: None for j in trained} if forward else records,
+                                   cond=result.cond, rewards=result.rewards,
                                    gen_version=policy.version, n_trained_total=len(trained),
-                                   sigma_max=sigma_max, reward_terms=result.reward_terms)
+                                   sigma_max=sigma_max, reward_terms=result.reward_terms,
+                                   final=result.final if forward else None, seeds=seeds)
         with recorder.span("optimizer_step", step=step):
             metrics = learner.finish_step(_all_reduce if world_size > 1 else None, pad_to=len(trained))
         if world_size > 1:

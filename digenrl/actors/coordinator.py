@@ -105,6 +105,7 @@ class CoordinatorActor(Actor):
         self.busy_total: dict[str, tuple[float, float]] = {}
         self.net_total: dict[str, tuple[float, float]] = {}  # node -> (messages, bytes) sent
         self.staleness_hist: dict[str, int] = {}
+        self.rows_waiting: dict[int, dict[str, Any]] = {}  # step -> metrics row not yet written
         self.t0 = time.perf_counter()
         self.step_samples = 0
         self.rejected = 0
@@ -171,6 +172,7 @@ class CoordinatorActor(Actor):
         self.t_no_rollout = None
         self.log.error("trainer lost: rewinding to the last checkpoint", reason=reason)
         await self._shutdown_all(f"restart: {reason}")
+        self.flush_metrics()  # rows of the old schedule, as far as its ledger counted them
         old = self.sched
         try:
             ckpt = latest_checkpoint(self.run_dir)
@@ -326,10 +328,11 @@ class CoordinatorActor(Actor):
             zombie = self.sched.ledger.attempt(msg.task_id) is None
             cmds = self.sched.fragment_consumed(msg.task_id, msg.rank, msg.trained, dict(msg.discarded),
                                                 msg.train_seconds, now, step=msg.step,
-                                                fragment=msg.fragment)
+                                                fragment=msg.fragment, gen_version=msg.policy_version)
             if zombie and msg.trained:  # trained after its revoke (counts checked by the ledger)
                 self.recovery["late_trained"] += msg.trained
             await self._run(cmds)
+            self._flush_rows()
         elif isinstance(msg, VersionAnnounce):
             if self.trainers.get(0, {}).get("peer") != peer:
                 self.recovery["ignored_announces"] += 1  # a dead rank 0's late message
@@ -589,13 +592,34 @@ class CoordinatorActor(Actor):
             version = int(evaluated.pop("eval/policy_version"))
             self.metrics.write_eval(version, now - self.t0, evaluated)
         messages, nbytes = self.traffic()
-        row: dict[str, Any] = {"step": msg.step, "policy_version": msg.version, **metrics,
+        # the ledger's count of what the step trained, by staleness, replaces rank 0's own view
+        row: dict[str, Any] = {"step": msg.step, "policy_version": msg.version,
+                               **{k: v for k, v in metrics.items() if not k.startswith("staleness/")},
                                "wall_time": now - self.t0, "net_messages": messages, "net_bytes": nbytes}
         for node, (busy, wall) in self.busy_total.items():
             b0, w0 = self.busy_last.get(node, (0.0, 0.0))
             if wall > w0:
                 row[f"busy/{node}"] = busy_share(busy - b0, wall - w0)
             self.busy_last[node] = (busy, wall)
-        self.metrics.write(StepMetrics.from_record(row))
-        if self.progress is not None:
-            self.progress.update(row)
+        self.rows_waiting[msg.step] = row
+        self._flush_rows()
+
+    def flush_metrics(self) -> None:
+        """Write every step row still waiting (the run is over, or being rewound)."""
+        self._flush_rows(final=True)
+
+    def _flush_rows(self, *, final: bool = False) -> None:
+        """Write finished steps' rows in order, each once the ledger has every one of its
+        fragments consumed (another rank's Consumed may arrive after rank 0's StepDone), so
+        ``staleness/<k>`` counts every trained trajectory of the step. ``final``: write the
+        rest as they are (the run is over)."""
+        ledger, F = self.sched.ledger, self.cfg.runtime.fragments_per_step
+        while self.rows_waiting:
+            step = min(self.rows_waiting)
+            if not final and ledger.step_consumed(step) < F:
+                return
+            row = self.rows_waiting.pop(step)
+            row.update({f"staleness/{k}": n for k, n in sorted(ledger.pop_trained_staleness(step).items())})
+            self.metrics.write(StepMetrics.from_record(row))
+            if self.progress is not None:
+                self.progress.update(row)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from digenrl.config import Config
+from digenrl.core.plan import FORWARD_ALGORITHMS
 from digenrl.rl.fragment import FragmentJob, FragmentResult
 from digenrl.rl.sampler import WIRE_DTYPES
 from digenrl.telemetry.nvml import GpuProbe
@@ -39,6 +40,7 @@ from digenrl.transport.errors import Closed
 from digenrl.transport.protocol import (
     Assign,
     Chunk,
+    CleanSample,
     Commit,
     Heartbeat,
     Score,
@@ -350,8 +352,13 @@ class NodePeers:
         up (a GPU is not left idle while Python sends). The job's work is recorded as spans
         named ``span`` (one per pull: the denoising steps up to the next trained one) and
         ``reward``. Returns False (and commits nothing) if the task is revoked mid-way.
+
+        Forward-process algorithms (nft, awm) stream nothing while denoising: the final
+        latents go once to each rank that owns one of the task's draw slots, as a
+        :class:`CleanSample`, before the commit.
         """
-        trained = sorted(int(t) for t in task.owners)
+        forward = cfg.train.algorithm in FORWARD_ALGORITHMS
+        trained = [] if forward else sorted(int(t) for t in task.owners)
         job = FragmentJob(model=model, cfg=cfg, prompts=list(task.prompts), seeds=list(task.seeds),
                           sde_steps=list(task.sde_steps), trained_steps=trained,
                           reward_fn=None if self.scorers else reward_fn,
@@ -385,6 +392,8 @@ class NodePeers:
                         # the commit's tensors to the host here too, not on the event loop
                         result.cond = {k: v.contiguous().cpu() for k, v in result.cond.items()}
                         result.images = result.images.cpu()
+                        if forward:  # what a forward-process trainer trains on, in the wire dtype
+                            result.final = result.final.to(wire).cpu()
                         hand(("reward", t0, clock(), None))
                         return result
                     # queued here, on the sampler's thread: a side-stream copy into a pooled
@@ -434,6 +443,12 @@ class NodePeers:
                 if left is not None and left[3] is not None:
                     left[3][3].release()
         gen_seconds = time.perf_counter() - t_start
+        if forward:
+            for rank in sorted({int(r) for r in task.owners.values()}):
+                with actor.working("send_chunk", tid=sender, t=-1):
+                    await self.pushes[rank].send(CleanSample(
+                        task_id=task.task_id, step=task.step, fragment=task.fragment,
+                        policy_version=version, x0=result.final))
         if self.scorers:  # a reward worker scores; the commit goes when its answer comes
             await self._send_for_scoring(task, result, version, gen_seconds)
             return True

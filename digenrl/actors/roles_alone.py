@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from digenrl.config import Config
-from digenrl.core.plan import fragment_content, plan_for_step
+from digenrl.core.plan import FORWARD_ALGORITHMS, fragment_content, plan_for_step
 from digenrl.data.prompts import load_splits
 from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.learner import Learner
@@ -47,13 +47,17 @@ def rollout_only(cfg: Config, steps: int, record: Path | None = None) -> dict[st
     for step in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
         trained, sde = plan_for_step(cfg, step)
+        forward = cfg.train.algorithm in FORWARD_ALGORITHMS  # trained: the trainer's draw slots
         for ids, seeds in _fragments(cfg, step, len(prompts)):
             job = FragmentJob(model=policy.model, cfg=cfg, prompts=[prompts[i] for i in ids],
-                              seeds=seeds, sde_steps=sde, trained_steps=trained, reward_fn=reward_fn)
+                              seeds=seeds, sde_steps=sde, trained_steps=[] if forward else trained,
+                              reward_fn=reward_fn)
             records, result = job.run_all()
             if record is not None:
-                recording.append({"step": step, "records": records, "cond": result.cond,
-                                  "rewards": result.rewards, "n_trained": len(trained)})
+                recording.append({"step": step, "records": {j: None for j in trained} if forward
+                                  else records, "cond": result.cond, "rewards": result.rewards,
+                                  "n_trained": len(trained), "seeds": list(seeds),
+                                  "final": result.final if forward else None})
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     if record is not None:
@@ -77,7 +81,7 @@ def trainer_only(cfg: Config, recording: Path) -> dict[str, Any]:
         for frag in by_step[step]:
             learner.train_fragment(records=frag["records"], cond=frag["cond"], rewards=frag["rewards"],
                                    gen_version=policy.version, n_trained_total=frag["n_trained"],
-                                   sigma_max=sigma_max)
+                                   sigma_max=sigma_max, final=frag.get("final"), seeds=frag.get("seeds"))
         learner.finish_step()
         times.append(time.perf_counter() - t0)
     return {"step_seconds": times, "samples_per_s": cfg.batch_size * len(times) / sum(times)}

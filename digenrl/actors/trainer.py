@@ -37,7 +37,7 @@ from digenrl.actors.base import Actor
 from digenrl.actors.peers import NodePeers
 from digenrl.config import Config
 from digenrl.core.credits import within_staleness
-from digenrl.core.plan import owners_for, plan_for_step
+from digenrl.core.plan import FORWARD_ALGORITHMS, owners_for, plan_for_step, trajectory_seed
 from digenrl.rl.checkpoint import (
     checkpoint_due,
     crash_point,
@@ -56,6 +56,7 @@ from digenrl.telemetry.images import save_grid
 from digenrl.transport.protocol import (
     Assign,
     Chunk,
+    CleanSample,
     Commit,
     Consumed,
     Heartbeat,
@@ -89,6 +90,8 @@ class TrainerActor(Actor):
         self.sigma_max = float(sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)[1])
         # task -> t -> (chunk, its tensors on their way to the training device)
         self.staged: dict[int, dict[int, tuple[Chunk, Landed]]] = defaultdict(dict)
+        # task -> a forward-process fragment's clean sample, on its way to the device likewise
+        self.finals: dict[int, tuple[CleanSample, Landed]] = {}
         self.h2d = HostToDevice(getattr(policy.model, "device", "cpu"))
         self.pending: dict[int, list[Commit]] = defaultdict(list)        # step -> commits
         self.consumed_slots: dict[int, set[int]] = defaultdict(set)      # step -> fragments
@@ -145,7 +148,7 @@ class TrainerActor(Actor):
                 await self.wake.wait()
         await self.wait_stopped()
 
-    def _arrival_check(self, msg: Chunk | Commit) -> str | None:
+    def _arrival_check(self, msg: Chunk | CleanSample | Commit) -> str | None:
         """Why ``msg`` cannot be work for this rank (None: it can). A slot outside the run
         (fragment >= F: the issue-20 ``fragment = 99`` commit finished a one-fragment step on
         its own), a step beyond what admission allows (v + K, plus one), a revoked attempt, or a chunk
@@ -166,17 +169,27 @@ class TrainerActor(Actor):
             owners = owners_for(trained, self.world_size, self.cfg.runtime.tsp, msg.fragment, F)
             if msg.t_index not in trained or owners[trained.index(msg.t_index)] != self.rank:
                 return "not_owner"
+        elif isinstance(msg, CleanSample):
+            if msg.step < v:
+                return "stale_chunk"
+            trained = plan_for_step(self.cfg, msg.step)[0]  # the trainer's own draw slots
+            if self.rank not in owners_for(trained, self.world_size, self.cfg.runtime.tsp, msg.fragment, F):
+                return "not_owner"
+            per = self.cfg.train.prompts_per_step // F * self.cfg.train.group_size
+            if msg.x0.shape[0] != per:
+                return "bad_shape"  # one final latent per trajectory of the fragment
         return None
 
     async def _data_loop(self) -> None:
         while True:
             _, msg = await self.peers.data.recv()
-            if not isinstance(msg, (Chunk, Commit)):
+            if not isinstance(msg, (Chunk, CleanSample, Commit)):
                 self.unexpected("data", msg)
                 continue
             why = self._arrival_check(msg)
             if why == "revoked" and isinstance(msg, Commit):
                 self.staged.pop(msg.task_id, None)  # a revoked attempt: its slot is re-queued elsewhere
+                self.finals.pop(msg.task_id, None)
                 continue
             if why is not None:
                 self.refuse(why, msg, task=msg.task_id, step=msg.step, fragment=msg.fragment)
@@ -185,14 +198,18 @@ class TrainerActor(Actor):
                 # on a GPU the copy starts now, on a side stream, while earlier work trains
                 self.staged[msg.task_id][msg.t_index] = (
                     msg, self.h2d.stage([msg.x_t, msg.x_next, msg.log_prob]))
+            elif isinstance(msg, CleanSample):
+                self.finals[msg.task_id] = (msg, self.h2d.stage([msg.x0]))
             elif isinstance(msg, Commit):
                 if msg.task_id in self.revoked:
                     self.staged.pop(msg.task_id, None)
+                    self.finals.pop(msg.task_id, None)
                     continue  # a revoked attempt: its slot is re-queued elsewhere
                 if msg.step < self.policy.version or msg.fragment in self.consumed_slots[msg.step]:
                     # A re-attempt of a slot this rank already trained (its first attempt was
                     # revoked after it reached us). Report it, or the scheduler waits forever.
                     self.staged.pop(msg.task_id, None)
+                    self.finals.pop(msg.task_id, None)
                     self.log.warning("duplicate of a trained slot dropped", task=msg.task_id,
                                      step=msg.step, fragment=msg.fragment)
                     await self._report(msg, 0, {"duplicate_slot": len(msg.prompt_ids) * self.cfg.train.group_size}, 0.0)
@@ -212,6 +229,7 @@ class TrainerActor(Actor):
                 # the attempt is dead: its slot is re-queued, so never train or report it
                 self.revoked.add(msg.task_id)
                 self.staged.pop(msg.task_id, None)
+                self.finals.pop(msg.task_id, None)
             elif isinstance(msg, Shutdown):
                 self.request_stop(msg.reason)
                 self.wake.set()
@@ -231,10 +249,12 @@ class TrainerActor(Actor):
         step = commit.step
         if commit.task_id in self.revoked or commit.fragment in self.consumed_slots[step]:
             self.staged.pop(commit.task_id, None)
+            self.finals.pop(commit.task_id, None)
             if commit.task_id not in self.revoked:  # see _data_loop: report the duplicate
                 await self._report(commit, 0, {"duplicate_slot": len(commit.prompt_ids) * self.cfg.train.group_size}, 0.0)
             return
         chunks = self.staged.pop(commit.task_id, {})
+        clean = self.finals.pop(commit.task_id, None)
         # a discarded fragment (its reward worker failed) carries no rewards: count its trajectories
         n = len(commit.prompt_ids) * self.cfg.train.group_size if commit.discard else len(commit.rewards)
         discarded: dict[str, int] = {}
@@ -259,15 +279,23 @@ class TrainerActor(Actor):
             self.log.error("stale fragment rejected", task=commit.task_id, step=step,
                            gen_version=commit.policy_version, version=self.policy.version)
         else:
+            records: dict[int, Any] = chunks
+            if self.cfg.train.algorithm in FORWARD_ALGORITHMS:
+                # this rank's draw slots of the fragment (TSP over the trainer's own draws)
+                owners = owners_for(trained_steps, self.world_size, self.cfg.runtime.tsp,
+                                    commit.fragment, self.cfg.runtime.fragments_per_step)
+                records = {j: None for j, r in zip(trained_steps, owners) if r == self.rank}
+                if records and clean is None:
+                    raise RuntimeError(f"task {commit.task_id}: committed without its clean sample")
             crash_point("trainer", step, once=self.run_dir / "logs" / f"crashed-{self.node_id}")
             before = self.learner.stats.trained
-            zero_before = self.learner.stats.discarded.get("zero_advantage", 0)
-            await self.in_thread("fragment_train", self._train, chunks, commit, len(trained_steps),
-                                 passes, step=step, fragment=commit.fragment)
+            discarded_before = dict(self.learner.stats.discarded)
+            await self.in_thread("fragment_train", self._train, records, commit, len(trained_steps),
+                                 passes, clean, step=step, fragment=commit.fragment)
             trained = self.learner.stats.trained - before
-            zero = self.learner.stats.discarded.get("zero_advantage", 0) - zero_before
-            if zero:
-                discarded["zero_advantage"] = zero
+            for reason, count in self.learner.stats.discarded.items():
+                if count - discarded_before.get(reason, 0):
+                    discarded[reason] = count - discarded_before.get(reason, 0)
             if self.rank == 0 and (step == 0 or step == self.cfg.run.steps - 1) and commit.images.numel():
                 save_grid(commit.images, self.run_dir / "samples" / f"step_{step:04d}_f{commit.fragment}.png",
                           nrow=self.cfg.train.group_size)
@@ -290,17 +318,25 @@ class TrainerActor(Actor):
             return  # this rank trains none of the fragment's timesteps: nothing to report
         await self.peers.control.send(Consumed(
             task_id=commit.task_id, step=commit.step, fragment=commit.fragment, rank=self.rank,
-            trained=trained, discarded=discarded, train_seconds=seconds))
+            policy_version=commit.policy_version, trained=trained, discarded=discarded,
+            train_seconds=seconds))
 
-    def _train(self, chunks: dict[int, tuple[Chunk, Landed]], commit: Commit, n_trained_total: int,
-               passes: int) -> None:
+    def _train(self, records: dict[int, Any], commit: Commit, n_trained_total: int, passes: int,
+               clean: tuple[CleanSample, Landed] | None) -> None:
         hang_point("trainer", commit.step, once=self.run_dir / "logs" / f"hung-{self.node_id}")  # TEST-ONLY
-        # on the compute thread: its stream is the one that waits for the chunks' copies
-        records = {t: _record(c, landed) for t, (c, landed) in chunks.items()}
+        seeds, final = None, None
+        if clean is None:
+            # on the compute thread: its stream is the one that waits for the chunks' copies
+            records = {t: _record(c, landed) for t, (c, landed) in records.items()}
+        else:  # the fragment's trajectory seeds fix the trainer's draws
+            final = clean[1].wait()[0].float()
+            G, per = self.cfg.train.group_size, self.cfg.train.prompts_per_step // self.cfg.runtime.fragments_per_step
+            seeds = [trajectory_seed(self.cfg.run.seed, commit.step, q, g)
+                     for q in range(commit.fragment * per, (commit.fragment + 1) * per) for g in range(G)]
         self.learner.train_fragment(records=records, cond=dict(commit.cond), rewards=commit.rewards,
                                     gen_version=commit.policy_version, n_trained_total=n_trained_total,
                                     sigma_max=self.sigma_max, reward_terms=commit.reward_terms,
-                                    passes=passes)
+                                    passes=passes, final=final, seeds=seeds)
 
     async def _finish_step(self, step: int) -> None:
         reduce = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM)) if self.world_size > 1 else None

@@ -138,8 +138,26 @@ class TimestepPlan:
     trained: list[int]
     sde: list[int] = field(default_factory=list)
 
+def mix_window_start(step: int, *, window_size: int, window_lo: int, window_hi: int,
+                     shift_every: int, stride: int) -> int:
+    """MixGRPO's progressive sliding window: where the window starts at optimizer step ``step``.
+
+    The window starts at ``lo`` and stays for ``shift_every`` steps (the paper's shift interval
+    tau), then moves ``stride`` denoising steps later; once it would end past ``hi`` it rolls back
+    to ``lo`` (the reference code's ``roll_back``). A pure function of the step, so every node
+    and a resumed run agree without carrying state.
+    """
+    if shift_every < 1 or stride < 1:
+        raise ValueError(f"shift_every = {shift_every}, stride = {stride}: expected both >= 1")
+    positions = (window_hi - window_size - window_lo) // stride + 1
+    if positions < 1:
+        raise ValueError(f"window_size = {window_size}: the window [{window_lo}, {window_lo}+"
+                         f"{window_size}) must fit below hi = {window_hi}")
+    return window_lo + stride * ((step // shift_every) % positions)
+
+
 def select_timesteps(
-    mode: Literal["all", "fraction", "window"],
+    mode: Literal["all", "fraction", "window", "mix"],
     num_steps: int,
     *,
     fraction: float = 1.0,
@@ -147,6 +165,9 @@ def select_timesteps(
     window_lo: int = 0,
     window_hi: int = 0,
     rng: random.Random,
+    step: int = 0,
+    shift_every: int = 10,
+    stride: int = 1,
 ) -> TimestepPlan:
     """The steps to train and to sample with noise for one training step.
 
@@ -155,6 +176,8 @@ def select_timesteps(
       ``timestep_fraction``), every step SDE.
     * ``window`` (Flow-GRPO-Fast): start ``k`` drawn uniformly from ``[lo, hi - W]``
       (``hi = 0`` means ``T // 2``); only ``[k, k + W)`` is SDE and trained, the rest ODE.
+    * ``mix`` (MixGRPO): the same window, placed by :func:`mix_window_start` from ``step``
+      instead of at random: it slides from ``lo`` towards ``hi`` as training advances.
 
     Rollouts and every trainer rank must agree on the plan, so seed ``rng`` from the run
     seed and the step.
@@ -166,24 +189,43 @@ def select_timesteps(
         if not 0 < fraction <= 1:
             raise ValueError(f"fraction = {fraction}: expected 0 < fraction <= 1")
         return TimestepPlan(trained=t_all[:max(1, int(fraction * num_steps))], sde=list(t_all))
-    if mode == "window":
+    if mode in ("window", "mix"):
         hi = window_hi or max(num_steps // 2, 1)
         # the same acceptance rule as config._check_consistency (a 1-step window may sit at lo)
         if window_size < 1 or window_lo + window_size > min(max(hi, window_lo + 1), num_steps):
             raise ValueError(f"window_size = {window_size}: the window [{window_lo}, "
                              f"{window_lo}+{window_size}) must fit in hi = {hi} and {num_steps} steps")
-        last_start = max(hi - window_size, window_lo)
-        k = rng.randint(window_lo, last_start)
+        if mode == "mix":
+            k = mix_window_start(step, window_size=window_size, window_lo=window_lo,
+                                 window_hi=min(max(hi, window_lo + window_size), num_steps),
+                                 shift_every=shift_every, stride=stride)
+        else:
+            k = rng.randint(window_lo, max(hi - window_size, window_lo))
         window = list(range(k, k + window_size))
         return TimestepPlan(trained=window, sde=list(window))
-    raise ValueError(f"timestep mode {mode!r}: expected 'all', 'fraction' or 'window'")
+    raise ValueError(f"timestep mode {mode!r}: expected 'all', 'fraction', 'window' or 'mix'")
+
+
+FORWARD_ALGORITHMS = ("nft", "awm")
+"""Algorithms that train on final clean samples at timesteps the trainer draws (no chunks)."""
+
 
 def plan_for_step(cfg: Config, step: int) -> tuple[list[int], list[int]]:
-    """(trained steps, SDE steps) of ``step``; deterministic from the run seed."""
+    """(trained steps, SDE steps) of ``step``; deterministic from the run seed.
+
+    For the forward-process algorithms (``train.algorithm`` nft / awm) "trained" are the
+    trainer's draw slots ``0 .. forward_timesteps - 1`` (not denoising steps: the trainer draws
+    each slot's noise level itself) and every denoising step is SDE unless the sampler is an
+    ODE; TSP owners are assigned to those slots as to timesteps.
+    """
     t = cfg.train
+    if t.algorithm in FORWARD_ALGORITHMS:
+        sde = list(range(cfg.sampler.num_steps)) if cfg.sampler.sde_type != "ode" else []
+        return list(range(t.forward_timesteps)), sde
     plan = select_timesteps(t.timesteps, cfg.sampler.num_steps, fraction=t.timestep_fraction,
                             window_size=t.window_size, window_lo=t.window_lo,
                             window_hi=t.window_hi,
-                            rng=random.Random(stable_int("timesteps", cfg.run.seed, step)))
+                            rng=random.Random(stable_int("timesteps", cfg.run.seed, step)),
+                            step=step, shift_every=t.window_shift_every, stride=t.window_stride)
     sde = list(plan.sde) if cfg.sampler.sde_type != "ode" else []
     return list(plan.trained), sde

@@ -3,7 +3,8 @@
 Shared by the rollout actor and trainer-assisted generation so both produce byte-identical
 chunks for the same task. ``FragmentJob.steps()`` yields each trained denoising step the
 moment it is computed (the caller streams it); ``finish()`` decodes and scores after the
-last step. All torch work here is synchronous; actors run it in a thread.
+last step, and its result carries the final latents (what the forward-process algorithms
+train on: their jobs have no trained steps to yield). All torch work here is synchronous; actors run it in a thread.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class FragmentResult:
     cond: Cond
     images: torch.Tensor
     gen_seconds: float
+    final: torch.Tensor  # the clean latents (B, ...), wire-dtype values in float32
 
 
 @dataclass
@@ -77,6 +79,7 @@ class FragmentJob:
             cond=self._cond,
             images=images,
             gen_seconds=time.perf_counter() - self._t0,
+            final=self._final,
         )
 
     def run_all(self) -> tuple[dict[int, StepRecord], FragmentResult]:

@@ -97,7 +97,57 @@ def clipped_surrogate(
     Stats: ``ratio_mean``, ``ratio_max_dev`` (max ``|r - 1|``), ``clipfrac`` (share with
     ``|r - 1| > eps``) and ``approx_kl`` (``1/2 mean((new - old)^2)``).
     """
-    delta = logp_new - logp_old.detach()
+    return ppo_surrogate(logp_new - logp_old.detach(), adv, clip_range)
+
+
+def guarded_surrogate(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    mean_new: torch.Tensor,
+    mean_old: torch.Tensor,
+    std: torch.Tensor,
+    adv: torch.Tensor,
+    clip_range: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO-Guard's regulated clipping (arXiv 2510.22319): the PPO loss of the normalised ratio.
+
+    For a Gaussian step with std ``s`` and ``x' = mu_old + s eps``, the log-ratio is
+    ``mean(eps (mu_new - mu_old)) / s - mean((mu_new - mu_old)^2) / (2 s^2)``: the second term
+    shifts every ratio below 1 (so positive-advantage samples rarely reach the upper clip) by an
+    amount that varies with the timestep. RatioNorm adds it back and rescales by ``s``::
+
+        log r = s * (logp_new - logp_old + mean_elements((mu_new - mu_old)^2) / (2 s^2))
+
+    which is ``mean(eps (mu_new - mu_old))``: centred on 0 with a spread that no longer depends
+    on the step's noise level. ``std`` is the step's ``s`` per sample (``[B]`` or broadcastable).
+    The gradient reweighting half of the method (``1 / |dt|``) is :func:`guard_weight`.
+    """
+    b = logp_new.shape[0]
+    s = torch.as_tensor(std, dtype=logp_new.dtype, device=logp_new.device).reshape(-1)
+    s = s.expand(b) if s.numel() == 1 else s
+    if bool((s <= 0).any()):
+        raise ValueError("GRPO-Guard needs a stochastic step (std > 0); this one is deterministic")
+    gap = ((mean_new - mean_old.detach()) ** 2).reshape(b, -1).mean(dim=1)
+    delta = s * (logp_new - logp_old.detach() + gap / (2 * s**2))
+    return ppo_surrogate(delta, adv, clip_range)
+
+
+def guard_weight(sigma: float, sigma_next: float) -> float:
+    """GRPO-Guard's gradient reweighting ``1 / |dt|`` (= ``1 / mean(sqrt(-dt))^2``).
+
+    The normalised log-ratio's gradient in the velocity is ``|dt| (1 + s_t^2 (1 - sigma) /
+    (2 sigma))``, which for the Flow-GRPO SDE is ``|dt| (1 + a^2 / 2)``: dividing by ``|dt|``
+    gives every timestep the same gradient scale.
+    """
+    dt = sigma - sigma_next
+    if not dt > 0:
+        raise ValueError(f"sigma = {sigma}, sigma_next = {sigma_next}: expected sigma > sigma_next")
+    return 1.0 / dt
+
+
+def ppo_surrogate(delta: torch.Tensor, adv: torch.Tensor,
+                  clip_range: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The PPO loss and stats of :func:`clipped_surrogate` for a given log-ratio ``delta``."""
     ratio = torch.exp(delta)
     adv = adv.detach().to(ratio.dtype)
     loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))

@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from digenrl.config import Config
+from digenrl.core.plan import FORWARD_ALGORITHMS
 from digenrl.models.base import Cond
+from digenrl.rl.forward import fragment_backward as forward_fragment_backward
 from digenrl.rl.grpo import group_advantages
 from digenrl.rl.policy import Policy
 
@@ -30,6 +32,7 @@ class StepStats:
     rewards: list[float] = field(default_factory=list)
     reward_terms: dict[str, list[float]] = field(default_factory=dict)
     staleness: list[int] = field(default_factory=list)
+    trained_staleness: dict[int, int] = field(default_factory=dict)  # staleness -> trained samples
     loss: float = 0.0
     kl: float = 0.0
     clipfrac_num: float = 0.0
@@ -58,13 +61,18 @@ class Learner:
     def train_fragment(self, *, records: Mapping[int, object], cond: Cond, rewards: Sequence[float],
                        gen_version: int, n_trained_total: int, sigma_max: float,
                        reward_terms: Mapping[str, Sequence[float]] | None = None,
-                       passes: int | None = None) -> dict[str, float]:
+                       passes: int | None = None, final: torch.Tensor | None = None,
+                       seeds: Sequence[int] | None = None) -> dict[str, float]:
         """Accumulate one fragment's gradient. ``records`` are this rank's trained steps only.
 
         ``passes``: the forward/backward passes this rank owes the fragment (its trained
         timesteps of it, by the plan; default ``len(records)``). A sharded policy runs exactly
         that many, padding with idle passes where the fragment trains less (zero advantages,
         a missing chunk), so the ranks' collectives stay paired.
+
+        Forward-process algorithms (``train.algorithm`` nft / awm): ``records`` holds this
+        rank's draw slots (values unused), ``final`` the fragment's clean latents and ``seeds``
+        its trajectory seeds (they fix each draw's noise level and noise).
         """
         t0 = time.perf_counter()
         g = self.cfg.train.group_size
@@ -78,17 +86,36 @@ class Learner:
         st.rewards += [float(x) for x in rewards]
         for k, v in (reward_terms or {}).items():
             st.reward_terms.setdefault(k, []).extend(float(x) for x in v)
-        st.staleness += [self.policy.version - gen_version] * n
-        n_keep = int(keep.sum())
+        staleness = self.policy.version - gen_version
+        st.staleness += [staleness] * n
+        forward = self.cfg.train.algorithm in FORWARD_ALGORITHMS
+        if not self.policy.behaviour_available(gen_version) and (forward or self.cfg.train.guard):
+            # the generating version's weights are gone (a resume dropped them): no v_old
+            keep = torch.zeros_like(keep)
+            self.discard(n, "behaviour_unavailable")
+            n_keep = 0
+        else:
+            n_keep = int(keep.sum())
+            if n - n_keep:
+                st.discarded["zero_advantage"] = st.discarded.get("zero_advantage", 0) + n - n_keep
+        if n_keep:
+            st.trained_staleness[staleness] = st.trained_staleness.get(staleness, 0) + n_keep
         st.zero_adv_groups += int(adv_stats.zero_groups)
-        if n - n_keep:
-            st.discarded["zero_advantage"] = st.discarded.get("zero_advantage", 0) + n - n_keep
         st.trained += n_keep
         out: dict[str, float] = {}
-        if n_keep and records:
+        if n_keep and records and forward:
+            if final is None or seeds is None:
+                raise ValueError(f"train.algorithm = {self.cfg.train.algorithm!r} trains on the "
+                                 "fragment's final latents and seeds; got none")
+            out = forward_fragment_backward(
+                self.policy, final, cond, adv, keep, seeds=seeds, draws=sorted(records),
+                gen_version=gen_version, batch_size_total=self.cfg.batch_size,
+                n_draws_total=n_trained_total)
+        elif n_keep and records:
             out = self.policy.fragment_loss_backward(
                 records, cond, adv, keep, batch_size_total=self.cfg.batch_size,
-                n_trained_total=n_trained_total, sigma_max=sigma_max)
+                n_trained_total=n_trained_total, sigma_max=sigma_max, gen_version=gen_version)
+        if out:
             st.loss += float(out.get("loss", 0.0))
             st.kl += float(out.get("kl", 0.0))
             st.clipfrac_num += float(out.get("clipfrac", 0.0)) * len(records)
@@ -153,6 +180,7 @@ class Learner:
             "grad_norm": float(opt.get("grad_norm", math.nan)),
             "max_staleness": max(st.staleness, default=0),
             "mean_staleness": sum(st.staleness) / max(len(st.staleness), 1),
+            **{f"staleness/{k}": v for k, v in sorted(st.trained_staleness.items())},
             "zero_adv_groups": st.zero_adv_groups,
             "trained": st.trained,
             "discarded": sum(st.discarded.values()),

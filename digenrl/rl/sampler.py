@@ -18,6 +18,8 @@ model's own batch-size rounding, ~1e-7 in float32).
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -25,7 +27,7 @@ import torch
 
 from digenrl.config import SamplerConfig
 from digenrl.models.base import Cond, FlowModel, cond_cat, cond_repeat
-from digenrl.rl.sde import sde_step, sigma_schedule
+from digenrl.rl.sde import dpm2_step, sde_step, sigma_schedule
 
 WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -73,7 +75,7 @@ def resolve_wire_dtype(name: str | torch.dtype | None) -> torch.dtype:
 def guided_velocity(
     model: FlowModel,
     x: torch.Tensor,
-    sigma: float,
+    sigma: float | torch.Tensor,
     cond: Cond,
     *,
     guidance_scale: float = 1.0,
@@ -84,14 +86,20 @@ def guided_velocity(
     ``uncond`` is the one-row empty-prompt conditioning; with ``guidance_scale != 1`` the
     unconditional and conditional passes run as one forward over ``[uncond; cond]``. The
     trainer calls this too, so the recomputed log-prob is that of the same (guided) policy.
+    ``sigma`` is one level for the batch or a ``[B]`` tensor (the forward-process losses draw
+    one per sample).
     """
     b = x.shape[0]
+    if isinstance(sigma, torch.Tensor):
+        sig = sigma.to(dtype=torch.float32, device=x.device).reshape(-1).expand(b)
+    else:
+        sig = torch.full((b,), sigma, dtype=torch.float32, device=x.device)
     if guidance_scale == 1.0:
-        return model.velocity(x, torch.full((b,), sigma, dtype=torch.float32, device=x.device), cond)
+        return model.velocity(x, sig, cond)
     if uncond is None:
         raise ValueError(f"guidance_scale = {guidance_scale} needs the unconditional conditioning")
     both = cond_cat([cond_repeat(uncond, b), cond])
-    s = torch.full((2 * b,), sigma, dtype=torch.float32, device=x.device)
+    s = torch.cat([sig, sig])
     v_u, v_c = model.velocity(torch.cat([x, x]), s, both).chunk(2)
     return v_u + guidance_scale * (v_c - v_u)
 
@@ -128,6 +136,11 @@ def rollout(
     ``sde_steps`` are the step indices that inject noise (None: all; the others are ODE
     steps, as in a Flow-GRPO-Fast window); ``wire_dtype`` defaults to
     ``sampler_cfg.wire_dtype``. The final latents are the last record's ``x_next``.
+
+    ODE steps use ``sampler_cfg.ode_solver`` (``dpm2``: DPM-Solver++(2M), MixGRPO-Flash). After
+    the last SDE step, ``sampler_cfg.ode_compress < 1`` takes only that share of the remaining
+    steps, spaced over the same sigmas (their records keep the index of the grid step they
+    start at, so indices stay distinct but skip; nothing after the last SDE step is trained).
     """
     wdtype = resolve_wire_dtype(wire_dtype if wire_dtype is not None else sampler_cfg.wire_dtype)
     b = next(iter(cond.values())).shape[0] if cond else None
@@ -144,15 +157,42 @@ def rollout(
     if sampler_cfg.guidance_scale != 1.0:
         with torch.no_grad():
             uncond = model.encode_prompts([""])
-    for i in range(sampler_cfg.num_steps):
-        noisy = sampler_cfg.sde_type != "ode" and (sde_steps is None or i in sde_steps)
+    noisy_steps = (set(range(sampler_cfg.num_steps)) if sde_steps is None else set(sde_steps)) \
+        if sampler_cfg.sde_type != "ode" else set()
+    prev: tuple[float, torch.Tensor] | None = None  # the last evaluation's (sigma, x0 prediction)
+    for i, i_next in step_grid(sampler_cfg.num_steps, noisy_steps, sampler_cfg.ode_compress):
+        noisy = i in noisy_steps
+        sigma, sigma_next = sigmas[i], sigmas[i_next]
         # no_grad only around the work: a generator's `with` would leak into the caller's code
         with torch.no_grad():
-            v = guided_velocity(model, x, sigmas[i], cond,
+            v = guided_velocity(model, x, sigma, cond,
                                 guidance_scale=sampler_cfg.guidance_scale, uncond=uncond)
-            out = sde_step(sampler_cfg.sde_type if noisy else "ode", x, v, sigmas[i], sigmas[i + 1],
-                           noise_level=sampler_cfg.noise_level, eta=sampler_cfg.eta,
-                           sigma_max=sigma_max, generator=generator, wire_dtype=wdtype)
-        yield StepRecord(index=i, sigma=sigmas[i], sigma_next=sigmas[i + 1], x_t=x,
+            if noisy or sampler_cfg.ode_solver == "euler":
+                out = sde_step(sampler_cfg.sde_type if noisy else "ode", x, v, sigma, sigma_next,
+                               noise_level=sampler_cfg.noise_level, eta=sampler_cfg.eta,
+                               sigma_max=sigma_max, generator=generator, wire_dtype=wdtype)
+            else:
+                out = dpm2_step(x, v, sigma, sigma_next, prev=prev, wire_dtype=wdtype)
+            prev = (sigma, x.float() - sigma * v.float())
+        yield StepRecord(index=i, sigma=sigma, sigma_next=sigma_next, x_t=x,
                          x_next=out.x_next, log_prob=out.log_prob, sde=noisy)
         x = out.x_next
+
+
+def step_grid(num_steps: int, sde_steps: set[int], compress: float) -> list[tuple[int, int]]:
+    """(from, to) indices into the sigma schedule of each step the sampler takes.
+
+    Every step up to the last SDE step is the grid's own ``(i, i + 1)``; the ``n`` steps after it
+    become ``max(1, ceil(compress * n))`` steps between grid points spaced as evenly as the grid
+    allows (``compress = 1``: all of them; MixGRPO-Flash compresses to 0.4).
+    """
+    if not 0 < compress <= 1:
+        raise ValueError(f"ode_compress = {compress}: expected 0 < ode_compress <= 1")
+    start = max(sde_steps) + 1 if sde_steps else 0
+    pairs = [(i, i + 1) for i in range(start)]
+    n = num_steps - start
+    if n <= 0:
+        return pairs
+    m = max(1, math.ceil(compress * n - 1e-9))
+    points = sorted({start + round(k * n / m) for k in range(m + 1)})
+    return pairs + list(itertools.pairwise(points))

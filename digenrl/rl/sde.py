@@ -28,6 +28,17 @@ Step kinds (``kind``):
   ``s_t^2`` replaced by a constant ``eta^2``. ``std = eta * sqrt(-dt)``.
 * ``"ode"``: ``x' = x + dt v``, ``std = 0``, log-prob 0 (no noise, nothing to train).
 
+Higher-order ODE steps (:func:`dpm2_step`, MixGRPO-Flash's solver outside the SDE window):
+DPM-Solver++(2M) in data prediction, written for flow matching (``alpha = 1 - sigma``,
+``lambda = log(alpha / sigma)``, data prediction ``D = x - sigma v``)::
+
+    x' = (sigma' / sigma) x + (alpha' - alpha sigma' / sigma) D_eff
+    D_eff = (1 + 1 / (2 r)) D - 1 / (2 r) D_prev,   r = (lambda - lambda_prev) / (lambda' - lambda)
+
+with ``D_prev`` the data prediction of the previous model evaluation. With ``D_eff = D`` (first
+order: no previous evaluation, or ``sigma' = 0`` as DPM-Solver's "lower order final") this is
+exactly the Euler step ``x + dt v``.
+
 Log-probs (``"sde"``, ``"dance"``) are the Gaussian log-density
 ``-(x' - mu)^2 / (2 std^2) - log std - log sqrt(2 pi)`` *averaged* over every non-batch
 element, which is why PPO clip ranges are ~1e-4.
@@ -199,3 +210,41 @@ def sde_step(
         dens = -((x_next - mean) ** 2) / (2 * var) - std.log() - _LOG_SQRT_2PI
         log_prob = _mean_over_elements(dens)
     return StepOut(x_next=x_next, mean=mean, std=std, noise_scale=noise_scale, log_prob=log_prob)
+
+
+def dpm2_step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma: float,
+    sigma_next: float,
+    *,
+    prev: tuple[float, torch.Tensor] | None = None,
+    wire_dtype: torch.dtype = torch.float32,
+) -> StepOut:
+    """One DPM-Solver++(2M) ODE step (formula in the module doc); ``prev = (sigma_prev,
+    D_prev)`` is the previous evaluation's noise level and data prediction ``x - sigma v``.
+
+    Falls back to first order (= Euler) without a usable ``prev`` (none, or at ``sigma = 1``
+    where ``lambda`` is infinite) and on the last step into ``sigma' = 0``. Deterministic:
+    ``std = 0`` and log-prob 0 like an ``"ode"`` step.
+    """
+    if not 1 >= sigma > sigma_next >= 0:
+        raise ValueError(f"sigma = {sigma}, sigma_next = {sigma_next}: expected 1 >= sigma > "
+                         "sigma_next >= 0")
+    first_order = prev is None or sigma_next <= 0 or sigma >= 1 or prev[0] >= 1 or prev[0] <= sigma
+    if first_order:  # exactly the "ode" step (same operations, same rounding)
+        return sde_step("ode", x, v, sigma, sigma_next, noise_level=0.0, eta=0.0, sigma_max=1.0,
+                        wire_dtype=wire_dtype)
+    assert prev is not None
+    x, v = x.float(), v.float()
+    d = x - sigma * v
+    lam = math.log((1 - sigma) / sigma)
+    lam_next = math.log((1 - sigma_next) / sigma_next)
+    lam_prev = math.log((1 - prev[0]) / prev[0])
+    r = (lam - lam_prev) / (lam_next - lam)
+    d_eff = (1 + 1 / (2 * r)) * d - 1 / (2 * r) * prev[1].float()
+    x_next = (sigma_next / sigma) * x + ((1 - sigma_next) - (1 - sigma) * sigma_next / sigma) * d_eff
+    x_next = x_next.to(wire_dtype).float()
+    zero = torch.zeros((1,) * x.dim(), dtype=torch.float32, device=x.device)
+    return StepOut(x_next=x_next, mean=x_next, std=zero, noise_scale=zero,
+                   log_prob=torch.zeros(x.shape[0], dtype=torch.float32, device=x.device))

@@ -30,7 +30,7 @@ __all__ = ["DOCS_PATH", "MetricsWriter", "MissingExtraError", "StepMetrics", "do
 DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 # Dict-valued fields -> the key prefix of their entries: busy={"trainer-0": .9} -> "busy/trainer-0".
 _DICT_PREFIX = {"reward_terms": "reward", "busy": "busy", "gpu_util": "gpu_util",
-                "gpu_mem_used_mb": "gpu_mem_used_mb"}
+                "gpu_mem_used_mb": "gpu_mem_used_mb", "staleness_hist": "staleness"}
 _warned: set[str] = set()  # extra keys already logged (once per process is enough)
 
 _log = structlog.get_logger(__name__)
@@ -75,6 +75,7 @@ class StepMetrics:
     busy: dict[str, float] = field(default_factory=dict)
     gpu_util: dict[str, float] = field(default_factory=dict)
     gpu_mem_used_mb: dict[str, float] = field(default_factory=dict)
+    staleness_hist: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_record(self) -> dict[str, Any]:
@@ -84,7 +85,7 @@ class StepMetrics:
             value = getattr(self, f.name)
             if f.name in _DICT_PREFIX:
                 prefix = _DICT_PREFIX[f.name]
-                record.update({f"{prefix}/{k}": float(v) for k, v in sorted(value.items())})
+                record.update({f"{prefix}/{k}": _number(v) for k, v in sorted(value.items())})
             elif f.name != "extra":
                 record[f.name] = value
         record.update(self.extra)
@@ -99,14 +100,14 @@ class StepMetrics:
         names = {f.name for f in dataclasses.fields(cls)} - set(_DICT_PREFIX) - {"extra"}
         by_prefix = {p: f for f, p in _DICT_PREFIX.items()}
         scalars: dict[str, Any] = {}
-        dicts: dict[str, dict[str, float]] = {f: {} for f in _DICT_PREFIX}
+        dicts: dict[str, dict[str, Any]] = {f: {} for f in _DICT_PREFIX}
         extra: dict[str, Any] = {}
         for key, value in row.items():
             prefix, sep, sub = key.partition("/")
             if key in names:
                 scalars[key] = value
             elif sep and sub and prefix in by_prefix:
-                dicts[by_prefix[prefix]][sub] = float(value)
+                dicts[by_prefix[prefix]][sub] = _number(value)
             else:
                 extra[key] = value
                 if key not in _warned:
@@ -117,6 +118,11 @@ class StepMetrics:
         if missing := sorted(required - set(scalars)):
             raise ValueError(f"metrics row of step {row.get('step')!r} lacks {missing}")
         return cls(**scalars, **dicts, extra=extra)
+
+
+def _number(v: Any) -> int | float:
+    """Counts stay integers (``staleness/<k>``); everything else is a float."""
+    return v if isinstance(v, int) and not isinstance(v, bool) else float(v)
 
 
 class MetricsWriter:

@@ -37,7 +37,9 @@ from digenrl.transport.frames import as_buffer, frame_to_tensor, tensor_to_frame
 # 4: weights relay: WeightsRoute, WeightsMissing, WeightsHeld; rollouts serve weights too.
 # 5: reward workers (role "reward", Score/Scored); Assign carries each prompt's metadata;
 # Commit.discard names a fragment discarded untrained (a reward worker's failure).
-PROTOCOL_VERSION = 5
+# 6: CleanSample (forward-process fragments: final latents instead of per-step chunks) and
+# Consumed.policy_version (the trained trajectories' generating version, for the ledger).
+PROTOCOL_VERSION = 6
 
 FROZEN_TAGS = frozenset({"shutdown"})
 """Messages whose layout never changes (``{"t": "shutdown", "v": N, "reason": str,

@@ -60,7 +60,7 @@ from digenrl.transport.frames import DTYPES, tensor_checksum
 
 __all__ = [
     "DEFAULT_MAX_FRAMES", "DEFAULT_MAX_HEADER_BYTES", "DTYPES", "INT_MAX", "INT_MIN",
-    "PROTOCOL_VERSION", "Assign", "Chunk", "Commit", "Consumed", "Heartbeat", "Hello",
+    "PROTOCOL_VERSION", "Assign", "Chunk", "CleanSample", "Commit", "Consumed", "Heartbeat", "Hello",
     "JSONDict", "Message", "NodeState", "ProtocolError", "Revoke", "Role", "Score", "Scored", "Shutdown",
     "StepDone", "TagOffer", "VersionAnnounce", "VersionMismatch", "WeightsHeld", "WeightsMissing",
     "WeightsPart", "WeightsRequest", "WeightsRoute", "Welcome", "decode", "encode", "message", "message_types",
@@ -145,6 +145,19 @@ class Chunk(Message):
     log_prob: torch.Tensor  # (N,) behaviour log-prob of x_next, float32
 
 
+@message("clean_sample")
+class CleanSample(Message):
+    """A forward-process fragment's final latents (DiffusionNFT, AWM): the whole of what the
+    trainer needs besides the commit's rewards and conditioning. Sent once to every rank that
+    owns one of the fragment's draw slots, before the commit; no per-step chunks, no log-probs."""
+
+    task_id: int
+    step: int
+    fragment: int
+    policy_version: int  # version that generated the whole trajectory (TCSS)
+    x0: torch.Tensor  # final latents, (N, ...) with N trajectories, in the wire dtype
+
+
 @message("commit")
 class Commit(Message):
     """A fragment is fully generated and scored; sent last, after all its chunks."""
@@ -194,6 +207,7 @@ class Consumed(Message):
     step: int
     fragment: int
     rank: int
+    policy_version: int  # the version that generated the fragment (dates what was trained)
     trained: int  # trajectories trained
     discarded: dict[str, int]  # reason -> trajectories discarded
     train_seconds: float

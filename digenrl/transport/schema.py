@@ -4,7 +4,8 @@ The codec checks types (an int is an int, a role is one of its Literal values); 
 checks the values a well-typed message can still get wrong, before any handler sees it:
 ids and versions non-negative, seconds finite, strings and lists bounded, the free-form
 dicts (``Heartbeat.stats``, ``StepDone.metrics``, ``Commit.reward_terms``, ...) flat maps of
-numbers of bounded size, a chunk's tensors of matching shapes. :func:`check` raises
+numbers of bounded size, a chunk's tensors of matching shapes, a clean sample's latents
+floating. :func:`check` raises
 :class:`ProtocolError` with reason ``"invalid"``, so a socket counts and drops such a message
 like an undecodable one (issue 20: a ``Heartbeat`` whose ``stats.busy_s`` was a string
 killed the coordinator).
@@ -121,6 +122,13 @@ def _chunk_tensors(m: Any) -> str | None:
     return None
 
 
+def _clean_tensors(m: Any) -> str | None:
+    x = m.x0
+    if x.dim() < 2 or x.shape[0] < 1 or not x.dtype.is_floating_point:
+        return f"x0 {tuple(x.shape)} {x.dtype}: expected floating latents (N, ...) with N >= 1"
+    return None
+
+
 def _commit_whole(m: Any) -> str | None:
     if m.images.numel() and str(m.images.dtype) != "torch.uint8":
         return f"images {m.images.dtype}: expected uint8"
@@ -212,6 +220,8 @@ RULES: dict[str, dict[str, Rule]] = {
                "metadata": (_metadata, "bounded JSON records")},
     "chunk": {"task_id": _NONNEG, "step": _NONNEG, "fragment": _FRAGMENT, "t_index": _T_INDEX,
               "policy_version": _NONNEG},
+    "clean_sample": {"task_id": _NONNEG, "step": _NONNEG, "fragment": _FRAGMENT,
+                     "policy_version": _NONNEG},
     "commit": {"task_id": _NONNEG, "step": _NONNEG, "fragment": _FRAGMENT, "node_id": _NAME,
                "policy_version": _NONNEG, "prompt_ids": (_ints(I62), "prompt indices >= 0"),
                "rewards": ((lambda v: len(v) <= MAX_LIST), "at most 65536 rewards"),
@@ -223,6 +233,7 @@ RULES: dict[str, dict[str, Rule]] = {
                "reward_terms": (_reward_terms, "a map of term names to lists of numbers"),
                "error": _TEXT, "seconds": _SECONDS},
     "consumed": {"task_id": _NONNEG, "step": _NONNEG, "fragment": _FRAGMENT, "rank": _RANK,
+                 "policy_version": _NONNEG,
                  "trained": ((lambda v: 0 <= v <= MAX_LIST), "0 to 65536 trajectories"),
                  "discarded": (_counts, "a map of reasons to counts"), "train_seconds": _SECONDS},
     "version_announce": {"version": _NONNEG, "step": _NONNEG,
@@ -243,7 +254,7 @@ RULES: dict[str, dict[str, Rule]] = {
     "shutdown": {"reason": _TEXT},
 }
 WHOLE: dict[str, Callable[[Any], str | None]] = {
-    "chunk": _sigmas, "commit": _commit_discard, "assign": _assign_whole, "score": _score_whole,
+    "chunk": _sigmas, "clean_sample": _clean_tensors, "commit": _commit_discard, "assign": _assign_whole, "score": _score_whole,
     "scored": _scored_whole}
 """Checks across fields (shapes of a message's tensors), by tag."""
 
