@@ -20,7 +20,7 @@ from digenrl.actors.trainer import TrainerActor
 from digenrl.config import load_config, resolve_mode
 from digenrl.core.plan import plan_for_step
 from digenrl.telemetry.trace import SpanRecorder
-from digenrl.transport.protocol import Chunk, Commit
+from digenrl.transport.protocol import Chunk, CleanSample, Commit
 
 
 class FakeSocket:
@@ -52,7 +52,7 @@ def _trainer(tmp_path: Path, *sets: str) -> tuple[TrainerActor, FakeSocket]:
 def _commit(step: int = 0, fragment: int = 0, task_id: int = 1, n: int = 4) -> Commit:
     return Commit(task_id=task_id, step=step, fragment=fragment, node_id="rollout-0", policy_version=0,
                   prompt_ids=[0], rewards=[0.5] * n, reward_terms={}, gen_seconds=0.1, cond={},
-                  images=torch.zeros(0, dtype=torch.uint8))
+                  images=torch.zeros(0, dtype=torch.uint8), discard="")
 
 
 def _chunk(step: int = 0, fragment: int = 0, t_index: int = 0, task_id: int = 1) -> Chunk:
@@ -93,6 +93,24 @@ async def test_chunks_of_a_revoked_attempt_are_refused_at_arrival(tmp_path: Path
     t = plan_for_step(actor.cfg, 0)[0][0]
     await _feed(actor, data, [_chunk(t_index=t, task_id=5), _commit(task_id=5)])
     assert actor.refused == {"revoked": 1} and 5 not in actor.staged and not actor.pending
+
+
+async def test_clean_samples_for_another_step_shape_or_revoked_attempt_are_refused_at_arrival(
+        tmp_path: Path) -> None:
+    # DiffusionNFT: a fragment's final latents are staged until its commit, so what can never
+    # be trained (a trained step, a wrong batch, a revoked attempt) is refused on arrival
+    actor, data = _trainer(tmp_path, "train.algorithm=nft", "runtime.fragments_per_step=1")
+    actor.revoked.add(5)
+
+    def clean(task_id: int, step: int = 0, n: int = 8) -> CleanSample:  # 2 prompts x group 4
+        return CleanSample(task_id=task_id, step=step, fragment=0, policy_version=0,
+                           x0=torch.zeros(n, 2))
+
+    actor.policy.version = 1
+    await _feed(actor, data, [clean(1), clean(2, step=1, n=3), clean(5, step=1), clean(6, step=1),
+                              clean(7, step=9)])
+    assert actor.refused == {"stale_chunk": 1, "bad_shape": 1, "revoked": 1, "step_out_of_window": 1}
+    assert set(actor.finals) == {6}
 
 
 # ----------------------------------------------------------------------------- the coordinator
@@ -142,7 +160,7 @@ async def test_identity_is_bound_at_hello_and_spoofed_reports_are_dropped_and_co
             await socks["trainer-0"].send(beat("trainer-0", incarnation=9))  # not its incarnation
             # issue 20: 20 StepDones for steps 1000-1019 added rows to metrics.jsonl
             await socks["trainer-0"].send(StepDone(step=1000, version=1001, metrics={"reward_mean": 99.0}))
-            await socks["trainer-0"].send(Consumed(task_id=1, step=0, fragment=0, rank=3, trained=4,
+            await socks["trainer-0"].send(Consumed(task_id=1, step=0, fragment=0, rank=3, policy_version=0, trained=4,
                                                    discarded={}, train_seconds=0.1))
             await socks["rollout-7"].send(Hello(node_id="rollout-7", role="rollout", gpu="cpu",
                                                 incarnation=1, pid=1, host="h", data_endpoint="",

@@ -12,6 +12,7 @@ import torch
 from digenrl.transport import schema
 from digenrl.transport.protocol import (
     Chunk,
+    CleanSample,
     Commit,
     Consumed,
     Heartbeat,
@@ -48,6 +49,12 @@ def _commit(**kw: Any) -> Commit:
     return Commit(**{**args, **kw})
 
 
+def _clean(**kw: Any) -> CleanSample:
+    args: dict[str, Any] = dict(task_id=1, step=0, fragment=0, policy_version=0,
+                                x0=torch.zeros(4, 2, 3, dtype=torch.bfloat16))
+    return CleanSample(**{**args, **kw})
+
+
 def _roundtrip(msg: Any) -> Any:
     return decode(encode(msg), max_frame_bytes=LIMIT)
 
@@ -55,8 +62,8 @@ def _roundtrip(msg: Any) -> Any:
 HONEST = [
     _heartbeat(), _heartbeat(gpu={"available": True, "reason": "", "gpus": [
         {"index": 0, "name": "H100", "mem_free_mb": 1.0, "power_w": None, "temp_c": 40.0}]}),
-    _chunk(), _commit(), _commit(rewards=[math.nan] * 4),  # a reward function may return NaN
-    Consumed(task_id=3, step=1, fragment=0, rank=0, trained=3, discarded={"zero_advantage": 1},
+    _chunk(), _clean(), _commit(), _commit(rewards=[math.nan] * 4),  # a reward function may return NaN
+    Consumed(task_id=3, step=1, fragment=0, rank=0, policy_version=0, trained=3, discarded={"zero_advantage": 1},
              train_seconds=0.2),
     StepDone(step=0, version=1, metrics={"reward_mean": 0.5, "grad_norm": math.nan, "trained": 16}),
     TagOffer(node_id="trainer-0", rank=0, free_mb=-1.0),
@@ -84,14 +91,20 @@ HOSTILE = [
     ("log_prob of another length", _chunk(log_prob=torch.zeros(5)), "log_prob"),
     ("integer latents", _chunk(x_t=torch.zeros(4, 2, 3, dtype=torch.int32),
                                x_next=torch.zeros(4, 2, 3, dtype=torch.int32)), "x_t"),
+    ("clean sample of a negative version", _clean(policy_version=-1), "policy_version"),
+    ("clean sample fragment past 2**20", _clean(fragment=1 << 20), "fragment"),
+    ("clean sample of integer latents", _clean(x0=torch.zeros(4, 2, 3, dtype=torch.int64)), "x0"),
+    ("clean sample without a batch dimension", _clean(x0=torch.zeros(5)), "x0"),
+    ("consumed of a negative version", Consumed(task_id=1, step=0, fragment=0, rank=0, policy_version=-2,
+                                                trained=1, discarded={}, train_seconds=0.1), "policy_version"),
     ("gen_seconds inf", _commit(gen_seconds=math.inf), "gen_seconds"),
     ("rewards not whole groups", _commit(rewards=[0.5] * 3), "rewards"),
     ("reward terms of strings", _commit(reward_terms={"jpeg": ["a"]}), "reward_terms"),
     ("images float", _commit(images=torch.zeros(2, 2)), "images"),
     # issue 20: a spoofed Consumed with trained = 2**63-1
-    ("trained 2**63-1", Consumed(task_id=1, step=0, fragment=0, rank=0, trained=2**63 - 1, discarded={},
+    ("trained 2**63-1", Consumed(task_id=1, step=0, fragment=0, rank=0, policy_version=0, trained=2**63 - 1, discarded={},
                                  train_seconds=0.1), "trained"),
-    ("discarded negative", Consumed(task_id=1, step=0, fragment=0, rank=0, trained=1,
+    ("discarded negative", Consumed(task_id=1, step=0, fragment=0, rank=0, policy_version=0, trained=1,
                                     discarded={"stale": -3}, train_seconds=0.1), "discarded"),
     ("metrics of strings", StepDone(step=0, version=1, metrics={"reward_mean": "99"}), "metrics"),
     ("free_mb NaN", TagOffer(node_id="trainer-0", rank=0, free_mb=math.nan), "free_mb"),
