@@ -130,13 +130,14 @@ def exit_code(e: BaseException) -> int | None:
     run that failed (a broken checkpoint, a full or read-only disk, no recovery left), None for
     anything else (a bug: it keeps its traceback)."""
     from digenrl.actors.base import RunFailed
+    from digenrl.clusterenv import EnvError
     from digenrl.data.prompts import PromptError
     from digenrl.rl.checkpoint import CheckpointError
     from digenrl.transport.curve import CurveKeyError
     from digenrl.transport.errors import EndpointError
     from digenrl.transport.security import PlaintextRefused
     if isinstance(e, ConfigError | UsageError | PromptError | EndpointError | PlaintextRefused
-                  | CurveKeyError):
+                  | CurveKeyError | EnvError):
         return 2
     if isinstance(e, CheckpointError | RunFailed | OSError):
         return 1
@@ -157,7 +158,8 @@ def one_line(e: BaseException) -> str:
 
 def build_node_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="digenrl-node", description="run one DigenRL role by hand")
-    p.add_argument("--role", required=True, choices=["coordinator", "rollout", "trainer", "reward"])
+    p.add_argument("--role", default=None, choices=["coordinator", "rollout", "trainer", "reward"],
+                   help="required unless --from-env gives it from the rank")
     p.add_argument("--coordinator", default=None, metavar="ENDPOINT",
                    help="coordinator control address, e.g. tcp://10.0.0.1:5555 (nodes)")
     p.add_argument("--bind", default=None, metavar="ENDPOINT",
@@ -171,13 +173,28 @@ def build_node_parser() -> argparse.ArgumentParser:
                    help="serve this node's counters and NVML readings for Prometheus (metrics extra)")
     p.add_argument("--allow-plaintext", action="store_true",
                    help="permit an unencrypted bind on a non-loopback address (warns)")
+    g = p.add_argument_group("cluster launchers (digenrl/clusterenv.py, ops/)")
+    g.add_argument("--from-env", action="store_true",
+                   help="rank, world and coordinator from Slurm, torchrun or Kubernetes variables: start "
+                        "this task's nodes (one per local GPU) and, on rank 0, the coordinator")
+    g.add_argument("--trainers", type=int, default=1, help="--from-env: the first N global ranks train")
+    g.add_argument("--gpus-per-node", type=int, default=0,
+                   help="--from-env: nodes per task when the launcher started one task per host")
+    g.add_argument("--coordinator-port", type=int, default=5555)
+    g.add_argument("--dry-run", action="store_true", help="--from-env: print the processes, start none")
     _add_config_args(p)
     return p
 
 
 def node_main(argv: list[str] | None = None) -> int:
-    args = build_node_parser().parse_args(argv)
+    parser = build_node_parser()
+    args = parser.parse_args(argv)
+    if args.role is None and not args.from_env:
+        parser.error("the following arguments are required: --role (or --from-env)")
     try:
+        if args.from_env:
+            from digenrl.clusterenv import run_from_env
+            return run_from_env(args)
         from digenrl.actors.node import run_node
         if args.coordinator:  # a bad address is refused before anything is built
             from digenrl.transport.sockets import Endpoint
