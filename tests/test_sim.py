@@ -268,3 +268,31 @@ def test_rollout_weight_fetch_is_hidden_behind_generation_unless_longer(fetch_s)
         assert r.s_per_step == pytest.approx(gen + costs["weight_apply_s"], rel=0.02)
     else:  # the fetch is exposed
         assert r.s_per_step > fetch_s + costs["weight_apply_s"]
+
+
+def test_the_relay_prices_one_set_plus_a_part_per_hop_and_rank_0_alone_n_sets() -> None:
+    from digenrl.core.costmodel import PART_BYTES, relay_depth, sync_bytes, weight_sync_s
+
+    net = Network(link_gbs=45.0, weight_gbs=8.0, latency_s=0.001)
+    b, bw = sync_bytes("flux", 0), 8.0e9
+    assert b == 4 * 11.8e9  # float32 masters travel, not their bf16 rounding
+    chain = [weight_sync_s("flux", 0, net, position=j, fanout=1, rollouts=16) for j in (1, 16)]
+    assert chain[0] == pytest.approx(b / bw + 0.001)
+    assert chain[1] == pytest.approx(b / bw + 15 * PART_BYTES / bw + 16 * 0.001)
+    assert [relay_depth(j, 2) for j in range(1, 8)] == [1, 2, 2, 3, 3, 3, 3]
+    # a binary tree: position 1 serves 2 and 3 over one uplink, so each gets half of it
+    tree = weight_sync_s("flux", 0, net, position=4, fanout=2, rollouts=7)
+    assert tree == pytest.approx(2 * (b + 2 * PART_BYTES) / bw + 3 * 0.001)
+    alone = weight_sync_s("flux", 0, net, position=16, fanout=0, rollouts=16)
+    assert alone == pytest.approx(16 * b / bw + 0.001)  # rank 0's link carries all sixteen
+
+
+def test_the_planner_prices_rank_0_serving_every_rollout_as_slower_than_the_relay() -> None:
+    cfg = load_config("configs/models/flux.toml", ["run.steps=6"])
+    cluster = cluster_from_dict({"name": "mixed", "network": {"weight_gbs": 1.0},
+                                 "gpus": [{"type": "H100", "count": 8, "role": "trainer"},
+                                          {"type": "H20", "count": 8, "role": "rollout"}]})
+    report = plan(cfg, cluster, ["digenrl"])
+    steps = {r["name"]: r["s_per_step"] for r in report["modes"] + report["ablation"]}
+    # 47 GB at 1 GB/s: relayed, ~47 s per version in the background; from rank 0, 8 x that
+    assert steps["digenrl -relay"] > 1.2 * steps["digenrl"]

@@ -290,9 +290,60 @@ def node_costs(gpu: str, wl: Workload, *, trainer_ranks: int = 1,
                      reward_s=reward, optimizer_s=optimizer, switch_s=switch)
 
 
-def weight_sync_s(model: str, lora_rank: int, net: Network) -> float:
-    """Seconds for a rollout to fetch one version: trainable bf16 bytes / weight_gbs + latency."""
-    return trainable_bytes(MODELS[model], lora_rank) / (net.weight_gbs * 1e9) + net.latency_s
+SYNC_BYTES_PER_PARAM = 4
+"""What the runtime sends per trainable parameter: its float32 master (``Policy.state_dict_for_sync``
+sends the masters, not their bf16 rounding), twice the bf16 bytes cm 6 sizes."""
+PART_BYTES = 4 << 20
+"""A weight part (transport/weights.py PART_BYTES): the relay forwards whole parts."""
+
+
+def sync_bytes(model: str, lora_rank: int) -> float:
+    """Bytes of one version on the wire: trainable parameters x :data:`SYNC_BYTES_PER_PARAM`."""
+    return trainable_bytes(MODELS[model], lora_rank) / 2.0 * SYNC_BYTES_PER_PARAM
+
+
+def relay_parent(position: int, fanout: int) -> int:
+    """The 1-based position feeding ``position`` in the relay tree (0: trainer rank 0).
+    core/relay.py: rank 0 feeds position 1, position j >= 2 hangs under (j - 2) // fanout + 1."""
+    return 0 if position <= 1 else (position - 2) // fanout + 1
+
+
+def relay_depth(position: int, fanout: int) -> int:
+    """Hops from trainer rank 0 to the rollout at 1-based ``position`` of the relay tree."""
+    depth = 0
+    while position > 0:
+        position = relay_parent(position, fanout)
+        depth += 1
+    return depth
+
+
+def relay_children(position: int, fanout: int, rollouts: int) -> int:
+    """How many rollouts the one at ``position`` serves (its uplink is split among them)."""
+    first = (position - 1) * fanout + 2
+    return max(0, min(rollouts, first + fanout - 1) - first + 1)
+
+
+def weight_sync_s(model: str, lora_rank: int, net: Network, *, position: int = 1, fanout: int = 1,
+                  rollouts: int = 1) -> float:
+    """Seconds from a version's publication until the rollout at ``position`` holds it.
+
+    Relayed (``fanout`` >= 1, the runtime's default): the set streams down the tree, each
+    rollout forwarding a part as soon as it has verified it, so the set crosses one link once
+    (at ``weight_gbs`` shared by the children of the busiest forwarder on the way: 1 in a
+    chain) and every hop below rank 0 adds one part and a message latency. ``fanout = 0``:
+    every one of the ``rollouts`` fetches from rank 0, whose link they share: all of them
+    finish after N sets.
+    """
+    b = sync_bytes(model, lora_rank)
+    bw = net.weight_gbs * 1e9
+    if fanout <= 0:
+        return max(1, rollouts) * b / bw + net.latency_s
+    d = relay_depth(position, fanout)
+    share, p = 1, relay_parent(position, fanout)
+    while p > 0:  # rank 0 feeds position 1 alone
+        share = max(share, relay_children(p, fanout, max(rollouts, position)))
+        p = relay_parent(p, fanout)
+    return share * (b + (d - 1) * min(b, PART_BYTES)) / bw + d * net.latency_s
 
 
 def allreduce_s(model: str, lora_rank: int, ranks: int, gpu: str) -> float:

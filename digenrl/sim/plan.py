@@ -25,7 +25,7 @@ from digenrl.sim.calibrate import calibrate
 from digenrl.sim.cluster import Cluster, load_cluster
 from digenrl.sim.simulator import SimResult, SimSetup, simulate, trained_timesteps
 
-ABLATIONS = ("gap", "tsp", "k1", "tag")
+ABLATIONS = ("gap", "tsp", "k1", "tag", "relay")
 
 
 def _divisor_at_most(n: int, cap: int) -> int:
@@ -55,6 +55,8 @@ def mode_run(cfg: Config, mode: str, cluster: Cluster, *, trainers: int | None =
         rt = dataclasses.replace(rt, staleness=0)
     elif off == "tag":
         rt = dataclasses.replace(rt, tag="never")
+    elif off == "relay":  # every rollout fetches each version from trainer rank 0
+        rt = dataclasses.replace(rt, weights_fanout=0)
     cl = dataclasses.replace(c.cluster, rollouts=len(rollouts), trainers=len(train))
     c = dataclasses.replace(c, runtime=rt, cluster=cl)
     return c, SimSetup(rollout_gpus=tuple(rollouts), trainer_gpus=tuple(train),

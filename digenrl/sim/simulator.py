@@ -6,7 +6,8 @@ seconds of :mod:`digenrl.core.costmodel`. Nodes behave like ``actors/rollout.py`
 ``actors/trainer.py``::
 
     rollout:  every announced version is fetched in the background (one fetch at a time, as
-              actors/peers.py prefetches) while the node generates; Assign -> (catch up at the
+              actors/peers.py prefetches; it lands after the relay's time for the node's place
+              in the tree, costmodel.weight_sync_s) while the node generates; Assign -> (catch up at the
               trajectory boundary: wait for the newest version's fetch if still running, apply
               it) -> generate
               T steps x n samples -> rewards -> commit reaches every trainer rank
@@ -140,6 +141,7 @@ class _Node:
     working: bool = False
     fetched: int = 0         # rollout: newest version whose weights have arrived (prefetch)
     fetching: int = -1       # rollout: version being fetched in the background, -1 none
+    position: int = 1        # rollout: 1-based place in the weights relay (join order)
 
 
 class Simulator:
@@ -174,8 +176,13 @@ class Simulator:
         cal = setup.calibration or {}
         # a rollout fetches each announced version in the background (trainable bytes over the
         # weight link) and applies it at a trajectory boundary (a device copy: ~0 on a GPU)
-        self.fetch_s = float(cal.get("weight_fetch_s", weight_sync_s(self.wl.model, self.wl.lora_rank,
-                                                                    setup.network)))
+        # the relay (core/relay.py): a rollout's fetch ends when its position in the tree has
+        # the version; without it (weights_fanout = 0) every rollout shares rank 0's link
+        fanout, n_roll = self.cfg.runtime.weights_fanout, len(setup.rollout_gpus)
+        self.fetch_by_position = [
+            float(cal.get("weight_fetch_s", weight_sync_s(self.wl.model, self.wl.lora_rank, setup.network,
+                                                          position=j, fanout=fanout, rollouts=n_roll)))
+            for j in range(1, max(1, n_roll) + 1)]
         self.apply_s = float(cal.get("weight_apply_s", 0.0))
         self.latency_s = float(cal.get("latency_s", setup.network.latency_s))
         self.ar_s = step_sync_s(self.wl.model, self.wl.lora_rank, setup.trainer_gpus, setup.network)
@@ -187,7 +194,7 @@ class Simulator:
             self.nodes[n.id] = n
             self.trainers.append(n)
         for i, g in enumerate(() if self.colocated else setup.rollout_gpus):
-            self.nodes[f"rollout-{i}"] = _Node(id=f"rollout-{i}", role="rollout", gpu=g,
+            self.nodes[f"rollout-{i}"] = _Node(id=f"rollout-{i}", role="rollout", gpu=g, position=i + 1,
                                                costs=node_costs(g, self.wl, calibration=setup.calibration))
         self.announced = 0
         # per rank: step -> committed fragments not yet trained by that rank, in arrival order
@@ -309,7 +316,7 @@ class Simulator:
         old = self.nodes[old_id]
         self.incarnations += 1
         new = _Node(id=f"{old_id.split('.')[0]}.{self.incarnations}", role="rollout", gpu=old.gpu,
-                    costs=old.costs)
+                    costs=old.costs, position=len(self.setup.rollout_gpus))  # rejoins at the end
         self.nodes[new.id] = new
         self._apply(self.sched.node_joined(new.id, "rollout", new.gpu, self.now))
 
@@ -344,7 +351,8 @@ class Simulator:
         if node.fetching >= 0 or node.fetched >= self.announced or not node.alive:
             return
         node.fetching = self.announced
-        self._at(self.now + self.fetch_s, "prefetched", node.id, self.announced)
+        self._at(self.now + self.fetch_by_position[min(node.position, len(self.fetch_by_position)) - 1],
+                 "prefetched", node.id, self.announced)
 
     def _on_prefetched(self, nid: str, version: int) -> None:
         node = self.nodes[nid]
