@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from digenrl.config import MODES, ConfigError
+from digenrl.config import CONFIG_ERROR_EXIT, MODES, ConfigError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -165,6 +165,8 @@ def build_node_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default=None, metavar="ENDPOINT",
                    help="address to bind (coordinator: control ROUTER; trainer: data PULL; reward: requests ROUTER)")
     p.add_argument("--gpu", default=None, help="GPU type this node declares (H100, L40S, cpu, ...)")
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK, else the first visible GPU, else cpu)")
     p.add_argument("--node-id", default=None, help="stable node id (default role-host-pid)")
     p.add_argument("--rank", type=int, default=None,
                    help="trainer: informational rank hint (ranks are assigned in join order)")
@@ -191,6 +193,7 @@ def node_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.role is None and not args.from_env:
         parser.error("the following arguments are required: --role (or --from-env)")
+    from digenrl.rl.rewards import RewardError
     try:
         if args.from_env:
             from digenrl.clusterenv import run_from_env
@@ -204,7 +207,8 @@ def node_main(argv: list[str] | None = None) -> int:
             Endpoint.parse(args.bind)
         return run_node(args)
     except Exception as e:
-        code = exit_code(e)
+        # a reward that cannot be built refuses the same way on every restart: a config error
+        code = CONFIG_ERROR_EXIT if isinstance(e, RewardError) else exit_code(e)
         if code is None:
             raise
         print(f"digenrl-node: {one_line(e)}", file=sys.stderr)

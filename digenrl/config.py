@@ -30,6 +30,11 @@ class ConfigError(ValueError):
     """A configuration value a user wrote is wrong; the message names key, value, expectation."""
 
 
+#: A node's exit code for a configuration or reward plug-in error: the launcher and
+#: supervisors stop the run instead of restarting the node (it would fail the same way again).
+CONFIG_ERROR_EXIT = 2
+
+
 def _f(default: Any, help: str, **bounds: float) -> Any:
     """A config field with a help string and optional numeric bounds (ge, gt, le, lt)."""
     if isinstance(default, list | dict):

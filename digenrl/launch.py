@@ -115,8 +115,10 @@ def resume_config(args: argparse.Namespace) -> tuple[Config, Path]:
     return cfg, run_dir
 
 
-def _child_env(cfg: Config) -> dict[str, str]:
-    env = dict(os.environ)
+def _child_env(cfg: Config, index: int = 0) -> dict[str, str]:
+    from digenrl.devices import child_gpu_env
+
+    env = dict(os.environ, **child_gpu_env(index))
     env["OMP_NUM_THREADS"] = str(cfg.run.threads)
     env["MKL_NUM_THREADS"] = str(cfg.run.threads)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -138,7 +140,7 @@ def run_colocated_ranks(cfg: Config, run_dir: Path, resume: bool = False) -> dic
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "digenrl.actors.colocated", str(run_dir), str(rank), str(world), init,
              *(["resume"] if resume else [])],
-            env=_child_env(cfg), stdout=log if rank else None, stderr=log))
+            env=_child_env(cfg, rank), stdout=log if rank else None, stderr=log))
     codes = [p.wait() for p in procs]
     if any(codes):
         from digenrl.actors.base import RunFailed
@@ -157,6 +159,24 @@ def check_runtime_support(cfg: Config) -> None:
                           "use runtime.tag = 'bts' or 'never'")
 
 
+def check_before_start(cfg: Config) -> None:
+    """What a node would refuse when it starts, refused here, before any process starts (a
+    child that refused its configuration would only be restarted to refuse it again): the
+    runtime's limits, the model folder (family, completeness, size; config files only) and
+    the reward terms (names, plug-in imports, args; nothing is built)."""
+    from digenrl.models import check_model_path
+    from digenrl.models.meta import latent_shape_of
+    from digenrl.rl.rewards import RewardError, check_reward
+
+    check_runtime_support(cfg)
+    check_model_path(cfg.model)
+    latent_shape_of(cfg.model)
+    try:
+        check_reward(cfg.reward.terms)
+    except RewardError as e:
+        raise ConfigError(str(e)) from None
+
+
 def launch(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to the end; returns (and writes) summary.json.
 
@@ -166,7 +186,7 @@ def launch(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any
     from digenrl.rl.checkpoint import CheckpointError, checkpoint_root, latest_checkpoint
     from digenrl.telemetry.trace import merge_traces
 
-    check_runtime_support(cfg)
+    check_before_start(cfg)
 
     if not resume and (checkpoint_root(run_dir) / "manifest.json").exists():
         raise ConfigError(f"run dir {run_dir} holds a checkpoint: continue it with "

@@ -65,3 +65,15 @@ def fails_when_flagged(images: torch.Tensor, prompts: Sequence[str], metadata) -
     if any(m.get("fail") for m in metadata):
         raise RuntimeError("a flagged prompt")
     return images.float().mean(dim=(1, 2, 3)) / 255.0
+
+
+class MissingWeights:
+    """A model reward whose weights are not there: its constructor fails in every node."""
+
+    def __init__(self, *, folder: str = "/nonexistent/reward-model") -> None:
+        from digenrl.rl.rewards import RewardError
+
+        raise RewardError(f"reward 'MissingWeights': weights folder {folder!r} does not exist")
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        raise AssertionError("never built")

@@ -227,6 +227,7 @@ def test_every_service_is_a_notify_unit_with_watchdog_restart_and_drain_time() -
         for key, value in {
             "Type": "notify", "NotifyAccess": "main", "WatchdogSec": "60",
             "Restart": "on-failure", "RestartSec": "5", "KillMode": "mixed", "User": "digenrl",
+            "RestartPreventExitStatus": "2",  # a configuration error would only recur
         }.items():
             assert service[key] == [value], (name, key, service.get(key))
         assert int(service["TimeoutStopSec"][0]) >= 120, name
@@ -321,7 +322,7 @@ def test_supervisor_config_parses_with_supervisors_own_parser(tmp_path: Path, mo
     assert sorted(procs) == ["digenrl-coordinator", "digenrl-rollout-0", "digenrl-rollout-1",
                              "digenrl-rollout-2", "digenrl-trainer-0", "digenrl-trainer-1"]
     for p in procs.values():
-        assert p.autorestart is RestartWhenExitUnexpected and p.exitcodes == [0], p.name
+        assert p.autorestart is RestartWhenExitUnexpected and p.exitcodes == [0, 2], p.name
         assert (p.stopwaitsecs, p.stopasgroup, p.killasgroup) == (120, True, True), p.name
         assert p.startsecs > 0 and p.stopsignal == signal.SIGTERM, p.name
     assert procs["digenrl-coordinator"].priority < procs["digenrl-trainer-0"].priority \

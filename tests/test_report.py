@@ -217,3 +217,18 @@ def test_prometheus_without_the_extra_is_a_clear_error():
         pytest.skip("prometheus-client is installed here")
     with pytest.raises(MissingExtraError, match=r"digenrl\[metrics\]"):
         start_prometheus(9400, dict)
+
+
+def test_sample_grids_upscale_small_images_and_never_exceed_the_cap():
+    import torch
+
+    from digenrl.telemetry.images import MAX_SIDE, grid
+
+    small = torch.zeros(16, 3, 32, 32, dtype=torch.uint8)
+    assert grid(small, nrow=4).size == (4 * (4 * 34 + 2),) * 2  # 4x nearest, as always
+    # 16 FLUX samples of 1024 px: once a 16424 px square of 62 MB written for 19 s
+    large = torch.zeros(16, 3, 1024, 1024, dtype=torch.uint8)
+    img = grid(large, nrow=4)
+    assert max(img.size) == MAX_SIDE == 2048 and img.size[0] == img.size[1]
+    wide = torch.zeros(2, 3, 64, 4096, dtype=torch.uint8)  # video frames tiled side by side
+    assert max(grid(wide, nrow=2).size) == MAX_SIDE

@@ -277,8 +277,18 @@ def test_losing_a_trainer_rank_shuts_the_run_down_once():
     s = make(trainer_ranks=2)
     s.node_joined("t0", "trainer", "H100", 0.0, rank=0)
     s.node_joined("t1", "trainer", "H100", 0.0, rank=1)
-    assert s.node_lost("t1", 1.0) == [ShutdownCmd(reason="trainer_lost: rank 1 node t1")]
+    assert s.node_lost("t1", 1.0, "exited with code 1") == [
+        ShutdownCmd(reason="trainer_lost: rank 1 node t1 (exited with code 1)")]
     assert s.node_joined("r0", "rollout", "H100", 2.0) == []
+
+
+def test_a_silent_node_is_reported_lost_for_no_heartbeat_for_so_many_seconds():
+    s = make(trainer_ranks=1, heartbeat_timeout=3.0)
+    s.node_joined("t0", "trainer", "H100", 0.0, rank=0)
+    s.node_joined("r0", "rollout", "H100", 0.0)
+    s.heartbeat("t0", 1.0)
+    assert s.tick(4.25) == [ShutdownCmd(reason="trainer_lost: rank 0 node t0 (no heartbeat for 3.2 s)")]
+    assert [n["lost_why"] for n in s.statistics()["nodes"].values() if n["lost"]] == ["no heartbeat for 3.2 s"]
 
 
 def test_bad_joins_name_the_value():

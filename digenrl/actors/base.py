@@ -58,6 +58,9 @@ class Actor:
         self.trace_flush_s = 5.0
         self.unexpected_messages: Counter[str] = Counter()  # "socket:Type" -> count
         self.refused: Counter[str] = Counter()  # messages dropped by :meth:`refuse`, by reason
+        #: run once on the compute thread when it starts (the node sets its CUDA device there:
+        #: a thread's current device is its own)
+        self.compute_init: Callable[[], Any] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -163,7 +166,8 @@ class Actor:
         """Queue ``fn(*a)`` on the compute thread, without a span (the caller records the
         work's spans itself); awaiting the result is the caller's business."""
         if self._compute is None:
-            self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-compute")
+            self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-compute",
+                                               initializer=self.compute_init)
         job = self._compute.submit(contextvars.copy_context().run, partial(fn, *a))
         self._computing = (name, job)
         return asyncio.wrap_future(job)

@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from digenrl.actors.base import RunFailed
 from digenrl.actors.coordinator import CoordinatorActor
-from digenrl.config import Config
+from digenrl.config import CONFIG_ERROR_EXIT, Config
 from digenrl.core.scheduler import Scheduler, SchedulerParams
 from digenrl.data.prompts import load_splits
 from digenrl.fileio import remove_temp_files, write_json_atomic
@@ -83,7 +83,13 @@ class Children:
         return (cl.rollout_gpu if role == "rollout" else cl.trainer_gpu) or cl.gpu
 
     async def start(self, node_id: str, role: str) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.run.threads), PYTHONUNBUFFERED="1")
+        from digenrl.devices import child_gpu_env
+
+        # GPUs in order: trainer ranks first, then rollouts, then reward workers
+        order = sorted(self.specs(), key=lambda s: ("trainer", "rollout", "reward").index(s[1]))
+        index = [n for n, _ in order].index(node_id)
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.run.threads), PYTHONUNBUFFERED="1",
+                   **child_gpu_env(index))
         err = open(self.run_dir / "logs" / f"{node_id}.stderr", "ab")  # noqa: SIM115 - child owns it
         bind: list[str] = []
         if role == "reward":  # one address for the worker's life: a restart binds it again
@@ -141,6 +147,10 @@ class Children:
                 p = self.procs[node_id]
                 if p.returncode is None or actor.stopping:
                     continue
+                if p.returncode == CONFIG_ERROR_EXIT:  # it would refuse again: no restart
+                    actor.request_stop(f"failed: {node_id} refused the configuration: "
+                                      f"{self.last_error(node_id) or '(no stderr)'}")
+                    break
                 n = self.restarts.get(node_id, 0) + 1
                 if n > self.max_restarts:
                     actor.request_stop(f"failed: {node_id} exited {n} times")

@@ -2,7 +2,8 @@
 
 This is the baseline DigenRL is measured against, and the shortest path from a config to a
 trained policy (one process, no sockets). With ``world_size > 1`` each rank generates its
-share of the step's groups and trains them; gradients are all-reduced (gloo on CPU).
+share of the step's groups and trains them; gradients are all-reduced (NCCL on GPUs, gloo on
+the CPU).
 
     for step in range(steps):
         prompts, seeds = step content (core.plan: the same for every mode)
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from digenrl.config import Config
 from digenrl.core.plan import FORWARD_ALGORITHMS, plan_for_step, step_prompts, trajectory_seed
 from digenrl.data.prompts import load_splits
+from digenrl.devices import init_process_group, resolve_device, use_device
 from digenrl.rl.checkpoint import colocated_checkpoint, colocated_resume, crash_point
 from digenrl.rl.evaluate import build_eval_reward, eval_due, evaluate
 from digenrl.rl.fragment import FragmentJob
@@ -41,21 +43,24 @@ def _all_reduce(t: torch.Tensor) -> None:
 
 def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int = 1,
                   progress: object | None = None, log: object | None = None,
-                  resume: bool = False) -> dict[str, float]:
+                  resume: bool = False, device: torch.device | None = None) -> dict[str, float]:
     """Train ``cfg.run.steps`` steps; rank 0 writes metrics.jsonl and sample grids.
 
     ``resume`` continues from run_dir's checkpoint; checkpoints follow run.checkpoint_every.
+    ``device``: where the models go (default: :func:`digenrl.devices.resolve_device`).
     """
     torch.set_num_threads(cfg.run.threads)
+    device = resolve_device() if device is None else device
+    use_device(device)
     P, G = cfg.train.prompts_per_step, cfg.train.group_size
     if P % world_size:
         raise ValueError(f"train.prompts_per_step = {P}: colocated mode with {world_size} ranks "
                          "needs a multiple of the rank count")
-    policy = build_policy(cfg, world_size)
+    policy = build_policy(cfg, world_size, device=device)
     learner = Learner(policy, cfg)
     start, done_trained, done_discarded = (colocated_resume(run_dir, policy, rank) if resume
                                            else (0, 0, {}))
-    reward_fn = build_reward(cfg.reward.terms)
+    reward_fn = build_reward(cfg.reward.terms, device=device)
     train_set, test_set = load_splits(cfg.prompts)
     prompts = train_set.prompts
     # evaluation: rank 0 scores; a sharded policy's other ranks join its forward passes
@@ -107,7 +112,8 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
             metrics = learner.finish_step(_all_reduce if world_size > 1 else None, pad_to=len(trained))
         if world_size > 1:
             # rewards of every rank for the step's reward statistics
-            r = torch.tensor([metrics["reward_mean"], metrics["reward_std"] ** 2], dtype=torch.float64)
+            r = torch.tensor([metrics["reward_mean"], metrics["reward_std"] ** 2], dtype=torch.float64,
+                             device=device)  # NCCL reduces device tensors only
             dist.all_reduce(r)
             metrics["reward_mean"] = float(r[0]) / world_size
             metrics["reward_std"] = float(r[1] / world_size) ** 0.5
@@ -155,10 +161,11 @@ def _rank_main(argv: list[str]) -> int:
 
     run_dir, rank, world, init = Path(argv[0]), int(argv[1]), int(argv[2]), argv[3]
     cfg = load_config(run_dir / "config.toml")
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    device = resolve_device()  # the launcher gives each rank its GPU (CUDA_VISIBLE_DEVICES)
+    init_process_group(device, init_method=init, rank=rank, world_size=world)
     try:
         result = run_colocated(cfg, run_dir, rank=rank, world_size=world,
-                               resume=len(argv) > 4 and argv[4] == "resume")
+                               resume=len(argv) > 4 and argv[4] == "resume", device=device)
         # every rank's trained/discarded counts add up to the step's batch
         counts = [None] * world
         dist.all_gather_object(counts, (result["trained"], result["discarded"]))

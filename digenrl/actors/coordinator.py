@@ -232,7 +232,7 @@ class CoordinatorActor(Actor):
         del self.nodes[node_id]
         await self.weights.leave(node_id)
         if node.get("ready"):
-            await self._run(self.sched.node_lost(node_id, time.monotonic()))
+            await self._run(self.sched.node_lost(node_id, time.monotonic(), f"exited with code {code}"))
 
     def background(self) -> list[Any]:
         return [self._tick_loop]

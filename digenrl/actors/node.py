@@ -55,9 +55,12 @@ def run_node(args: argparse.Namespace) -> int:
             return 0
         if not args.coordinator:
             raise SystemExit("digenrl-node: --coordinator ENDPOINT is required for rollout and trainer")
+        from digenrl.devices import resolve_device, use_device
+        device = resolve_device(getattr(args, "device", None))
+        use_device(device)
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
             return int(runner.run(_node(args.role, node_id, args.coordinator, args.gpu or "cpu", args.bind,
-                                        run_dir, load_config(args.config, overrides))))
+                                        run_dir, load_config(args.config, overrides), device)))
     finally:
         if prometheus is not None:
             prometheus.shutdown()
@@ -170,8 +173,10 @@ def _with_watchdog(actor: Any, control: Any) -> sdnotify.Watchdog:
 
 
 async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str | None,
-                run_dir: Path | None, boot: Config) -> int:
-    """``boot`` is the local config: transport settings (keys, limits) until Welcome brings the run's."""
+                run_dir: Path | None, boot: Config, device: torch.device) -> int:
+    """``boot`` is the local config: transport settings (keys, limits) until Welcome brings the run's.
+    Models (policy, reference, text encoders, VAE) go on ``device``; trainer ranks group over
+    NCCL on CUDA, gloo on the CPU."""
     log = get_logger(role, node_id)
     ctx = zmq.asyncio.Context()
     inc = incarnation()
@@ -219,7 +224,7 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
         from digenrl.rl.rewards import build_reward
         # with reward workers, only they build the reward (its models may need a GPU each)
         workers = cfg.cluster.rewards > 0 and role != "reward"
-        reward_fn = None if workers else build_reward(cfg.reward.terms)
+        reward_fn = None if workers else build_reward(cfg.reward.terms, device=device)
         scorers = {k.split("/", 1)[1]: track(zs.connect(ctx, "dealer", v, cfg))
                    for k, v in sorted(endpoints.items()) if k.startswith("reward/")} if workers else {}
         kw = dict(node_id=node_id, recorder=recorder, log=log.bind(policy_version=0))
@@ -233,7 +238,8 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
             peers = NodePeers(node_id=node_id, incarnation=inc, cfg=cfg, control=control, sub=sub,
                               pushes=pushes, weights=wdealer, relay=weights, scorers=scorers,
                               connect=lambda ep: track(zs.connect(ctx, "dealer", ep, cfg)))
-            model = await asyncio.to_thread(build_model, cfg.model, seed=cfg.run.seed, gpu=gpu)
+            model = await asyncio.to_thread(build_model, cfg.model, seed=cfg.run.seed, gpu=gpu, device=device,
+                                            embedded_guidance=cfg.sampler.embedded_guidance)
             from digenrl.actors.rollout import RolloutActor
             actor = RolloutActor(peers=peers, cfg=cfg, model=model, reward_fn=reward_fn, **kw)
         else:
@@ -244,9 +250,10 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
             peers = NodePeers(node_id=node_id, incarnation=inc, cfg=cfg, control=control,
                               pushes=pushes, data=data, weights=weights, scorers=scorers)
             if msg.world_size > 1:  # before the policy: FSDP shards over this group
-                await asyncio.to_thread(dist.init_process_group, "gloo", init_method=endpoints["dist"],
+                from digenrl.devices import init_process_group
+                await asyncio.to_thread(init_process_group, device, init_method=endpoints["dist"],
                                         rank=msg.rank, world_size=msg.world_size)
-            policy = await asyncio.to_thread(build_policy, cfg, msg.world_size, gpu)
+            policy = await asyncio.to_thread(build_policy, cfg, msg.world_size, gpu, device=device)
             test_set = eval_reward = None
             if cfg.run.eval_every and (msg.rank == 0 or policy.sharded):
                 from digenrl.data.prompts import load_splits
@@ -256,6 +263,10 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
             actor = TrainerActor(peers=peers, cfg=cfg, policy=policy, rank=msg.rank,
                                  world_size=msg.world_size, run_dir=rdir, reward_fn=reward_fn,
                                  test_set=test_set, eval_reward=eval_reward, **kw)
+        from functools import partial
+
+        from digenrl.devices import use_device
+        actor.compute_init = partial(use_device, device)
         sec = node_security(ctx)
         refused = actor.refused  # messages dropped at arrival, by reason (Actor.refuse)
         actor.busy = _HeartbeatStats(actor.busy, lambda: {
@@ -276,7 +287,7 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
 
         loop.add_signal_handler(signal.SIGTERM, on_sigterm)
         rss_ready = rss_mb()
-        log.info("joined", rank=msg.rank, world_size=msg.world_size, rss_mb=rss_ready)
+        log.info("joined", rank=msg.rank, world_size=msg.world_size, rss_mb=rss_ready, device=str(device))
         sdnotify.ready()
         stuck: str | None = None
         limit = cfg.runtime.stall_timeout_s

@@ -388,10 +388,7 @@ class NodePeers:
                     if rec is None:
                         hand((span, t0, t1, None))
                         t0 = clock()
-                        result = job.finish()
-                        # the commit's tensors to the host here too, not on the event loop
-                        result.cond = {k: v.contiguous().cpu() for k, v in result.cond.items()}
-                        result.images = result.images.cpu()
+                        result = job.finish().to_host()  # on this thread, not the event loop
                         if forward:  # what a forward-process trainer trains on, in the wire dtype
                             result.final = result.final.to(wire).cpu()
                         hand(("reward", t0, clock(), None))

@@ -297,8 +297,10 @@ class TrainerActor(Actor):
                 if count - discarded_before.get(reason, 0):
                     discarded[reason] = count - discarded_before.get(reason, 0)
             if self.rank == 0 and (step == 0 or step == self.cfg.run.steps - 1) and commit.images.numel():
-                save_grid(commit.images, self.run_dir / "samples" / f"step_{step:04d}_f{commit.fragment}.png",
-                          nrow=self.cfg.train.group_size)
+                # PNG compression of up to MAX_SIDE^2 pixels: not on the event loop (heartbeats)
+                await asyncio.to_thread(
+                    save_grid, commit.images, self.run_dir / "samples" / f"step_{step:04d}_f{commit.fragment}.png",
+                    nrow=self.cfg.train.group_size)
         self.consumed_slots[step].add(commit.fragment)
         await self._report(commit, trained, discarded, time.perf_counter() - t0)
 

@@ -77,6 +77,7 @@ class _Node:
     spt: float | None = None  # measured seconds per generated trajectory (EWMA)
     outstanding: list[int] = field(default_factory=list)  # uncommitted task ids, oldest first
     lost: bool = False
+    lost_why: str = ""  # "no heartbeat for 5.2 s", "reported lost", ...
     assigned: int = 0
     committed: int = 0
     revoked: int = 0
@@ -143,7 +144,7 @@ class Scheduler:
             raise SchedulerError(f"trainer node {node_id!r} rank = {rank}: already held")
         cmds: list[Command] = []
         if node_id in self._nodes:
-            cmds += self._lose(self._nodes[node_id], now)
+            cmds += self._lose(self._nodes[node_id], now, "re-joined as a new incarnation")
             if self._closed:
                 return cmds
         prior = speed if speed is not None else float(self.params.speeds.get(gpu, 1.0))
@@ -151,13 +152,13 @@ class Scheduler:
                                      prior, now)
         return cmds + self._after(now)
 
-    def node_lost(self, node_id: str, now: float) -> list[Command]:
-        """The transport says ``node_id`` is gone (also reached from :meth:`tick`)."""
+    def node_lost(self, node_id: str, now: float, why: str = "reported lost") -> list[Command]:
+        """The transport (or the launcher, ``why``: "exited with code 1") says ``node_id`` is gone."""
         node = self._nodes.get(node_id)
         if node is None:
             self._c["unknown_node_events"] += 1
             return []
-        return self._lose(node, now) + self._after(now)
+        return self._lose(node, now, why) + self._after(now)
 
     def heartbeat(self, node_id: str, now: float) -> list[Command]:
         node = self._nodes.get(node_id)
@@ -172,7 +173,7 @@ class Scheduler:
         cmds: list[Command] = []
         for node in list(self._nodes.values()):
             if now - node.last_seen > self.params.heartbeat_timeout and not self._closed:
-                cmds += self._lose(node, now)
+                cmds += self._lose(node, now, f"no heartbeat for {now - node.last_seen:.1f} s")
         for attempt in self.ledger.live_attempts():
             if not attempt.committed and now - attempt.assigned_at > self.params.lease_s:
                 cmds += self._revoke(attempt.task_id, "lease_expired")
@@ -336,16 +337,16 @@ class Scheduler:
         holder.revoked += 1
         return [RevokeCmd(node_id=attempt.node_id, task_id=task_id, reason=reason)]
 
-    def _lose(self, node: _Node, now: float) -> list[Command]:
+    def _lose(self, node: _Node, now: float, why: str) -> list[Command]:
         cmds: list[Command] = []
         for task_id in list(node.outstanding):
             cmds += self._revoke(task_id, "node_lost")
-        node.lost = True
+        node.lost, node.lost_why = True, why
         del self._nodes[node.node_id]
         self._departed.append(node)
         if node.role == "trainer" and not self._closed:
             # torch.distributed cannot lose a rank: the run restarts from a checkpoint.
-            self._closed = f"trainer_lost: rank {node.rank} node {node.node_id}"
+            self._closed = f"trainer_lost: rank {node.rank} node {node.node_id} ({why})"
             cmds.append(ShutdownCmd(reason=self._closed))
         return cmds
 
@@ -408,7 +409,7 @@ class Scheduler:
         nodes = {}
         keyed = [(f"{n.node_id}#lost{i}", n) for i, n in enumerate(self._departed)]
         for key, n in [*keyed, *self._nodes.items()]:
-            nodes[key] = {"role": n.role, "gpu": n.gpu, "rank": n.rank, "lost": n.lost,
+            nodes[key] = {"role": n.role, "gpu": n.gpu, "rank": n.rank, "lost": n.lost, "lost_why": n.lost_why,
                           "assigned": n.assigned, "committed": n.committed, "revoked": n.revoked,
                           "outstanding": len(n.outstanding), "s_per_traj": n.spt}
         stats.update(nodes=nodes, closed=self._closed, train_s_per_traj=self._train_spt,

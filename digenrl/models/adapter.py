@@ -160,8 +160,12 @@ class DiffusersFlowModel:
             if sd[k].shape != dst.shape:
                 raise SyncStateError(f"{self.family}: sync state {k}: shape {tuple(sd[k].shape)}, "
                                      f"expected {tuple(dst.shape)}")
-        with torch.no_grad():  # one fused copy over every tensor
-            torch._foreach_copy_([t.data for t in targets.values()], [sd[k] for k in targets])
+        with torch.no_grad():
+            if all(sd[k].device == t.device for k, t in targets.items()):  # one fused copy
+                torch._foreach_copy_([t.data for t in targets.values()], [sd[k] for k in targets])
+            else:  # host tensors off the wire into device weights: one upload each
+                for k, t in targets.items():
+                    t.data.copy_(sd[k])
 
     def _check_sync_keys(self, got: set[str], expected: set[str]) -> None:
         if got != expected:

@@ -47,7 +47,7 @@ def cond_select(cond: Cond, index: torch.Tensor | slice | Sequence[int]) -> Cond
     if isinstance(index, slice):
         return {k: v[index] for k, v in cond.items()}
     idx = torch.as_tensor(index, dtype=torch.long)
-    return {k: v.index_select(0, idx) for k, v in cond.items()}
+    return {k: v.index_select(0, idx.to(v.device)) for k, v in cond.items()}
 
 
 def cond_cat(conds: Sequence[Cond]) -> Cond:

@@ -25,10 +25,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from digenrl.config import ModelConfig
+from digenrl.config import ConfigError, ModelConfig
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ConfigError):
     """A model folder without a readable transformer config; the message names the file."""
 
 

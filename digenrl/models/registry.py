@@ -77,6 +77,8 @@ def check_model_path(model_cfg: ModelConfig) -> None:
     and VAE, or a transformer folder. Raises :class:`ModelFolderError` (a ConfigError)."""
     from digenrl.models import families
 
+    if model_cfg.path == "emulated":  # no weights, no folder: models/emulated.py checks its knobs
+        return
     if model_cfg.family not in families.SPECS:
         raise ModelFolderError(f"model.family = {model_cfg.family!r}: expected one of {sorted(families.SPECS)}")
     if model_cfg.path == "random":

@@ -9,6 +9,7 @@ train on: their jobs have no trained steps to yield). All torch work here is syn
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,14 @@ class FragmentResult:
     images: torch.Tensor
     gen_seconds: float
     final: torch.Tensor  # the clean latents (B, ...), wire-dtype values in float32
+
+    def to_host(self) -> FragmentResult:
+        """``cond`` and ``images`` copied to the host (what a Commit carries on the wire); a
+        rollout calls it on its compute thread, never on the event loop."""
+        from digenrl.devices import host
+
+        return dataclasses.replace(self, cond={k: host(v).contiguous() for k, v in self.cond.items()},
+                                   images=host(self.images))
 
 
 @dataclass

@@ -326,18 +326,19 @@ class Policy:
 
     # -- weight sync -----------------------------------------------------------------------------
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        """What a rollout needs to match this policy: the LoRA adapter, or the trainable weights.
+        """What a rollout needs to match this policy: the LoRA adapter, or the trainable weights,
+        as host (CPU) copies: every user sends, saves or checksums them there.
 
         Sharded: whole tensors, gathered; a collective every trainer rank must call.
         """
+        from digenrl.devices import host
         from digenrl.rl.sharding import full
         if hasattr(self.model, "sync_state_dict"):
-            sd = {k: full(v.detach()).clone() for k, v in self.model.sync_state_dict().items()}
+            sd = {k: host(full(v)) for k, v in self.model.sync_state_dict().items()}
         else:
-            sd = {k: full(p.detach()).clone() for k, p in self.model.transformer.named_parameters()
-                  if p.requires_grad}
+            sd = {k: host(full(p)) for k, p in self.model.transformer.named_parameters() if p.requires_grad}
         for key, i in self._master_keys().items():  # the float32 masters, not their rounding
-            sd[key] = self.params[i].detach().clone()
+            sd[key] = host(self.params[i])
         return sd
 
     def _master_keys(self) -> dict[str, int]:
@@ -410,15 +411,19 @@ class Policy:
         set_optimizer_state_dict(self.model.transformer, self.optimizer, state,
                                  options=StateDictOptions(full_state_dict=True))
 
-def build_policy(cfg: Config, world_size: int = 1, gpu: str | None = None) -> Policy:
-    """The trainer's policy; with ``model.fsdp`` and several ranks (process group initialised)
-    its transformer is sharded over them (FSDP2). One rank has nothing to shard. ``gpu``: the
-    node's declared GPU type (default the config's trainer GPU; read by emulated models)."""
+
+def build_policy(cfg: Config, world_size: int = 1, gpu: str | None = None, *,
+                 device: str | torch.device = "cpu") -> Policy:
+    """The trainer's policy on ``device`` (its transformer, reference, text encoders and VAE);
+    with ``model.fsdp`` and several ranks (process group initialised) its transformer is
+    sharded over them (FSDP2). One rank has nothing to shard. ``gpu``: the node's declared GPU
+    type (default the config's trainer GPU; read by emulated models)."""
     from digenrl.config import resolve_mode
     from digenrl.models import build_model
 
     gpu = gpu or cfg.cluster.trainer_gpu or cfg.cluster.gpu
-    model = build_model(cfg.model, seed=cfg.run.seed, gpu=gpu, in_trainer=True)
+    model = build_model(cfg.model, seed=cfg.run.seed, gpu=gpu, in_trainer=True, device=device,
+                        embedded_guidance=cfg.sampler.embedded_guidance)
     return Policy(model, cfg.train, cfg.sampler, shard=cfg.model.fsdp and world_size > 1,
                   keep_versions=resolve_mode(cfg).runtime.staleness)
 

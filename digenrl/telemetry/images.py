@@ -1,4 +1,11 @@
-"""Sample grids: uint8 image batches to one PNG (nearest-neighbour upscaled so tiny images show)."""
+"""Sample grids: uint8 image batches to one PNG.
+
+Small images are upscaled (nearest neighbour, at most 4x) so a 32 px sample is visible;
+large ones never are, and a grid whose longer side would pass :data:`MAX_SIDE` pixels is
+shrunk to fit (16 FLUX samples of 1024 px make a 2048 px grid of ~4 MB, not a 16424 px one
+of 62 MB). Writing a grid is file I/O and PNG compression: callers on an event loop run
+:func:`save_grid` in a worker thread.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +14,23 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+#: Longest side of a saved grid, in pixels.
+MAX_SIDE = 2048
+#: Images up to this many pixels on their longer side are upscaled (to about this size).
+SMALL = 128
 
-def grid(images: torch.Tensor, nrow: int, *, scale: int = 4, pad: int = 2) -> Image.Image:
-    """(B, 3, H, W) uint8 -> one RGB image, ``nrow`` images per row."""
+
+def auto_scale(h: int, w: int) -> int:
+    """Integer upscale for an ``h`` x ``w`` image: up to 4x for small ones, 1 from 128 px on."""
+    return max(1, min(4, SMALL // max(h, w, 1)))
+
+
+def grid(images: torch.Tensor, nrow: int, *, scale: int | None = None, pad: int = 2,
+         max_side: int = MAX_SIDE) -> Image.Image:
+    """(B, 3, H, W) uint8 -> one RGB image, ``nrow`` images per row, at most ``max_side`` px."""
     if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
         raise ValueError(f"expected uint8 images (B, 3, H, W), got {images.dtype} {tuple(images.shape)}")
+    images = images.cpu()
     b, _, h, w = images.shape
     nrow = max(1, min(nrow, b))
     ncol = (b + nrow - 1) // nrow
@@ -21,10 +40,17 @@ def grid(images: torch.Tensor, nrow: int, *, scale: int = 4, pad: int = 2) -> Im
         y, x = pad + r * (h + pad), pad + c * (w + pad)
         canvas[:, y:y + h, x:x + w] = images[i]
     img = Image.fromarray(canvas.permute(1, 2, 0).contiguous().numpy())
-    return img.resize((img.width * scale, img.height * scale), Image.NEAREST) if scale > 1 else img
+    scale = auto_scale(h, w) if scale is None else scale
+    if scale > 1:
+        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+    if max(img.size) > max_side:
+        shrink = max_side / max(img.size)
+        img = img.resize((max(1, round(img.width * shrink)), max(1, round(img.height * shrink))), Image.BILINEAR)
+    return img
 
 
-def save_grid(images: torch.Tensor, path: Path, nrow: int, *, scale: int = 4) -> Path:
+def save_grid(images: torch.Tensor, path: Path, nrow: int, *, scale: int | None = None) -> Path:
+    """Write :func:`grid` to ``path`` atomically (a temporary file, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.png")
     grid(images, nrow, scale=scale).save(tmp)

@@ -76,6 +76,7 @@ from digenrl.rl.rewards.base import (
     builtin_names,
     call_reward,
     check_images,
+    check_reward,
     check_values,
     register,
     resolve_reward,
@@ -83,7 +84,7 @@ from digenrl.rl.rewards.base import (
 from digenrl.rl.rewards.stats import STATS, prompt_colour_match, prompt_colours
 
 __all__ = ["BUILTIN", "Metadata", "Reward", "RewardError", "RewardFn", "Term", "build_reward",
-           "builtin_names", "call_reward", "check_images", "check_values", "prompt_colour_match",
+           "builtin_names", "call_reward", "check_images", "check_reward", "check_values", "prompt_colour_match",
            "prompt_colours", "register", "resolve_reward"]
 
 BUILTIN: dict[str, RewardFn] = dict(STATS)

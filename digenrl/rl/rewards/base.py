@@ -24,6 +24,7 @@ naming the term and what was wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import math
@@ -251,9 +252,10 @@ def _build_term(spec: RewardTerm) -> Term:
                 takes_metadata=_takes_metadata(target), key=spec.key)
 
 
-def build_reward(terms: Sequence[RewardTerm]) -> Reward:
+def build_reward(terms: Sequence[RewardTerm], device: Any = None) -> Reward:
     """Resolve (and build) each term now, so a typo or a missing weights folder fails at
-    start-up, not after the first rollout."""
+    start-up, not after the first rollout. A class term whose constructor takes ``device``
+    gets the node's (a reward model then sits on the node's GPU)."""
     if not terms:
         raise RewardError("reward terms: expected at least one term")
     built: list[Term] = []
@@ -262,5 +264,44 @@ def build_reward(terms: Sequence[RewardTerm]) -> Reward:
         if label in {t.label for t in built}:
             raise RewardError(f"reward {label!r}: listed twice; give it one weight (or each "
                               "entry its own label)")
+        if device is not None and "device" not in spec.args and _takes_device(resolve_reward(spec.name)):
+            spec = dataclasses.replace(spec, args={**spec.args, "device": str(device)})
         built.append(_build_term(spec))
     return Reward(built)
+
+
+def _takes_device(target: Any) -> bool:
+    if not inspect.isclass(target):
+        return False
+    try:
+        return "device" in inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def check_reward(terms: Sequence[RewardTerm]) -> None:
+    """What :func:`build_reward` checks, building nothing (no weights are loaded): every name
+    resolves (a plug-in module imports), labels are unique, weights finite, ``args`` fit the
+    function's or the class's signature. The launcher calls it before any process starts."""
+    if not terms:
+        raise RewardError("reward terms: expected at least one term")
+    labels: set[str] = set()
+    for spec in terms:
+        label = spec.label or spec.name
+        if label in labels:
+            raise RewardError(f"reward {label!r}: listed twice; give it one weight (or each "
+                              "entry its own label)")
+        labels.add(label)
+        if not math.isfinite(spec.weight):
+            raise RewardError(f"reward {label!r}: weight {spec.weight} is not finite")
+        target = resolve_reward(spec.name)
+        args = dict(spec.args)
+        try:
+            if inspect.isclass(target):
+                inspect.signature(target).bind(**args)
+            elif args:
+                inspect.signature(target).bind_partial(None, None, **args)
+        except TypeError as e:
+            raise RewardError(f"reward {label!r}: args {args!r} do not fit its signature: {e}") from None
+        except ValueError:  # no signature to check against: the build will tell
+            pass
