@@ -143,12 +143,15 @@ def llama_encoder(hidden: int = 32, vocab: int = 264):
 
 
 # -- VAEs -----------------------------------------------------------------------------------------
-def kl_vae(latent_channels: int, *, scaling: float, shift: float | None):
-    """SD3 / FLUX's ``AutoencoderKL``: one 2x downsampling, no quant convs (as SD3/FLUX have)."""
+def kl_vae(latent_channels: int, *, scaling: float, shift: float | None, factor: int = 2):
+    """SD3 / FLUX's ``AutoencoderKL`` downsampling ``factor`` x (2: two blocks; 16: five), no
+    quant convs (as SD3/FLUX have)."""
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(8, 8),
-                         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+    blocks = factor.bit_length()  # log2(factor) + 1
+    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels,
+                         block_out_channels=(4 if factor > 2 else 8,) * blocks,
+                         down_block_types=("DownEncoderBlock2D",) * blocks, up_block_types=("UpDecoderBlock2D",) * blocks,
                          norm_num_groups=4, layers_per_block=1, scaling_factor=scaling, shift_factor=shift,
                          use_quant_conv=False, use_post_quant_conv=False)
 
@@ -201,7 +204,7 @@ def _sd3(folder: Path):
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
 
 
-def _flux(folder: Path):
+def _flux(folder: Path, vae_factor: int = 2):
     import diffusers
 
     return diffusers.FluxPipeline(
@@ -209,7 +212,7 @@ def _flux(folder: Path):
             patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
             num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=8, guidance_embeds=True,
             axes_dims_rope=(4, 6, 6)),
-        vae=kl_vae(4, scaling=0.3611, shift=0.1159),
+        vae=kl_vae(4, scaling=0.3611, shift=0.1159, factor=vae_factor),
         text_encoder=clip_encoder(False), tokenizer=clip_tokenizer(folder / "_clip"),
         text_encoder_2=t5_encoder(32), tokenizer_2=t5_tokenizer(),
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
@@ -255,23 +258,24 @@ def _hunyuanvideo(folder: Path):
 _BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "qwenimage": _qwenimage, "hunyuanvideo": _hunyuanvideo}
 
 
-def build_pipeline(family: str, folder: Path, *, seed: int = 0):
-    """The tiny diffusers pipeline object of ``family`` (random weights from ``seed``)."""
+def build_pipeline(family: str, folder: Path, *, seed: int = 0, **kw):
+    """The tiny diffusers pipeline object of ``family`` (random weights from ``seed``); ``kw``:
+    ``vae_factor=16`` gives FLUX a VAE that makes 1024 px images from a 64 x 64 latent."""
     import shutil
 
     folder = Path(folder)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        pipe = _BUILDERS[family](folder)
+        pipe = _BUILDERS[family](folder, **kw)
     shutil.rmtree(folder / "_clip", ignore_errors=True)
     return pipe
 
 
-def write_pipeline_folder(family: str, folder: Path, *, seed: int = 0) -> Path:
+def write_pipeline_folder(family: str, folder: Path, *, seed: int = 0, **kw) -> Path:
     """A tiny random pipeline folder of ``family`` at ``folder`` (created); returns it."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    build_pipeline(family, folder / "_build", seed=seed).save_pretrained(folder)
+    build_pipeline(family, folder / "_build", seed=seed, **kw).save_pretrained(folder)
     import shutil
 
     shutil.rmtree(folder / "_build", ignore_errors=True)

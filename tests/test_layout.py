@@ -16,7 +16,7 @@ PKG = ROOT / "digenrl"
 
 LAYERS: dict[str, int] = {
     "digenrl": 0, "config": 0, "fileio": 0, "faults": 0, "data": 0, "clusterenv": 0,
-    "core": 1, "transport": 1, "models": 1, "telemetry": 1,
+    "core": 1, "transport": 1, "models": 1, "telemetry": 1, "devices": 1,
     "rl": 2,
     "actors": 3, "sim": 3,
     "launch": 4,

@@ -19,6 +19,7 @@ import torch
 from digenrl.config import Config
 from digenrl.core.plan import FORWARD_ALGORITHMS, fragment_content, plan_for_step
 from digenrl.data.prompts import load_splits
+from digenrl.devices import resolve_device
 from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.learner import Learner
 from digenrl.rl.policy import build_policy
@@ -39,7 +40,7 @@ def rollout_only(cfg: Config, steps: int, record: Path | None = None) -> dict[st
     """Generate ``steps`` steps (all fragments) with the initial policy; wall and CPU
     seconds per step (``step_seconds``, ``cpu_seconds``)."""
     torch.set_num_threads(cfg.run.threads)
-    policy = build_policy(cfg)
+    policy = build_policy(cfg, device=resolve_device())
     reward_fn = build_reward(cfg.reward.terms)
     prompts = load_splits(cfg.prompts)[0].prompts
     recording: list[dict[str, Any]] = []
@@ -69,7 +70,7 @@ def trainer_only(cfg: Config, recording: Path) -> dict[str, Any]:
     """Train on a recording (one optimizer step per recorded step); seconds per step."""
     torch.set_num_threads(cfg.run.threads)
     data = torch.load(recording, weights_only=False)
-    policy = build_policy(cfg)
+    policy = build_policy(cfg, device=resolve_device())
     learner = Learner(policy, cfg)
     sigma_max = float(sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)[1])
     by_step: dict[int, list[dict[str, Any]]] = {}

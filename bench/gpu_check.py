@@ -1,0 +1,283 @@
+"""The prepared device check (issue 14): what DigenRL does on a real GPU, in one JSON.
+
+    python bench/gpu_check.py [--cpu] [--out PATH]        # default PATH: gpu_check.json
+
+Sections (each records its own figures and ``ok``; the script exits 1 if any is not ok):
+
+``build``        torch, its CUDA build, cuDNN and NCCL versions, the device (name, capability,
+                 memory), the Python packages DigenRL needs and which are missing.
+``nvml``         one real heartbeat reading (:class:`digenrl.telemetry.nvml.GpuProbe`).
+``k0_bf16``      ``digenrl launch --mode disagg-sync`` (K = 0): a rollout and a trainer as two
+                 processes sharing the GPU, ``model.dtype = bfloat16`` (bf16 compute, float32
+                 masters), on a tiny SD3 pipeline folder of the real classes (text encoders and
+                 VAE on the GPU too); every step's ``ratio_max_dev`` must be exactly 0.
+``transformers`` one denoising step (velocity, no grad) and one training step (LoRA rank 32 on
+                 flow_grpo's targets, AdamW over float32 masters) of a random-weight
+                 SD3.5-medium (2.5B) and FLUX.1-dev (12B) transformer at 512 and 1024 px, bf16,
+                 batch 2: seconds and peak GPU memory; also the first ratio of the trained
+                 step, which must be exactly 1 (the same instance recomputes its own sample).
+``default_run``  ``digenrl launch`` with the embedded default config (digenrl mode, 60 steps)
+                 on the GPU: wall, samples/s, accounting, each node's device.
+
+``--cpu`` runs every section that can run without a GPU, at tiny sizes (the transformers
+are the tiny configs at 32 and 64 px, the two-process run 2 steps, the default run 1), so it is
+tested in the suite (``tests/test_gpu_check.py``). Sized to finish in under 8 minutes on one
+H200 with no network. Nothing is downloaded: weights are random, folders are built here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+#: SD3.5-medium's transformer/config.json (random weights here).
+SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                   pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+                   dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+#: FLUX.1-dev's transformer/config.json: FluxTransformer2DModel's defaults.
+FLUX_DEV: dict[str, Any] = {}
+NEEDED = ["diffusers", "transformers", "peft", "safetensors", "zmq", "msgpack", "structlog", "uvloop", "PIL",
+          "pynvml"]
+
+
+def _section(out: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
+    """Run one section; a failure is recorded (type and message) and the next section runs."""
+    t0 = time.perf_counter()
+    print(f"gpu_check: {name} ...", flush=True)
+    try:
+        result = fn()
+    except Exception as e:  # recorded in the JSON; the check then exits 1
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    out["sections"][name] = result
+    print(f"gpu_check: {name} ok={result.get('ok')} ({result['seconds']} s)"
+          + (f" {result['error']}" if "error" in result else ""), flush=True)
+
+
+def build_info(device: torch.device) -> dict[str, Any]:
+    missing = []
+    versions = {}
+    for mod in NEEDED:
+        try:
+            m = importlib.import_module(mod)
+            versions[mod] = getattr(m, "__version__", "?")
+        except ImportError:
+            missing.append(mod)
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda_build": torch.version.cuda,
+                            "cuda_available": torch.cuda.is_available(), "device": str(device),
+                            "python": sys.version.split()[0], "packages": versions, "missing": missing}
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        info.update(name=p.name, capability=f"{p.major}.{p.minor}", memory_gib=round(p.total_memory / 2**30, 1),
+                    multiprocessors=p.multi_processor_count, cudnn=torch.backends.cudnn.version(),
+                    nccl=".".join(map(str, torch.cuda.nccl.version())), bf16=torch.cuda.is_bf16_supported())
+    info["ok"] = not missing and (device.type == "cpu" or info["cuda_available"])
+    return info
+
+
+def nvml_reading() -> dict[str, Any]:
+    from digenrl.telemetry.nvml import GpuProbe
+
+    reading = GpuProbe().read()
+    gpus = reading.get("gpus", [])
+    fields = {"mem_used_mb", "mem_free_mb", "mem_total_mb", "util_pct"}
+    return {"ok": bool(reading.get("available")) and bool(gpus) and all(fields <= set(g) for g in gpus),
+            "reading": reading}
+
+
+def _launch(args: list[str], run_dir: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "digenrl.cli", "launch", "--run-dir", str(run_dir), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _node_devices(run_dir: Path) -> dict[str, str]:
+    """Each node's device, from the 'joined' line of its log."""
+    out = {}
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if '"event": "joined"' in line:
+                rec = json.loads(line)
+                out[rec.get("node_id", log.stem)] = rec.get("device", "?")
+    return out
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def k0_bf16(work: Path, steps: int) -> dict[str, Any]:
+    from tests.pipelines import MAX_TEXT_TOKENS, write_pipeline_folder
+
+    folder = write_pipeline_folder("sd3", work / "sd3-tiny")
+    run_dir = work / "k0"
+    proc = _launch(["--mode", "disagg-sync", "--steps", str(steps), "--set", f'model.path="{folder}"',
+                    "--set", 'model.dtype="bfloat16"', "--set", f"model.max_text_tokens={MAX_TEXT_TOKENS}",
+                    "--set", "train.prompts_per_step=2", "--set", "train.group_size=4"], run_dir, 600)
+    rows = _metrics(run_dir)
+    devs = sorted(set(r.get("ratio_max_dev") for r in rows))
+    return {"ok": proc.returncode == 0 and len(rows) == steps and devs == [0.0],
+            "returncode": proc.returncode, "steps": len(rows), "ratio_max_dev": [r.get("ratio_max_dev") for r in rows],
+            "nodes": _node_devices(run_dir), "stderr_tail": proc.stderr[-1500:] if proc.returncode else ""}
+
+
+def _fake_encoder(tokens: int, dim: int, pooled: int, device: torch.device) -> Callable[[Any], dict[str, torch.Tensor]]:
+    """Fixed random conditioning of the real encoders' shapes (no 4.7B T5 is built)."""
+    gen = torch.Generator().manual_seed(0)
+    embeds, pooled_t = torch.randn(1, tokens, dim, generator=gen), torch.randn(1, pooled, generator=gen)
+
+    def encode(prompts: Any) -> dict[str, torch.Tensor]:
+        b = len(prompts)
+        return {"prompt_embeds": embeds.expand(b, -1, -1).to(device), "pooled_embeds": pooled_t.expand(b, -1).to(device),
+                "prompt_mask": torch.ones(b, tokens, dtype=torch.long, device=device)}
+    return encode
+
+
+def transformer_steps(device: torch.device, real: bool) -> dict[str, Any]:
+    import diffusers
+
+    from digenrl.config import load_config
+    from digenrl.models import families
+
+    cfg = load_config(None, ["train.lr=1e-5", 'train.timesteps="all"', "sampler.num_steps=4"])
+    cases = {"sd3": (diffusers.SD3Transformer2DModel, SD35_MEDIUM if real else families.TINY_CONFIGS["sd3"],
+                     (333, 4096, 2048) if real else (16, 32, 32)),
+             "flux": (diffusers.FluxTransformer2DModel, FLUX_DEV if real else families.TINY_CONFIGS["flux"],
+                      (512, 4096, 768) if real else (16, 32, 32))}
+    sizes = (512, 1024) if real else (32, 64)
+    dtype = torch.bfloat16  # bf16 compute, float32 LoRA masters: the training recipe, also with --cpu
+    results: dict[str, Any] = {"real_size": real, "dtype": str(dtype), "batch": 2, "lora_rank": 32, "cases": {}}
+    ok = True
+    for family, (cls, kwargs, (tokens, dim, pooled)) in cases.items():
+        with torch.device(device):
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)  # parameters made on the device in bf16: no 48 GB fp32 copy first
+            try:
+                transformer = cls(**kwargs)
+            finally:
+                torch.set_default_dtype(prev)
+        n_params = sum(p.numel() for p in transformer.parameters())
+        spec = families.SPECS[family]
+        for px in sizes:
+            try:
+                results["cases"][f"{family}@{px}"] = case = _one_case(
+                    spec, transformer, px, real, (tokens, dim, pooled), device, dtype, cfg)
+                ok &= case["first_ratio_max_dev"] == 0.0 and not case["skipped"]
+            except torch.cuda.OutOfMemoryError as e:
+                results["cases"][f"{family}@{px}"] = {"params": n_params, "error": f"out of memory: {e}"[:300]}
+                ok = False
+            transformer.delete_adapters("default")  # the next size adapts the same transformer afresh
+            print(f"gpu_check:   {family} {px}px {results['cases'][f'{family}@{px}']}", flush=True)
+        del transformer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    results["ok"] = ok
+    return results
+
+
+def _one_case(spec: Any, transformer: torch.nn.Module, px: int, real: bool, text: tuple[int, int, int],
+              device: torch.device, dtype: torch.dtype, cfg: Any) -> dict[str, Any]:
+    from types import SimpleNamespace
+
+    from digenrl.models.adapter import LORA_TARGETS
+    from digenrl.rl.policy import Policy
+    from digenrl.rl.sampler import StepRecord
+    from digenrl.rl.sde import sde_step
+
+    vae = SimpleNamespace(config=SimpleNamespace(block_out_channels=(128, 256, 512, 512))) if real else None
+    shape = spec.geometry(transformer.config, vae).latent_shape(px, px)  # real: the pipelines' 8x VAE
+    model = spec.adapter(transformer, encoder=_fake_encoder(*text, device), decoder=lambda x: x,
+                         latent_shape=shape, lora_rank=32, lora_targets=LORA_TARGETS, dtype=dtype)
+    model.guidance = spec.guidance
+    policy = Policy(model, cfg.train, cfg.sampler)
+    cond = model.encode_prompts(["a", "b"])
+    x = torch.randn(2, *shape, generator=torch.Generator().manual_seed(1)).to(device)
+    case: dict[str, Any] = {"params": sum(p.numel() for p in transformer.parameters() if not p.requires_grad),
+                            "lora_params": sum(p.numel() for p in policy.params), "latent": list(shape)}
+    for phase in ("denoise", "train"):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        if phase == "denoise":
+            with torch.no_grad():
+                v = model.velocity(x, torch.full((2,), 0.75, device=device), cond)
+                step = sde_step("sde", x, v, 0.75, 0.5, noise_level=0.7, eta=0.3, sigma_max=0.75,
+                                generator=torch.Generator().manual_seed(2))
+            rec = StepRecord(0, 0.75, 0.5, x, step.x_next, step.log_prob, True)
+        else:
+            adv = torch.tensor([1.0, -1.0])
+            st = policy.fragment_loss_backward({0: rec}, cond, adv, torch.ones(2, dtype=torch.bool),
+                                               batch_size_total=2, n_trained_total=1, sigma_max=0.75)
+            opt = policy.optimizer_step()
+            case.update(first_ratio_max_dev=st["ratio_max_dev"], grad_norm=opt["grad_norm"],
+                        skipped=opt["skipped"])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            case[f"{phase}_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        case[f"{phase}_s"] = round(time.perf_counter() - t0, 3)
+    return case
+
+
+def default_run(work: Path, steps: int | None) -> dict[str, Any]:
+    run_dir = work / "default"
+    proc = _launch(["--steps", str(steps)] if steps else [], run_dir, 600)
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    acc = summary.get("accounting", {})
+    return {"ok": proc.returncode == 0 and acc.get("in_flight") == 0 and summary.get("stop_reason") == "done",
+            "returncode": proc.returncode, "wall_s": summary.get("wall_s"), "samples_per_s": summary.get("samples_per_s"),
+            "startup_s": summary.get("startup_s"), "steps": summary.get("steps"), "accounting": acc,
+            "recovery": summary.get("recovery"), "nodes": _node_devices(run_dir),
+            "stderr_tail": proc.stderr[-1500:] if proc.returncode else ""}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="what runs without a GPU, at tiny sizes")
+    ap.add_argument("--out", default="gpu_check.json", help="where the JSON goes")
+    args = ap.parse_args(argv)
+    from digenrl.devices import resolve_device
+
+    device = torch.device("cpu") if args.cpu else resolve_device()
+    out: dict[str, Any] = {"command": " ".join(["bench/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
+                           "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": str(device),
+                           "cpu_mode": args.cpu, "sections": {}}
+    if not args.cpu and device.type != "cuda":
+        out["sections"]["build"] = {**build_info(device), "ok": False,
+                                    "error": "no CUDA device visible (use --cpu for the CPU subset)"}
+    else:
+        with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
+            work = Path(tmp)
+            _section(out, "build", lambda: build_info(device))
+            if not args.cpu:
+                _section(out, "nvml", nvml_reading)
+            _section(out, "k0_bf16", lambda: k0_bf16(work, 2 if args.cpu else 3))
+            _section(out, "transformers", lambda: transformer_steps(device, real=not args.cpu))
+            _section(out, "default_run", lambda: default_run(work, 1 if args.cpu else None))
+    out["ok"] = all(s.get("ok") for s in out["sections"].values())
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = Path(str(args.out) + ".tmp")
+    tmp_out.write_text(json.dumps(out, indent=1, default=str))
+    tmp_out.replace(args.out)
+    print(f"gpu_check: ok={out['ok']} -> {args.out}", flush=True)
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
