@@ -140,10 +140,10 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
                 pf = PipelineFolder(folder)
                 transformer = pf.load("transformer", dtype=dtype, frozen=False)
             else:
-                transformer = spec.cls.from_pretrained(folder, local_files_only=True)
+                transformer = spec.cls.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
         transformer.to(device=device)
-        if transformer.dtype != dtype:  # a no-op cast still makes diffusers warn about fp32 modules
-            transformer.to(dtype=dtype)
+        if model_cfg.path == "random":
+            _cast(transformer, dtype)
         cfg = transformer.config
         vae = pf.load("vae", dtype=torch.float32, device=device) if pf is not None else None
         geometry = spec.geometry(cfg, vae)
@@ -164,6 +164,15 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
                              gradient_checkpointing=model_cfg.gradient_checkpointing, dtype=dtype)
         model.guidance = embedded_guidance or spec.guidance
     return model
+
+
+def _cast(transformer: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast to ``dtype`` as ``from_pretrained(torch_dtype=dtype)`` loads: the class's
+    ``_keep_in_fp32_modules`` (Wan's norms and time embedding) stay float32."""
+    keep = getattr(transformer, "_keep_in_fp32_modules", None) or []
+    for name, t in [*transformer.named_parameters(), *transformer.named_buffers()]:
+        if t.is_floating_point():
+            t.data = t.data.to(torch.float32 if any(k in name.split(".") for k in keep) else dtype)
 
 
 def _encoder(model_cfg: ModelConfig, pf: PipelineFolder | None, device: torch.device, dtype: torch.dtype,
