@@ -2,8 +2,8 @@
 
 Small images are upscaled (nearest neighbour, at most 4x) so a 32 px sample is visible;
 large ones never are, and a grid whose longer side would pass :data:`MAX_SIDE` pixels is
-shrunk to fit (16 FLUX samples of 1024 px make a 2048 px grid of ~4 MB, not a 16424 px one
-of 62 MB). Writing a grid is file I/O and PNG compression: callers on an event loop run
+shrunk to fit (16 FLUX samples of 1024 px make a 2048 px grid, 9 MB for noise-like samples,
+not a 16424 px one of 62 MB). Writing a grid is file I/O and PNG compression: callers on an event loop run
 :func:`save_grid` in a worker thread.
 """
 
