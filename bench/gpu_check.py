@@ -1,6 +1,6 @@
 """The prepared device check (issue 14): what DigenRL does on a real GPU, in one JSON.
 
-    python bench/gpu_check.py [--cpu] [--out PATH]        # default PATH: gpu_check.json
+    python bench/gpu_check.py [--cpu] [--out PATH] [--skip SECTION,...]   # default PATH: gpu_check.json
 
 Sections (each records its own figures and ``ok``; the script exits 1 if any is not ok):
 
@@ -21,7 +21,9 @@ Sections (each records its own figures and ``ok``; the script exits 1 if any is 
 
 ``--cpu`` runs every section that can run without a GPU, at tiny sizes (the transformers
 are the tiny configs at 32 and 64 px, the two-process run 2 steps, the default run 1), so it is
-tested in the suite (``tests/test_gpu_check.py``). Sized to finish in under 8 minutes on one
+tested in the suite (``tests/test_gpu_check.py``, which skips ``default_run``: one more
+launch, in digenrl mode as tests/test_launch.py's at smaller settings, and its report is built
+by the same ``_run_report`` as ``k0_bf16``'s). Sized to finish in under 8 minutes on one
 H200 with no network. Nothing is downloaded: weights are random, folders are built here.
 """
 
@@ -51,6 +53,7 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
                    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
 #: FLUX.1-dev's transformer/config.json: FluxTransformer2DModel's defaults.
 FLUX_DEV: dict[str, Any] = {}
+SECTIONS = ("build", "nvml", "k0_bf16", "transformers", "default_run")
 NEEDED = ["diffusers", "transformers", "peft", "safetensors", "zmq", "msgpack", "structlog", "uvloop", "PIL",
           "pynvml"]
 
@@ -130,11 +133,10 @@ def k0_bf16(work: Path, steps: int) -> dict[str, Any]:
     proc = _launch(["--mode", "disagg-sync", "--steps", str(steps), "--set", f'model.path="{folder}"',
                     "--set", 'model.dtype="bfloat16"', "--set", f"model.max_text_tokens={MAX_TEXT_TOKENS}",
                     "--set", "train.prompts_per_step=2", "--set", "train.group_size=4"], run_dir, 600)
-    rows = _metrics(run_dir)
-    devs = sorted(set(r.get("ratio_max_dev") for r in rows))
-    return {"ok": proc.returncode == 0 and len(rows) == steps and devs == [0.0],
-            "returncode": proc.returncode, "steps": len(rows), "ratio_max_dev": [r.get("ratio_max_dev") for r in rows],
-            "nodes": _node_devices(run_dir), "stderr_tail": proc.stderr[-1500:] if proc.returncode else ""}
+    report = _run_report(proc, run_dir)
+    devs = report["ratio_max_dev"]
+    report["ok"] = report["ok"] and report["steps"] == steps and set(devs) == {0.0}
+    return report
 
 
 def _fake_encoder(tokens: int, dim: int, pooled: int, device: torch.device) -> Callable[[Any], dict[str, torch.Tensor]]:
@@ -235,41 +237,58 @@ def _one_case(spec: Any, transformer: torch.nn.Module, px: int, real: bool, text
     return case
 
 
-def default_run(work: Path, steps: int | None) -> dict[str, Any]:
-    run_dir = work / "default"
-    proc = _launch(["--steps", str(steps)] if steps else [], run_dir, 600)
+def _run_report(proc: subprocess.CompletedProcess[str], run_dir: Path) -> dict[str, Any]:
+    """What a launched run says about itself: exit code, summary.json's figures, each metrics
+    row's ratio_max_dev, each node's device; ``ok`` when it ran to the end with nothing in flight."""
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     acc = summary.get("accounting", {})
+    rows = _metrics(run_dir)
     return {"ok": proc.returncode == 0 and acc.get("in_flight") == 0 and summary.get("stop_reason") == "done",
             "returncode": proc.returncode, "wall_s": summary.get("wall_s"), "samples_per_s": summary.get("samples_per_s"),
-            "startup_s": summary.get("startup_s"), "steps": summary.get("steps"), "accounting": acc,
+            "startup_s": summary.get("startup_s"), "steps": len(rows), "accounting": acc,
+            "ratio_max_dev": [r.get("ratio_max_dev") for r in rows],
             "recovery": summary.get("recovery"), "nodes": _node_devices(run_dir),
             "stderr_tail": proc.stderr[-1500:] if proc.returncode else ""}
+
+
+def default_run(work: Path, steps: int | None) -> dict[str, Any]:
+    run_dir = work / "default"
+    report = _run_report(_launch(["--steps", str(steps)] if steps else [], run_dir, 600), run_dir)
+    report["ok"] = report["ok"] and (steps is None or report["steps"] == steps)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="what runs without a GPU, at tiny sizes")
     ap.add_argument("--out", default="gpu_check.json", help="where the JSON goes")
+    ap.add_argument("--skip", default="", metavar="SECTION,...",
+                    help=f"sections not to run (recorded as skipped), of {', '.join(SECTIONS)}")
     args = ap.parse_args(argv)
+    skip = {x for x in args.skip.split(",") if x}
+    if skip - set(SECTIONS):
+        ap.error(f"--skip {args.skip}: unknown section(s) {sorted(skip - set(SECTIONS))}; expected {list(SECTIONS)}")
     from digenrl.devices import resolve_device
 
     device = torch.device("cpu") if args.cpu else resolve_device()
     out: dict[str, Any] = {"command": " ".join(["bench/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
                            "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": str(device),
-                           "cpu_mode": args.cpu, "sections": {}}
+                           "cpu_mode": args.cpu, "skipped": sorted(skip), "sections": {}}
     if not args.cpu and device.type != "cuda":
         out["sections"]["build"] = {**build_info(device), "ok": False,
                                     "error": "no CUDA device visible (use --cpu for the CPU subset)"}
     else:
         with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
             work = Path(tmp)
-            _section(out, "build", lambda: build_info(device))
-            if not args.cpu:
-                _section(out, "nvml", nvml_reading)
-            _section(out, "k0_bf16", lambda: k0_bf16(work, 2 if args.cpu else 3))
-            _section(out, "transformers", lambda: transformer_steps(device, real=not args.cpu))
-            _section(out, "default_run", lambda: default_run(work, 1 if args.cpu else None))
+            sections: dict[str, Callable[[], dict[str, Any]]] = {
+                "build": lambda: build_info(device),
+                "nvml": nvml_reading,
+                "k0_bf16": lambda: k0_bf16(work, 2 if args.cpu else 3),
+                "transformers": lambda: transformer_steps(device, real=not args.cpu),
+                "default_run": lambda: default_run(work, 1 if args.cpu else None)}
+            for name, fn in sections.items():
+                if name not in skip and not (name == "nvml" and args.cpu):
+                    _section(out, name, fn)
     out["ok"] = all(s.get("ok") for s in out["sections"].values())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp_out = Path(str(args.out) + ".tmp")
