@@ -1,13 +1,15 @@
 """Algorithms x staleness: does each learn, how fast in wall-clock, and does staleness cost it?
 
     python bench/algorithms.py [--quick] [--json] [--seeds 0 1 2] [--steps N] [--target R]
-                               [--algorithms nft awm ...] [--config PATH] [--set key=value]...
+                               [--algorithms nft awm ...] [--staleness 0 1 2 4]
+                               [--config PATH] [--set key=value]...
                                [--out docs/algorithms.png]
 
 Runs every algorithm on the default config (whatever ``digenrl launch`` would train: the
-embedded tiny-cpu.toml, or ``--config``) in digenrl mode, at staleness K = 0 and 1 (the
-forward-process algorithms also at K = 2 and 4), once per seed. Runs are interleaved (seed
-outermost) so a change in the machine's load falls on every algorithm alike.
+embedded tiny-cpu.toml, or ``--config``) in digenrl mode, at staleness K = 0 and 1 (DiffusionNFT
+also at K = 2 and 4; ``--staleness`` sets the levels for every algorithm), once per seed. Runs
+are interleaved (seed outermost) so a change in the machine's load falls on every algorithm
+alike.
 
 Per run: the learning criterion of bench/learning.py (the last 5 steps' mean reward beats the
 first 2 steps' by >= 3 standard errors) and the wall-clock seconds until the reward (a 3-step
@@ -59,7 +61,9 @@ ALGORITHMS: dict[str, list[str]] = {
 FORWARD = ("nft", "awm")
 
 
-def staleness_levels(algorithm: str) -> list[int]:
+def staleness_levels(algorithm: str, chosen: list[int] | None = None) -> list[int]:
+    if chosen:
+        return sorted(set(chosen))
     return [0, 1, 2, 4] if algorithm == "nft" else [0, 1]
 
 
@@ -103,6 +107,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--target", type=float, default=None)
     ap.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
+    ap.add_argument("--staleness", type=int, nargs="+", default=None,
+                    help="staleness levels K for every algorithm (default: 0 1, NFT also 2 4)")
     ap.add_argument("--config", default=None)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--out", default="docs/algorithms.png")
@@ -116,11 +122,16 @@ def main() -> int:
         out = os.fdopen(os.dup(1), "w")
         os.dup2(2, 1)
     log = sys.stderr if args.json else sys.stdout
+    for k in args.staleness or []:  # a bad level fails now, in one line, not after hours of runs
+        try:
+            resolve_mode(load_config(args.config, [*args.overrides, f"runtime.staleness={k}"]), "digenrl")
+        except ValueError as e:
+            ap.error(f"--staleness {k}: {e}")
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
             for algorithm in args.algorithms:
-                for k in staleness_levels(algorithm):
+                for k in staleness_levels(algorithm, args.staleness):
                     r = run_one(algorithm, k, seed, args, Path(tmp))
                     runs.append(r)
                     print(f"{algorithm:14s} K={k} seed {seed}: first-2 {r['first2']:.4f}  last-5 "
@@ -133,7 +144,7 @@ def main() -> int:
         target = first + 0.5 * statistics.mean(r["last5"] - r["first2"] for r in base)
     results, ok = [], True
     for algorithm in args.algorithms:
-        for k in staleness_levels(algorithm):
+        for k in staleness_levels(algorithm, args.staleness):
             sel = [r for r in runs if r["algorithm"] == algorithm and r["staleness"] == k]
             times = [time_to(r["rows"], target) for r in sel]
             reached = [t for t in times if t is not None]
@@ -160,12 +171,12 @@ def main() -> int:
             print(f"| {res['algorithm']} | {res['staleness']} | {res['gain_se']:.1f} | "
                   f"{'yes' if res['learns'] else 'NO'} | {s} | {res['reached']}/{res['seeds']} | "
                   f"{res['wall_s']:.0f} |")
-    plot(runs, results, target, args.out)
+    plot(runs, target, args.out)
     print(f"curves: {args.out}", file=log)
     return 0 if ok else 1
 
 
-def plot(runs: list[dict[str, Any]], results: list[dict[str, Any]], target: float, out: str) -> None:
+def plot(runs: list[dict[str, Any]], target: float, out: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -176,7 +187,7 @@ def plot(runs: list[dict[str, Any]], results: list[dict[str, Any]], target: floa
     fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.2 * rows_n), squeeze=False,
                              sharey=True)
     for ax, name in zip(axes.flat, names):
-        for k in staleness_levels(name):
+        for k in sorted({r["staleness"] for r in runs if r["algorithm"] == name}):
             sel = [r for r in runs if r["algorithm"] == name and r["staleness"] == k]
             if not sel:
                 continue
