@@ -102,14 +102,16 @@ async def test_clean_samples_for_another_step_shape_or_revoked_attempt_are_refus
     actor, data = _trainer(tmp_path, "train.algorithm=nft", "runtime.fragments_per_step=1")
     actor.revoked.add(5)
 
-    def clean(task_id: int, step: int = 0, n: int = 8) -> CleanSample:  # 2 prompts x group 4
+    shape = actor.policy.model.latent_shape
+
+    def clean(task_id: int, step: int = 0, n: int = 8, *latent: int) -> CleanSample:  # 2 prompts x 4
         return CleanSample(task_id=task_id, step=step, fragment=0, policy_version=0,
-                           x0=torch.zeros(n, 2))
+                           x0=torch.zeros(n, *(latent or shape)))
 
     actor.policy.version = 1
-    await _feed(actor, data, [clean(1), clean(2, step=1, n=3), clean(5, step=1), clean(6, step=1),
-                              clean(7, step=9)])
-    assert actor.refused == {"stale_chunk": 1, "bad_shape": 1, "revoked": 1, "step_out_of_window": 1}
+    await _feed(actor, data, [clean(1), clean(2, step=1, n=3), clean(3, 1, 8, *shape[:-1], shape[-1] + 1),
+                              clean(5, step=1), clean(6, step=1), clean(7, step=9)])
+    assert actor.refused == {"stale_chunk": 1, "bad_shape": 2, "revoked": 1, "step_out_of_window": 1}
     assert set(actor.finals) == {6}
 
 

@@ -176,7 +176,7 @@ class TrainerActor(Actor):
             if self.rank not in owners_for(trained, self.world_size, self.cfg.runtime.tsp, msg.fragment, F):
                 return "not_owner"
             per = self.cfg.train.prompts_per_step // F * self.cfg.train.group_size
-            if msg.x0.shape[0] != per:
+            if tuple(msg.x0.shape) != (per, *self.policy.model.latent_shape):
                 return "bad_shape"  # one final latent per trajectory of the fragment
         return None
 
