@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/scale.py --recipe configs/models/flux.toml \\
         --cluster configs/clusters/mixed-h100-h20-32.toml [--json] [--steps 10] [--time-scale 0.1]
+        [--churn-at STEP]
 
 Every node is a real process on loopback (coordinator in this process, rollouts and trainer
 ranks as the launcher's supervised children, gloo between the ranks), running the recipe with
@@ -22,7 +23,9 @@ seconds: the coordinator and the launcher's supervision), ``messages_per_step`` 
 ``weight_sync_s`` (median over versions of the time from trainer rank 0's publish to the
 last rollout holding the version, from the nodes' traces; loopback with weights x
 ``--weight-scale``, so it is not the emulated network's figure), plus ``accounting``,
-``latent_shape``, ``weight_set_bytes`` and the knobs.
+``latent_shape``, ``weight_set_bytes`` and the knobs. ``accounting_exact`` and
+``every_live_rollout_holds_final`` (summary.json's weights section) are checked for every run;
+``--churn-at STEP`` also kills a rollout and adds one mid-run (``churn``).
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ import json
 import math
 import os
 import resource
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -119,6 +125,60 @@ def weight_sync(run_dir: Path) -> list[float]:
     return [max(held[v].values()) - published[v] for v in sorted(published) if v >= 1 and v in held]
 
 
+class Churn:
+    """``--churn-at STEP``: once step STEP is logged, SIGKILL ``rollout-1`` (the launcher restarts
+    it: a leave, then a join) and start one rollout more, ``rollout-extra``, dialling the
+    coordinator from outside the launcher (a join the launcher knows nothing about)."""
+
+    def __init__(self, run_dir: Path, at: int) -> None:
+        self.run_dir, self.at = run_dir, at
+        self.extra: subprocess.Popen[bytes] | None = None
+        self.done = threading.Event()
+        self.stop = threading.Event()
+        self.error = ""
+        self.thread = threading.Thread(target=self._run, name="churn", daemon=True)
+        self.thread.start()
+
+    def _reached(self) -> bool:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return False
+        return any(json.loads(line).get("step", -1) >= self.at for line in path.read_text().splitlines()
+                   if line.strip())
+
+    def _run(self) -> None:
+        while not self.stop.is_set() and not self._reached():
+            time.sleep(0.5)
+        if self.stop.is_set():
+            self.error = f"the run ended before step {self.at}"
+            return
+        pids = json.loads((self.run_dir / "logs" / "pids.json").read_text())
+        argv = Path(f"/proc/{pids['rollout-1']}/cmdline").read_bytes().decode().split("\0")
+        coordinator = argv[argv.index("--coordinator") + 1]
+        gpu = argv[argv.index("--gpu") + 1]
+        os.kill(pids["rollout-1"], signal.SIGKILL)
+        err = open(self.run_dir / "logs" / "rollout-extra.stderr", "ab")  # noqa: SIM115 - the child owns it
+        self.extra = subprocess.Popen(
+            [sys.executable, "-m", "digenrl.cli", "node", "--role", "rollout", "--coordinator", coordinator,
+             "--node-id", "rollout-extra", "--run-dir", str(self.run_dir), "--gpu", gpu],
+            stdout=err, stderr=err, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+        err.close()
+        self.done.set()
+
+    def finish(self) -> dict[str, Any]:
+        self.stop.set()
+        self.thread.join(30)
+        code = None
+        if self.extra is not None:
+            try:
+                code = self.extra.wait(120)
+            except subprocess.TimeoutExpired:
+                self.extra.kill()
+                code = self.extra.wait()
+        return {"at_step": self.at, "killed": "rollout-1", "added": "rollout-extra",
+                "acted": self.done.is_set(), "error": self.error, "added_exit_code": code}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from digenrl.launch import launch, make_run_dir
 
@@ -132,7 +192,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     planned = report["modes"][0]["s_per_step"]
     run_dir = make_run_dir(cfg, args.run_dir or tempfile.mkdtemp(prefix="scale-"))
     cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    summary = launch(cfg, run_dir)
+    churn = Churn(run_dir, args.churn_at) if args.churn_at is not None else None
+    try:
+        summary = launch(cfg, run_dir)
+    finally:
+        churned = churn.finish() if churn is not None else None
     cpu1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     measured_wall, first, last = steady_s_per_step(rows, args.steps)
@@ -159,11 +223,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "weight_sync_s": statistics.median(syncs) / scale if syncs else None,
         "weight_sync_s_max": max(syncs) / scale if syncs else None,
         "accounting": summary["accounting"], "stop_reason": summary.get("stop_reason"),
+        "accounting_exact": _exact(summary["accounting"]),
+        "weights": {k: summary.get("weights", {}).get(k) for k in ("live_rollouts", "held_final")},
+        "every_live_rollout_holds_final": set(summary.get("weights", {}).get("live_rollouts") or ["?"])
+        == set(summary.get("weights", {}).get("held_final") or []),
+        "recovery": summary.get("recovery"), "churn": churned,
         "time_scale": scale, "latent_scale": args.latent_scale, "weight_scale": args.weight_scale,
         "latent_shape": list(latent_shape(cfg.model)), "weight_set_bytes": weight_numel(cfg.model) * elem,
         "wall_s": wall, "run_dir": str(run_dir),
         "load_average": os.getloadavg(),
     }
+
+
+def _exact(acc: dict[str, Any]) -> bool:
+    """Every admitted trajectory trained or discarded with a reason, none left in flight."""
+    return acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) and acc["in_flight"] == 0
 
 
 def main() -> int:
@@ -175,6 +249,8 @@ def main() -> int:
     ap.add_argument("--latent-scale", type=float, default=1 / 64)
     ap.add_argument("--weight-scale", type=float, default=1e-4)
     ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--churn-at", type=int, default=None, metavar="STEP",
+                    help="at STEP: SIGKILL rollout-1 (restarted by the launcher) and add one rollout")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     out = run(args)
