@@ -8,6 +8,7 @@ sockets it reads, so each case takes milliseconds and names exactly what is refu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -188,4 +189,50 @@ async def test_identity_is_bound_at_hello_and_spoofed_reports_are_dropped_and_co
         for s in (*socks.values(), thief, actor.control, actor.pub):
             s.close()
         actor.metrics.close()
+        ctx.term()
+
+
+async def test_the_pub_socket_neither_keeps_big_subscriptions_nor_queues_small_ones(tmp_path: Path) -> None:
+    # issue 20: 20 subscription messages of 8 MiB took the coordinator from 384 MB to 4.9 GB
+    import subprocess
+    import sys
+
+    import zmq.asyncio
+
+    from digenrl.actors.node import rss_mb
+    from digenrl.transport.protocol import Shutdown
+    from digenrl.transport.sockets import Pub, Sub
+
+    ctx = zmq.asyncio.Context()
+    pub = Pub(ctx)
+    ep = pub.bind("tcp://127.0.0.1:*")
+    drain = asyncio.create_task(pub.drain_subscriptions())
+    sub = Sub(ctx)
+    sub.connect(ep)
+    # the attacker in its own process: libzmq 4.3.5's XSUB itself crashes closing such a socket
+    attack = (f"import zmq, time; c = zmq.Context(); s = c.socket(zmq.XSUB); s.connect({ep!r})\n"
+              "for i in range(20): s.send(b'\\x01' + b'x' * (8 << 20))\n"
+              "for i in range(5000): s.send(b'\\x01' + str(i).encode())\n"
+              "time.sleep(1.5)\nprint('sent', flush=True)\nimport os; os._exit(0)")
+    try:
+        before = rss_mb()
+        done = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", attack], capture_output=True,
+                                       text=True, timeout=120)
+        assert done.stdout.strip() == "sent", done.stderr[-2000:]
+        grown = rss_mb() - before
+        assert grown < 64, f"the PUB's process grew {grown:.0f} MiB"  # 160 MiB if they were kept
+        for _ in range(200):  # the PUB still serves an honest subscriber (the SUB joins late)
+            await pub.send(Shutdown(reason="done"))
+            with contextlib.suppress(TimeoutError):
+                _, msg = await asyncio.wait_for(sub.recv(), 0.05)
+                assert isinstance(msg, Shutdown)
+                break
+        else:
+            raise AssertionError("the subscriber never heard the PUB")
+    finally:
+        drain.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await drain
+        for s in (pub, sub):
+            s.close()
         ctx.term()

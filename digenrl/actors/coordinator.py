@@ -235,7 +235,10 @@ class CoordinatorActor(Actor):
             await self._run(self.sched.node_lost(node_id, time.monotonic(), f"exited with code {code}"))
 
     def background(self) -> list[Any]:
-        return [self._tick_loop]
+        return [self._tick_loop, self._drain_pub]
+
+    async def _drain_pub(self) -> None:
+        await self.pub.drain_subscriptions()  # the PUB needs no inbound traffic: read and drop it
 
     async def main(self) -> None:
         while not self.stopping:

@@ -583,8 +583,21 @@ class Pub(Socket):
 
     KIND = zmq.XPUB
 
+    MAX_SUBSCRIPTION_BYTES = 4096
+    """A subscription is a topic prefix (this project's are empty): a peer sending a larger
+    message is disconnected by ZeroMQ before it is buffered (issue 20: 8 MiB ones were kept)."""
+
     def _configure(self, sock: zmq.Socket) -> None:
         sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not only the first
+        sock.setsockopt(zmq.MAXMSGSIZE, self.MAX_SUBSCRIPTION_BYTES)
+
+    async def drain_subscriptions(self) -> None:
+        """Read (un)subscription messages until cancelled, counting them in ``received``. An
+        XPUB queues every one for the application; a publisher that never reads them would
+        hold each forever."""
+        while True:
+            await self._live().recv_multipart(copy=False)
+            self._stats.received += 1
 
     async def wait_subscribed(self) -> bytes:
         """Wait until a subscriber's subscription arrives; returns its topic prefix.
