@@ -236,3 +236,26 @@ async def test_the_pub_socket_neither_keeps_big_subscriptions_nor_queues_small_o
         for s in (pub, sub):
             s.close()
         ctx.term()
+
+
+async def test_staging_is_bounded_by_the_byte_window_and_attempts_per_slot(tmp_path: Path) -> None:
+    # issue 20: 300 chunks (600 MiB) for never-assigned tasks grew the trainer by 620 MB
+    actor, data = _trainer(tmp_path, "runtime.byte_window_mb=1")
+    t = plan_for_step(actor.cfg, 0)[0][0]
+    big = torch.zeros(4, 64, 256)  # 256 KiB a tensor: 512 KiB a chunk
+    flood = [Chunk(task_id=100 + i, step=0, fragment=0, t_index=t, sigma=1.0, sigma_next=0.5,
+                   policy_version=0, x_t=big, x_next=big, log_prob=torch.zeros(4)) for i in range(300)]
+    trained = plan_for_step(actor.cfg, 0)[0]
+    full = [Chunk(task_id=100 + i, step=0, fragment=0, t_index=tt, sigma=1.0, sigma_next=0.5,
+                  policy_version=0, x_t=big, x_next=big, log_prob=torch.zeros(4))
+            for i in range(2) for tt in trained]  # two whole attempts: over the 1 MiB window
+    commits = [_commit(task_id=500 + i, fragment=0) for i in range(10)]
+    await _feed(actor, data, [*flood, *full, *commits])
+    chunk = 2 * big.nbytes + 16
+    assert actor.staged_bytes <= (1 << 20) + chunk * len(trained)  # the window plus one fragment
+    assert actor.refused["staging_over_the_byte_window"] >= 1
+    assert len(actor._staged_slot) == 2 and actor.refused["too_many_attempts_of_a_slot"] == 298
+    assert len(actor.pending[0]) == 2 and actor.refused["too_many_commits_of_a_slot"] == 8
+    for task in list(actor.staged):  # unstaging gives every byte back
+        actor._unstage(task)
+    assert actor.staged_bytes == 0

@@ -93,6 +93,9 @@ class TrainerActor(Actor):
         # task -> a forward-process fragment's clean sample, on its way to the device likewise
         self.finals: dict[int, tuple[CleanSample, Landed]] = {}
         self.h2d = HostToDevice(getattr(policy.model, "device", "cpu"))
+        # staging is bounded: bytes charged to the byte window, attempts and commits per slot
+        self.staged_bytes = 0
+        self._staged_slot: dict[int, tuple[int, int]] = {}             # task -> (step, fragment)
         self.pending: dict[int, list[Commit]] = defaultdict(list)        # step -> commits
         self.consumed_slots: dict[int, set[int]] = defaultdict(set)      # step -> fragments
         self.rejected_stale = 0
@@ -165,7 +168,7 @@ class TrainerActor(Actor):
         if isinstance(msg, Chunk):
             if msg.step < v:
                 return "stale_chunk"  # its step is trained: nothing would ever consume it
-            trained = plan_for_step(self.cfg, msg.step)[0]
+            trained = self._trained_of(msg.step)
             owners = owners_for(trained, self.world_size, self.cfg.runtime.tsp, msg.fragment, F)
             if msg.t_index not in trained or owners[trained.index(msg.t_index)] != self.rank:
                 return "not_owner"
@@ -180,6 +183,40 @@ class TrainerActor(Actor):
                 return "bad_shape"  # one final latent per trajectory of the fragment
         return None
 
+    def _stage(self, chunk: Chunk) -> str | None:
+        """Keep ``chunk`` until its commit; why not, if it would overflow the bounds. Honest
+        staging never exceeds the ledger's byte window (or one fragment when that is larger)
+        and holds at most two attempts of a slot (a revoked one whose Revoke is still on
+        its way, and its successor)."""
+        slot = (chunk.step, chunk.fragment)
+        task = chunk.task_id
+        if task not in self._staged_slot:
+            if sum(1 for s in self._staged_slot.values() if s == slot) >= 2:
+                return "too_many_attempts_of_a_slot"
+        elif self._staged_slot[task] != slot:
+            return "task_changed_slot"
+        nbytes = _nbytes(chunk)
+        old = self.staged.get(task, {}).get(chunk.t_index)
+        freed = _nbytes(old[0]) if old is not None else 0
+        trained = self._trained_of(chunk.step)
+        fragment_bytes = nbytes * len(trained)  # a whole fragment's chunks, at most, on this rank
+        window = int(self.cfg.runtime.byte_window_mb * 2**20)
+        if self.staged_bytes - freed + nbytes > window + fragment_bytes:
+            return "staging_over_the_byte_window"
+        self._staged_slot[task] = slot
+        # on a GPU the copy starts now, on a side stream, while earlier work trains
+        self.staged[task][chunk.t_index] = (chunk, self.h2d.stage([chunk.x_t, chunk.x_next, chunk.log_prob]))
+        self.staged_bytes += nbytes - freed
+        return None
+
+    def _unstage(self, task_id: int) -> dict[int, tuple[Chunk, Landed]]:
+        """Take a task's staged chunks out (for training, or to drop them)."""
+        chunks = self.staged.pop(task_id, {})
+        self.finals.pop(task_id, None)
+        self._staged_slot.pop(task_id, None)
+        self.staged_bytes -= sum(_nbytes(c) for c, _ in chunks.values())
+        return chunks
+
     async def _data_loop(self) -> None:
         while True:
             _, msg = await self.peers.data.recv()
@@ -188,31 +225,31 @@ class TrainerActor(Actor):
                 continue
             why = self._arrival_check(msg)
             if why == "revoked" and isinstance(msg, Commit):
-                self.staged.pop(msg.task_id, None)  # a revoked attempt: its slot is re-queued elsewhere
-                self.finals.pop(msg.task_id, None)
+                self._unstage(msg.task_id)  # a revoked attempt: its slot is re-queued elsewhere
                 continue
             if why is not None:
                 self.refuse(why, msg, task=msg.task_id, step=msg.step, fragment=msg.fragment)
                 continue
             if isinstance(msg, Chunk):
-                # on a GPU the copy starts now, on a side stream, while earlier work trains
-                self.staged[msg.task_id][msg.t_index] = (
-                    msg, self.h2d.stage([msg.x_t, msg.x_next, msg.log_prob]))
+                why = self._stage(msg)
+                if why is not None:
+                    self.refuse(why, msg, task=msg.task_id, step=msg.step, staged_bytes=self.staged_bytes)
             elif isinstance(msg, CleanSample):
                 self.finals[msg.task_id] = (msg, self.h2d.stage([msg.x0]))
             elif isinstance(msg, Commit):
                 if msg.task_id in self.revoked:
-                    self.staged.pop(msg.task_id, None)
-                    self.finals.pop(msg.task_id, None)
+                    self._unstage(msg.task_id)
                     continue  # a revoked attempt: its slot is re-queued elsewhere
                 if msg.step < self.policy.version or msg.fragment in self.consumed_slots[msg.step]:
                     # A re-attempt of a slot this rank already trained (its first attempt was
                     # revoked after it reached us). Report it, or the scheduler waits forever.
-                    self.staged.pop(msg.task_id, None)
-                    self.finals.pop(msg.task_id, None)
+                    self._unstage(msg.task_id)
                     self.log.warning("duplicate of a trained slot dropped", task=msg.task_id,
                                      step=msg.step, fragment=msg.fragment)
                     await self._report(msg, 0, {"duplicate_slot": len(msg.prompt_ids) * self.cfg.train.group_size}, 0.0)
+                    continue
+                if sum(1 for c in self.pending[msg.step] if c.fragment == msg.fragment) >= 2:
+                    self.refuse("too_many_commits_of_a_slot", msg, task=msg.task_id, step=msg.step)
                     continue
                 self.pending[msg.step].append(msg)
                 self.wake.set()
@@ -228,8 +265,7 @@ class TrainerActor(Actor):
             elif isinstance(msg, Revoke):
                 # the attempt is dead: its slot is re-queued, so never train or report it
                 self.revoked.add(msg.task_id)
-                self.staged.pop(msg.task_id, None)
-                self.finals.pop(msg.task_id, None)
+                self._unstage(msg.task_id)
             elif isinstance(msg, Shutdown):
                 self.request_stop(msg.reason)
                 self.wake.set()
@@ -248,13 +284,12 @@ class TrainerActor(Actor):
     async def _consume(self, commit: Commit) -> None:
         step = commit.step
         if commit.task_id in self.revoked or commit.fragment in self.consumed_slots[step]:
-            self.staged.pop(commit.task_id, None)
-            self.finals.pop(commit.task_id, None)
+            self._unstage(commit.task_id)
             if commit.task_id not in self.revoked:  # see _data_loop: report the duplicate
                 await self._report(commit, 0, {"duplicate_slot": len(commit.prompt_ids) * self.cfg.train.group_size}, 0.0)
             return
-        chunks = self.staged.pop(commit.task_id, {})
-        clean = self.finals.pop(commit.task_id, None)
+        clean = self.finals.get(commit.task_id)  # taken before _unstage drops it
+        chunks = self._unstage(commit.task_id)
         # a discarded fragment (its reward worker failed) carries no rewards: count its trajectories
         n = len(commit.prompt_ids) * self.cfg.train.group_size if commit.discard else len(commit.rewards)
         discarded: dict[str, int] = {}
@@ -352,6 +387,8 @@ class TrainerActor(Actor):
         metrics["step_seconds"] = dt
         metrics["samples_per_s"] = self.cfg.batch_size / dt
         self.consumed_slots.pop(step, None)
+        for task in [t for t, (s, _) in self._staged_slot.items() if s <= step]:
+            self._unstage(task)  # an attempt of a trained slot that never committed here
         for old in [s for s in self._trained_steps if s <= step]:
             del self._trained_steps[old]
         self.log = self.log.bind(policy_version=self.policy.version)
@@ -415,6 +452,10 @@ class TrainerActor(Actor):
         """Trainer-assisted generation with the current weights; never touches gradients."""
         await self.peers.generate_and_stream(self, task, self.policy.model, self.policy.version,
                                              self.reward_fn, self.cfg, span="tag_generate")
+
+
+def _nbytes(c: Chunk) -> int:
+    return c.x_t.nbytes + c.x_next.nbytes + c.log_prob.nbytes
 
 
 def _record(c: Chunk, landed: Landed) -> Any:
