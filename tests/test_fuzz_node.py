@@ -1,4 +1,4 @@
-"""Fuzzing running nodes: random and mutated frames at every listening socket.
+"""Fuzzing running nodes: random and mutated frames, and decodable messages with hostile values, at every listening socket.
 
 A real coordinator actor (in this process) and a real trainer node (a child process) take a
 storm of undecodable messages on the coordinator's ROUTER and the trainer's PULL (the PUB
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import math
 import os
 import random
 import socket as pysocket
@@ -20,15 +22,29 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import zmq
 import zmq.asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from digenrl.actors.coordinator import CoordinatorActor
 from digenrl.config import Config
 from digenrl.transport import factory as zs
 from digenrl.transport.errors import ProtocolError
-from digenrl.transport.protocol import Chunk, Commit, Heartbeat, Hello, Welcome, decode, encode
+from digenrl.transport.protocol import (
+    Chunk,
+    Commit,
+    Consumed,
+    Heartbeat,
+    Hello,
+    StepDone,
+    VersionAnnounce,
+    Welcome,
+    decode,
+    encode,
+)
 from tests.test_security import config, hello, start_coordinator, wait_until
 
 STORM = 20_000
@@ -131,16 +147,26 @@ def spawn_trainer(endpoint: str, run_dir: Path, notify: Path) -> subprocess.Pope
          "--node-id", "trainer-0", "--run-dir", str(run_dir)], stdout=log, stderr=log, env=env)
 
 
-async def run_storm(tmp_path: Path, n: int, cfg: Config | None = None) -> dict[str, Any]:
+def _trainer_counted(stats: dict[str, Any]) -> float:
+    """What the trainer counted as dropped: undecodable or out-of-bounds frames, refusals."""
+    return stats.get("bad_frames", 0) + sum(v for k, v in stats.items() if k.startswith("refused_"))
+
+
+async def run_storm(tmp_path: Path, n: int, cfg: Config | None = None,
+                    storms: tuple[list[list[bytes]], list[list[bytes]]] | None = None) -> dict[str, Any]:
     """Storm both listening sockets with ``n`` bad messages each; returns what was observed.
 
+    ``storms``: (coordinator's, trainer's) messages to send instead of random bad frames.
     Liveness is not under test here: on a shared 2-core box the storm can delay a heartbeat
     by seconds, so a peer is declared lost only after 100 silent intervals.
     """
     cfg = cfg or config("runtime.heartbeat_s=0.2", "runtime.heartbeat_misses=100")
     rng = random.Random(1234)
-    coord_msgs = list(bad_messages(rng, n, cfg.transport.max_frame_bytes))
-    trainer_msgs = list(bad_messages(rng, n, cfg.transport.max_frame_bytes))
+    if storms is None:
+        coord_msgs = list(bad_messages(rng, n, cfg.transport.max_frame_bytes))
+        trainer_msgs = list(bad_messages(rng, n, cfg.transport.max_frame_bytes))
+    else:
+        coord_msgs, trainer_msgs = storms
     run_dir = tmp_path / "run"
     run_dir.mkdir(parents=True)
     ctx = zmq.asyncio.Context()
@@ -176,9 +202,9 @@ async def run_storm(tmp_path: Path, n: int, cfg: Config | None = None) -> dict[s
                        tg.create_task(asyncio.to_thread(send_storm, zmq.PUSH, data_endpoint,
                                                         trainer_msgs, counted))]
             try:
-                await wait_until(lambda: actor.control.statistics().bad_frames >= n,
+                await wait_until(lambda: actor.control.statistics().bad_frames + actor.refused.total() >= n,
                                  "coordinator count", 120)
-                await wait_until(lambda: actor.heartbeats["trainer-0"].stats.get("bad_frames", 0) >= n,
+                await wait_until(lambda: _trainer_counted(actor.heartbeats["trainer-0"].stats) >= n,
                                  "trainer count", 120)
             finally:
                 counted.set()
@@ -197,7 +223,10 @@ async def run_storm(tmp_path: Path, n: int, cfg: Config | None = None) -> dict[s
         code = await asyncio.to_thread(trainer.wait, 60)
         read_notices()
         return {"notices": notices, "coordinator_bad": actor.control.statistics().bad_frames,
+                "coordinator_refused": actor.refused.total(), "coordinator_rejected": actor.rejected,
+                "coordinator_by_reason": actor.control.statistics().bad_by_reason,
                 "trainer_bad": actor.heartbeats["trainer-0"].stats["bad_frames"],
+                "trainer_counted": _trainer_counted(actor.heartbeats["trainer-0"].stats),
                 "welcome": welcome, "trainer_exit": code, "seconds": seconds}
     finally:
         if trainer.poll() is None:
@@ -232,3 +261,81 @@ def test_mutated_frames_never_raise_anything_but_protocol_error() -> None:
     rng = random.Random(7)
     refused = sum(1 for _ in bad_messages(rng, 2000, 1 << 20))
     assert refused == 2000
+
+
+# ----------------------------------------------------------------------------- semantic fuzzing
+# Decodable messages with hostile field values (issue 20): each one has at least one value no
+# honest peer sends, so each must be refused (the schema, the identity gate, the trainer's
+# arrival checks) and counted, and the nodes must stay up.
+
+SEMANTIC = 300
+_huge = st.integers(1 << 62, (1 << 63) - 1)
+_neg = st.integers(-(1 << 63), -1)
+_bad_float = st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 1e300])
+_bad_dict = st.dictionaries(st.text(max_size=4), st.text(max_size=4), min_size=1, max_size=3)  # not numbers
+_bad_gpu = st.sampled_from([{"gpus": [[1, 2]]}, {"gpus": ["x"]}, {"nested": {"a": 1}}])
+
+
+def _hostile(base: Any, fields: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
+    """``base`` with one to three of ``fields`` replaced by a hostile value."""
+    return st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=3, unique=True).flatmap(
+        lambda names: st.fixed_dictionaries({k: fields[k] for k in names})).map(
+        lambda over: dataclasses.replace(base, **over))
+
+
+def _coordinator_storm() -> st.SearchStrategy[Any]:
+    """Messages a node sends the coordinator, from a peer that never said a valid Hello."""
+    hb = Heartbeat(node_id="trainer-0", incarnation=1, policy_version=0, state="running", seq=1,
+                   gpu={}, stats={"busy_s": 1.0})
+    return st.one_of(
+        _hostile(hb, {"stats": _bad_dict, "gpu": _bad_gpu, "incarnation": _neg, "seq": _neg}),
+        # well-formed but from nobody: before any Hello (issue 20: StepDone from an unknown peer,
+        # Consumed with trained = 2**63-1, a VersionAnnounce of 10**6)
+        st.builds(StepDone, step=st.integers(0, 10**6), version=st.integers(0, 10**6),
+                  metrics=st.just({}) | st.just({"reward_mean": 99.0})),
+        st.builds(Consumed, task_id=st.integers(0, 10**6), step=st.integers(0, 10), fragment=st.integers(0, 99),
+                  rank=st.integers(0, 3), trained=st.just((1 << 63) - 1) | st.integers(0, 64),
+                  discarded=st.just({}), train_seconds=st.floats(0, 10)),
+        st.builds(VersionAnnounce, version=st.just(10**6) | _huge, step=st.integers(0, 10), nparts=st.just(1),
+                  nbytes=st.just(1), checksum=st.just("x")),
+        st.builds(Hello, node_id=st.just("trainer-0") | st.just("rollout-0"), role=st.just("trainer"),
+                  gpu=st.just("cpu"), incarnation=st.integers(0, 1 << 40), pid=st.just(1), host=st.just("h"),
+                  data_endpoint=st.just("tcp://garbage"), weights_endpoint=st.just("")),
+        st.builds(Commit, task_id=st.integers(1, 100), step=st.integers(0, 10**12), fragment=st.just(99),
+                  node_id=st.just("rollout-0"), policy_version=st.integers(0, 5), prompt_ids=st.just([1]),
+                  rewards=st.just([0.5, 0.5]), reward_terms=st.just({}), gen_seconds=st.just(0.1),
+                  cond=st.just({}), images=st.just(torch.zeros(0, dtype=torch.uint8))))
+
+
+def _trainer_storm() -> st.SearchStrategy[Any]:
+    """Chunks and commits with values the trainer can tell are not work (it holds no list of
+    assignments: a task id alone is not among them, see docs/deployment.md)."""
+    x = torch.zeros(2, 4)
+    chunk = Chunk(task_id=1, step=0, fragment=0, t_index=0, sigma=0.9, sigma_next=0.8, policy_version=0,
+                  x_t=x, x_next=x, log_prob=torch.zeros(2))
+    commit = Commit(task_id=1, step=0, fragment=0, node_id="rollout-0", policy_version=0, prompt_ids=[1],
+                    rewards=[0.5, 0.5], reward_terms={}, gen_seconds=0.1, cond={},
+                    images=torch.zeros(0, dtype=torch.uint8))
+    where = {"step": st.integers(3, 1 << 40) | _neg, "fragment": st.integers(64, 1 << 19) | _neg,
+             "task_id": _neg, "policy_version": _neg}
+    return st.one_of(
+        _hostile(chunk, {**where, "t_index": st.integers(1000, 1 << 19) | _neg, "sigma": _bad_float,
+                         "x_next": st.just(torch.zeros(3, 4)), "log_prob": st.just(torch.zeros(7))}),
+        _hostile(commit, {**where, "gen_seconds": _bad_float, "reward_terms": _bad_dict,
+                          "rewards": st.just([])}))
+
+
+@settings(max_examples=1, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(coordinator=st.lists(_coordinator_storm(), min_size=SEMANTIC, max_size=SEMANTIC),
+       trainer=st.lists(_trainer_storm(), min_size=SEMANTIC, max_size=SEMANTIC))
+def test_decodable_messages_with_hostile_values_are_refused_and_counted_by_live_nodes(
+        tmp_path_factory: pytest.TempPathFactory, coordinator: list[Any], trainer: list[Any]) -> None:
+    frames = ([[bytes(f) for f in encode(m)] for m in coordinator],
+              [[bytes(f) for f in encode(m)] for m in trainer])
+    seen = asyncio.run(run_storm(tmp_path_factory.mktemp("semantic"), SEMANTIC, storms=frames))
+    # every one refused and counted: by the schema (bad frames, reason invalid) or by identity
+    assert seen["coordinator_bad"] + seen["coordinator_refused"] == SEMANTIC
+    assert seen["coordinator_rejected"] == 0  # none got as far as the scheduler
+    assert seen["trainer_counted"] == SEMANTIC
+    assert isinstance(seen["welcome"], Welcome) and seen["trainer_exit"] == 0
