@@ -1,6 +1,16 @@
-"""Fault injection: kill -9 a random node of a live run; every run must finish with exact accounting.
+"""Fault injection: kill -9, pause or attack a live run; every run must finish with exact accounting.
 
-    .venv/bin/python bench/faults.py --runs 20 --seed 0 [--out docs/faults-table.md]
+    .venv/bin/python bench/faults.py --runs 20 --seed 0 [--faults kill,pause,hostile] [--out docs/faults-table.md]
+
+Faults, one per run, taking ``--faults`` in turn:
+
+* ``kill``: SIGKILL of a random rollout or trainer process;
+* ``pause``: SIGSTOP of a random rollout or trainer for three heartbeat timeouts, then
+  SIGCONT (a VM stall, a long GC pause): the node is declared lost and comes back;
+* ``hostile``: a peer on loopback sends the coordinator the messages of issue 20 (spoofed
+  StepDone/Consumed/VersionAnnounce/Hello, out-of-bounds Heartbeat stats, a Commit with
+  fragment 99), says Hello as a rollout of its own, and sends the trainer's data socket chunks
+  and commits for slots outside the run; every one must be refused.
 
 Each run is a real ``digenrl launch`` (tiny CPU config, 6-8 steps, checkpoint every step,
 two rollouts and one trainer) in its own process group. After a random delay the bench
@@ -34,10 +44,79 @@ from digenrl.telemetry.metrics import read_metrics
 
 SETS = ["model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
         "runtime.fragments_per_step=2", "sampler.num_steps=4", "run.checkpoint_every=1",
-        "runtime.heartbeat_s=0.25"]
+        "runtime.heartbeat_s=0.25", "runtime.heartbeat_misses=6"]
 
 
-def one_run(i: int, rng: random.Random, root: Path, timeout: float) -> dict:
+def _hostile_peer(endpoint: str) -> int:
+    """Send the coordinator and (after a Hello of its own) a trainer rank what issue 20's
+    adversary sent; returns how many messages it sent."""
+    import torch
+    import zmq
+
+    from digenrl.transport.protocol import (
+        Chunk,
+        Commit,
+        Consumed,
+        Heartbeat,
+        Hello,
+        StepDone,
+        VersionAnnounce,
+        Welcome,
+        decode,
+        encode,
+    )
+    ctx = zmq.Context()
+    sent = 0
+    try:
+        evil = ctx.socket(zmq.DEALER)
+        evil.setsockopt(zmq.LINGER, 0)
+        evil.connect(endpoint)
+        x = torch.zeros(2, 4)
+        for i in range(20):
+            for m in (StepDone(step=1000 + i, version=1001 + i, metrics={"reward_mean": 99.0}),
+                      Consumed(task_id=1 + i, step=0, fragment=0, rank=0, trained=2**63 - 1, discarded={},
+                               train_seconds=0.1),
+                      VersionAnnounce(version=10**6, step=10**6, nparts=1, nbytes=1, checksum="x"),
+                      Heartbeat(node_id="trainer-0", incarnation=1, policy_version=0, state="running", seq=i,
+                                gpu={}, stats={"busy_s": "x"}),
+                      Hello(node_id="trainer-0", role="trainer", gpu="cpu", incarnation=2**40, pid=1, host="h",
+                            data_endpoint="tcp://garbage:1", weights_endpoint=""),
+                      Commit(task_id=1 + i, step=0, fragment=99, node_id="rollout-0", policy_version=0,
+                             prompt_ids=[0], rewards=[0.5, 0.5], reward_terms={}, gen_seconds=0.1, cond={},
+                             images=torch.zeros(0, dtype=torch.uint8))):
+                evil.send_multipart(encode(m))
+                sent += 1
+        # a rollout of its own (loopback plain text admits any local process): it learns the
+        # trainers' addresses and sends them work for slots that do not exist
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.setsockopt(zmq.ROUTING_ID, b"rollout-evil")
+        rogue.connect(endpoint)
+        rogue.send_multipart(encode(Hello(node_id="rollout-evil", role="rollout", gpu="cpu", incarnation=1,
+                                          pid=1, host="h", data_endpoint="", weights_endpoint="")))
+        if rogue.poll(30_000):
+            msg = decode(rogue.recv_multipart(), max_frame_bytes=1 << 28)
+            if isinstance(msg, Welcome):
+                push = ctx.socket(zmq.PUSH)
+                push.setsockopt(zmq.LINGER, 2000)
+                push.connect(str(msg.endpoints["trainer/0"]).split("|")[0])
+                for i in range(100):
+                    m = (Chunk(task_id=10**9 + i, step=10**12, fragment=0, t_index=0, sigma=0.9, sigma_next=0.8,
+                               policy_version=0, x_t=x, x_next=x, log_prob=torch.zeros(2)) if i % 2 else
+                         Commit(task_id=10**9 + i, step=0, fragment=99, node_id="rollout-evil", policy_version=0,
+                                prompt_ids=[0], rewards=[0.5, 0.5], reward_terms={}, gen_seconds=0.1,
+                                cond={}, images=torch.zeros(0, dtype=torch.uint8)))
+                    push.send_multipart(encode(m))
+                    sent += 1
+                push.close()
+        rogue.close()
+        evil.close()
+    finally:
+        ctx.term()
+    return sent
+
+
+def one_run(i: int, rng: random.Random, root: Path, timeout: float, fault: str) -> dict:
     mode = rng.choice(["digenrl", "disagg-sync"])
     steps = rng.choice([6, 8])
     victim_role = rng.choice(["rollout", "trainer"])
@@ -49,8 +128,13 @@ def one_run(i: int, rng: random.Random, root: Path, timeout: float) -> dict:
            *[a for s in SETS for a in ("--set", s)]]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    endpoint = ""
+    for line in proc.stdout:  # type: ignore[union-attr]
+        if "coordinator listening on" in line:
+            endpoint = line.rsplit(" ", 1)[-1].strip()
+            break
     victim, killed_at = "", None
     pid_file, metrics = run_dir / "logs" / "pids.json", run_dir / "metrics.jsonl"
     # a random moment: a quarter of the kills while nodes start up, the rest while training
@@ -63,9 +147,16 @@ def one_run(i: int, rng: random.Random, root: Path, timeout: float) -> dict:
     except subprocess.TimeoutExpired:
         pids = json.loads(pid_file.read_text())
         names = sorted(n for n in pids if n.startswith(victim_role))
-        victim = rng.choice(names)
+        victim = rng.choice(names) if fault != "hostile" else "coordinator, trainer-0"
         try:
-            os.kill(pids[victim], signal.SIGKILL)
+            if fault == "kill":
+                os.kill(pids[victim], signal.SIGKILL)
+            elif fault == "pause":
+                os.kill(pids[victim], signal.SIGSTOP)
+                time.sleep(3 * 0.25 * 6)  # three heartbeat timeouts
+                os.kill(pids[victim], signal.SIGCONT)
+            else:
+                victim += f" ({_hostile_peer(endpoint)} messages)"
             killed_at = time.monotonic() - t0
         except ProcessLookupError:
             victim += " (already gone)"
@@ -75,7 +166,7 @@ def one_run(i: int, rng: random.Random, root: Path, timeout: float) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)
         _, err = proc.communicate()
     wall = time.monotonic() - t0
-    row = {"run": i, "mode": mode, "steps": steps, "victim": victim or "(run ended first)",
+    row = {"run": i, "mode": mode, "steps": steps, "fault": fault, "victim": victim or "(run ended first)",
            "kill_s": killed_at, "wall_s": wall, "rc": proc.returncode}
     summary_path = run_dir / "summary.json"
     if proc.returncode != 0 or not summary_path.exists():
@@ -95,6 +186,8 @@ def one_run(i: int, rng: random.Random, root: Path, timeout: float) -> dict:
     if victim and killed_at is not None and not s.get("restarts", {}).get(victim):
         row["victim"] = f"{victim} (after the last step)"
     row.update(ok=all(checks.values()), failed=[k for k, v in checks.items() if not v],
+               lost=acc["admitted"] - acc["trained"] - disc - acc["in_flight"],
+               refused=sum(s.get("refused", {}).values()) if isinstance(s.get("refused"), dict) else 0,
                admitted=acc["admitted"], trained=acc["trained"], discarded=dict(acc["discarded"]),
                in_flight=acc["in_flight"], slots=f"{s['slots']['consumed']}/{s['slots']['expected']}",
                recovery={k: v for k, v in s["recovery"].items() if v}, restarts=s.get("restarts", {}),
@@ -109,30 +202,34 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds a run may take after the kill")
     ap.add_argument("--keep", default=None, help="keep run dirs under this folder")
     ap.add_argument("--out", default=None, help="also write the table (Markdown) here")
+    ap.add_argument("--faults", default="kill,pause,hostile", help="faults to draw from")
     args = ap.parse_args()
+    faults = args.faults.split(",")
     rng = random.Random(args.seed)
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="digenrl-faults-"))
     root.mkdir(parents=True, exist_ok=True)
-    lines = ["| run | mode | steps | killed | at s | wall s | admitted | trained | discarded | "
-             "in flight | slots | recovery | ok |", "|" + "---|" * 13]
+    lines = ["| run | mode | steps | fault | victim | at s | wall s | admitted | trained | discarded | "
+             "in flight | lost | slots | recovery | ok |", "|" + "---|" * 15]
     print("\n".join(lines), flush=True)
     results = []
     for i in range(args.runs):
-        r = one_run(i, rng, root, args.timeout)
+        r = one_run(i, rng, root, args.timeout, faults[i % len(faults)])  # each fault in turn
         results.append(r)
         kill = f"{r['kill_s']:.1f}" if r["kill_s"] is not None else "-"
         disc = ", ".join(f"{k} {v}" for k, v in sorted(r.get("discarded", {}).items())) or "0"
-        rec = ", ".join(f"{k} {v}" for k, v in sorted(r.get("recovery", {}).items())
-                        if k != "checkpoints") or "-"
+        rec = ", ".join([*(f"{k} {v}" for k, v in sorted(r.get("recovery", {}).items())
+                           if k != "checkpoints"), *([f"refused {r['refused']}"] if r.get("refused") else [])]) or "-"
         ok = "yes" if r["ok"] else f"NO {r.get('failed') or r.get('why')}"
-        line = (f"| {r['run']} | {r['mode']} | {r['steps']} | {r['victim']} | {kill} | "
+        line = (f"| {r['run']} | {r['mode']} | {r['steps']} | {r['fault']} | {r['victim']} | {kill} | "
                 f"{r['wall_s']:.0f} | {r.get('admitted', '-')} | {r.get('trained', '-')} | {disc} | "
-                f"{r.get('in_flight', '-')} | {r.get('slots', '-')} | {rec} | {ok} |")
+                f"{r.get('in_flight', '-')} | {r.get('lost', '-')} | {r.get('slots', '-')} | {rec} | {ok} |")
         lines.append(line)
         print(line, flush=True)
     n_ok = sum(r["ok"] for r in results)
     n_kill = sum(r["kill_s"] is not None for r in results)
-    tally = f"{n_ok}/{len(results)} runs passed; {n_kill} had a node killed mid-run; run dirs in {root}"
+    lost = sum(r.get("lost", 0) for r in results)
+    tally = (f"{n_ok}/{len(results)} runs passed; {n_kill} had their fault injected mid-run; "
+             f"trajectories lost: {lost}; run dirs in {root}")
     print(tally, flush=True)
     if args.out:
         Path(args.out).write_text("\n".join([*lines, "", tally, ""]))

@@ -288,6 +288,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
         "samples_per_s": cfg.batch_size * max(segment_steps, 0) / train_wall,
         "slots": {"consumed": consumed, "expected": cfg.run.steps * F},
         "recovery": actor.recovery, "resumed_from": actor.resumed_from,
+        "refused": dict(actor.refused),  # messages dropped by the identity gate, by reason
         "accounting": {k: stats[k] for k in ("admitted", "trained", "discarded", "in_flight")},
         "scheduler": {k: v for k, v in stats.items() if k not in ("nodes",)},
         "nodes": stats["nodes"],
