@@ -13,6 +13,7 @@ stays exact because attempts, not nodes, own trajectories. Child pids are kept i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -105,20 +106,24 @@ class Children:
                           {n: p.pid for n, p in self.procs.items() if p.returncode is None})
 
     def last_error(self, node_id: str) -> str:
-        """The last line of ``node_id``'s stderr (why it died, when it said), or ''."""
+        """The last line of ``node_id``'s stderr that is not a log record (a traceback's
+        last line says why it died: ``OSError: [Errno 28] No space left on device``), or ''."""
         try:
             with (self.run_dir / "logs" / f"{node_id}.stderr").open("rb") as f:
                 f.seek(0, 2)
-                f.seek(max(0, f.tell() - 4096))
+                f.seek(max(0, f.tell() - 16384))
                 lines = f.read().decode(errors="replace").strip().splitlines()
         except OSError:
             return ""
-        return lines[-1][:300] if lines else ""
+        said = [ln for ln in lines if ln.strip() and not ln.lstrip().startswith(("{", "File ", "^", "~"))
+                and not ln.startswith(" ")]
+        return said[-1][:300] if said else ""
 
     async def kill_all(self) -> None:
         for p in self.procs.values():
             if p.returncode is None:
-                p.kill()
+                with contextlib.suppress(ProcessLookupError):  # exited by itself, not yet reaped
+                    p.kill()
         for p in self.procs.values():
             await p.wait()
 
@@ -168,7 +173,8 @@ class Children:
             try:
                 await asyncio.wait_for(p.wait(), max(0.1, deadline - time.monotonic()))
             except TimeoutError:
-                p.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
                 await p.wait()
 
 

@@ -596,7 +596,7 @@ class Pub(Socket):
         XPUB queues every one for the application; a publisher that never reads them would
         hold each forever."""
         while True:
-            await self._live().recv_multipart(copy=False)
+            await self._recv_frames()
             self._stats.received += 1
 
     async def wait_subscribed(self) -> bytes:
