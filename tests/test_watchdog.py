@@ -104,7 +104,12 @@ async def test_a_node_the_scheduler_lost_by_silence_rejoins_on_its_next_heartbea
     async def run(cmds: list) -> None:
         sent.extend(cmds)
 
+    class Control:  # what the coordinator sends on a join (weight routes) is not under test
+        async def send(self, msg: object, *, to: bytes | None = None) -> None:
+            sent.append(msg)
+
     actor._run = run  # type: ignore[method-assign]
+    actor.control = Control()
     actor.nodes["rollout-0"] = {"role": "rollout", "peer": b"rollout-0", "gpu": "cpu"}
     assert await actor._ensure_joined("rollout-0", 0.0)
     assert actor.sched.is_live("rollout-0")
