@@ -304,7 +304,7 @@ def _coordinator_storm() -> st.SearchStrategy[Any]:
         st.builds(Commit, task_id=st.integers(1, 100), step=st.integers(0, 10**12), fragment=st.just(99),
                   node_id=st.just("rollout-0"), policy_version=st.integers(0, 5), prompt_ids=st.just([1]),
                   rewards=st.just([0.5, 0.5]), reward_terms=st.just({}), gen_seconds=st.just(0.1),
-                  cond=st.just({}), images=st.just(torch.zeros(0, dtype=torch.uint8))))
+                  cond=st.just({}), images=st.just(torch.zeros(0, dtype=torch.uint8)), discard=st.just("")))
 
 
 def _trainer_storm() -> st.SearchStrategy[Any]:
@@ -315,7 +315,7 @@ def _trainer_storm() -> st.SearchStrategy[Any]:
                   x_t=x, x_next=x, log_prob=torch.zeros(2))
     commit = Commit(task_id=1, step=0, fragment=0, node_id="rollout-0", policy_version=0, prompt_ids=[1],
                     rewards=[0.5, 0.5], reward_terms={}, gen_seconds=0.1, cond={},
-                    images=torch.zeros(0, dtype=torch.uint8))
+                    images=torch.zeros(0, dtype=torch.uint8), discard="")
     where = {"step": st.integers(3, 1 << 40) | _neg, "fragment": st.integers(64, 1 << 19) | _neg,
              "task_id": _neg, "policy_version": _neg}
     return st.one_of(
