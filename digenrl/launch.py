@@ -166,6 +166,7 @@ def check_before_start(cfg: Config) -> None:
     the reward terms (names, plug-in imports, args; nothing is built)."""
     from digenrl.models import check_model_path
     from digenrl.models.meta import latent_shape_of
+    from digenrl.rl.evaluate import eval_terms
     from digenrl.rl.rewards import RewardError, check_reward
 
     check_runtime_support(cfg)
@@ -175,6 +176,11 @@ def check_before_start(cfg: Config) -> None:
         check_reward(cfg.reward.terms)
     except RewardError as e:
         raise ConfigError(str(e)) from None
+    if cfg.run.eval_every and cfg.eval.terms:  # what the trainer's rank 0 builds to evaluate
+        try:
+            check_reward(eval_terms(cfg))
+        except RewardError as e:
+            raise ConfigError(f"eval.terms: {e}") from None
 
 
 def launch(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:
@@ -238,7 +244,12 @@ def evaluate_run(run_dir: Path, checkpoint: str | None = None, overrides: list[s
     if test is None:
         raise ConfigError(f"digenrl eval {run_dir}: the run has no test split; pass "
                           "--set prompts.test_file=... or --set prompts.test_fraction=...")
-    model = build_model(cfg.model, seed=cfg.run.seed)
+    from digenrl.devices import resolve_device, use_device
+
+    device = resolve_device()  # this process's GPU when there is one (CUDA_VISIBLE_DEVICES, LOCAL_RANK)
+    use_device(device)
+    model = build_model(cfg.model, seed=cfg.run.seed, device=device,
+                        embedded_guidance=cfg.sampler.embedded_guidance)
     version = 0
     if checkpoint != "base":
         path = Path(checkpoint) if checkpoint else run_dir / "final" / "policy.safetensors"
@@ -250,7 +261,7 @@ def evaluate_run(run_dir: Path, checkpoint: str | None = None, overrides: list[s
         with safe_open(str(path), framework="pt") as f:
             version = int((f.metadata() or {}).get("version", 0))
         model.load_sync_state_dict(load_file(str(path)))
-    row = evaluate(model, cfg, test, build_eval_reward(cfg), version=version,
+    row = evaluate(model, cfg, test, build_eval_reward(cfg, device), version=version,
                    run_dir=out_dir or run_dir)
     return {"policy_version": version, **row}
 

@@ -5,7 +5,9 @@ Each launch is three processes importing torch, diffusers and transformers: tens
 even at tiny sizes. The suite runs one family (Wan: video, frames set); every family's
 folder loading, prompt encoding, decoding, saving and diffusers loading is tested at the unit
 level in tests/test_model_folders.py. ``DIGENRL_E2E_FAMILIES=sd3,flux,wan,qwenimage,hunyuanvideo``
-runs all five here.
+runs all five here; ``flux@1024`` is issue 14's FLUX at 1024 x 1024 px with the run's default
+settings (16 images a step; a tiny FLUX folder whose VAE upsamples 16x, so the transformer sees
+a 64 x 64 latent): no node may be lost, the step-0 sample grid is capped in size.
 """
 
 from __future__ import annotations
@@ -28,21 +30,30 @@ E2E_FAMILIES = os.environ.get("DIGENRL_E2E_FAMILIES", "wan").split(",")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("family", E2E_FAMILIES)
-def test_a_pipeline_folder_trains_end_to_end_and_its_final_loads_into_diffusers(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", E2E_FAMILIES)
+def test_a_pipeline_folder_trains_end_to_end_and_its_final_loads_into_diffusers(case: str, tmp_path: Path) -> None:
     import diffusers
+    from PIL import Image
     from safetensors.torch import load_file
 
     from digenrl.config import ModelConfig
     from digenrl.models import build_model
     from digenrl.models.families import SPECS
+    from digenrl.telemetry.images import MAX_SIDE
 
-    folder = write_pipeline_folder(family, tmp_path / family)
+    family, _, px = case.partition("@")
     video = family in ("wan", "hunyuanvideo")
-    sizes = {k: v for k, v in SMALL.items() if k != "num_frames" or video}
+    if px:  # a large size at the run's default batch and steps (issue 14: FLUX at 1024 px)
+        folder = write_pipeline_folder(family, tmp_path / family, vae_factor=16)
+        sizes = {"height": int(px), "width": int(px)}
+        small_run: list[str] = []
+    else:
+        folder = write_pipeline_folder(family, tmp_path / family)
+        sizes = {k: v for k, v in SMALL.items() if k != "num_frames" or video}
+        small_run = ["train.prompts_per_step=2", "train.group_size=2", "sampler.num_steps=4"]
     sets = [f'model.path="{folder}"', f'model.family="{family}"', "model.lora_rank=4",
             f"model.max_text_tokens={MAX_TEXT_TOKENS}", *[f"model.{k}={v}" for k, v in sizes.items()],
-            "train.prompts_per_step=2", "train.group_size=2", "sampler.num_steps=4", f"run.threads={TEST_THREADS}"]
+            *small_run, f"run.threads={TEST_THREADS}"]
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "digenrl.cli", "launch", "--steps", "3", "--run-dir", str(run_dir),
@@ -53,7 +64,10 @@ def test_a_pipeline_folder_trains_end_to_end_and_its_final_loads_into_diffusers(
     acc = summary["accounting"]
     assert summary["steps"] == 3 and summary["mode"] == "digenrl" and acc["in_flight"] == 0
     assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values())
-    assert summary["recovery"]["trainer_resets"] == 0 and summary["restarts"] == {}
+    assert summary["recovery"]["trainer_resets"] == 0 and summary["recovery"]["rollouts_lost"] == 0
+    assert summary["restarts"] == {}
+    grids = sorted((run_dir / "samples").glob("step_0000_*.png"))
+    assert grids and all(max(Image.open(g).size) <= MAX_SIDE for g in grids)
 
     # final/ into the diffusers pipeline: the LoRA in it is the one trained, and its velocity
     trained = load_file(run_dir / "final" / "policy.safetensors")

@@ -26,6 +26,8 @@ def _cfg(*extra: str, mode: str = "digenrl"):
      r"reward 'tests.reward_plugins:Threshold': args \{'levle': 3\} do not fit"),
     (['model.path="/nonexistent/flux"', 'model.family="flux"'], r"model\.path '/nonexistent/flux' does not exist"),
     (['model.height=30'], r"model\.height = 30: sd3 needs a multiple of 4 pixels"),
+    (['run.eval_every=1', 'prompts.test_fraction=0.25', 'eval.terms=[{name = "clipscor"}]'],
+     r"eval\.terms: reward 'clipscor': unknown"),
 ])
 def test_a_config_mistake_is_refused_by_the_launcher_before_any_process_starts(tmp_path: Path, extra, message):
     cfg = _cfg(*extra)

@@ -65,7 +65,7 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
     prompts = train_set.prompts
     # evaluation: rank 0 scores; a sharded policy's other ranks join its forward passes
     evaluating = cfg.run.eval_every > 0 and test_set is not None and (rank == 0 or policy.sharded)
-    eval_reward = build_eval_reward(cfg) if evaluating and rank == 0 else None
+    eval_reward = build_eval_reward(cfg, device) if evaluating and rank == 0 else None
     sigma_max = float(sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)[1])
     node = f"colocated-{rank}"
     recorder = SpanRecorder(node, "colocated")

@@ -259,7 +259,7 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
                 from digenrl.data.prompts import load_splits
                 from digenrl.rl.evaluate import build_eval_reward
                 test_set = load_splits(cfg.prompts)[1]  # the test file must be readable here
-                eval_reward = build_eval_reward(cfg) if msg.rank == 0 else None
+                eval_reward = build_eval_reward(cfg, device) if msg.rank == 0 else None
             actor = TrainerActor(peers=peers, cfg=cfg, policy=policy, rank=msg.rank,
                                  world_size=msg.world_size, run_dir=rdir, reward_fn=reward_fn,
                                  test_set=test_set, eval_reward=eval_reward, **kw)

@@ -41,8 +41,9 @@ def eval_terms(cfg: Config) -> list[RewardTerm]:
     return list(cfg.eval.terms or cfg.reward.terms)
 
 
-def build_eval_reward(cfg: Config) -> Reward:
-    return build_reward(eval_terms(cfg))
+def build_eval_reward(cfg: Config, device: Any = None) -> Reward:
+    """The evaluation reward; class terms that take a ``device`` get this one (the node's)."""
+    return build_reward(eval_terms(cfg), device=device)
 
 
 def eval_due(version: int, cfg: Config) -> bool:
