@@ -509,19 +509,22 @@ class Router(Socket):
                    track: bool = False) -> zmq.MessageTracker | None:
         """Send ``msg`` to the peer whose identity is ``to`` (dropped if its queue is full).
 
-        ``track`` is accepted for the common signature; a ROUTER's sends are not tracked.
+        ``track``: as :meth:`Socket.send`; a dropped message's tracker is done at once.
         """
         if to is None:
             raise ValueError(f"{self.name}: a Router needs to=<peer identity>")
-        self.send_nowait([to, *encode(msg)], to)
+        tracker = self.send_nowait([to, *encode(msg)], to, track=track)
         await self._maybe_yield()
-        return None
+        return tracker if track else None
 
-    def send_nowait(self, frames: list[Any], peer: bytes) -> bool:
-        """Send ``frames`` (identity first) now; False (counted) if the peer's queue is full."""
+    def send_nowait(self, frames: list[Any], peer: bytes, *,
+                    track: bool = False) -> zmq.MessageTracker | None:
+        """Send ``frames`` (identity first) now. Returns a tracker (``track``) or None, and a
+        done tracker (or None) when the peer's queue was full and the message was dropped
+        (counted in ``statistics().dropped``)."""
         self._live()
         try:
-            self._sync.send_multipart(frames, flags=_NOBLOCK, copy=False)
+            tracker = _send_multipart(self._sync, frames, track)
         except zmq.Again:
             stats = self._stats
             stats.dropped += 1
@@ -529,13 +532,13 @@ class Router(Socket):
             if n <= 10 or (n & (n - 1)) == 0:
                 log.warning("send_dropped_at_hwm", socket=self.name, peer=peer.hex(),
                             total_dropped=n)
-            return False
+            return zmq.MessageTracker() if track else None
         except zmq.ZMQError as e:
             raise self._send_error(e, peer) from e
         finally:
             self._after_op()
         self._count_sent(frames)
-        return True
+        return tracker
 
     def _split(self, frames: list[zmq.Frame]) -> tuple[bytes | None, list[zmq.Frame]]:
         return frames[0].bytes, frames[1:]
