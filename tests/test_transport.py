@@ -430,3 +430,21 @@ async def test_a_receive_parked_on_a_socket_raises_closed_when_it_closes(make) -
     pull.close()
     with pytest.raises(Closed):
         await asyncio.wait_for(waiting, WAIT)
+
+
+async def test_a_router_send_is_tracked_and_a_dropped_message_is_done_at_once(ctx) -> None:
+    """A staged buffer sent through a ROUTER is reused only when ZeroMQ is done with it."""
+    tight = SocketOptions(max_frame_bytes=1 << 20, hwm=1)
+    router, dealer = Router(ctx, options=tight), Dealer(ctx, options=tight, identity=b"slow")
+    try:
+        router.bind("inproc://tracked")
+        dealer.connect("inproc://tracked")
+        await dealer.send(Shutdown(reason="hello"))
+        peer, _ = await asyncio.wait_for(router.recv(), WAIT)
+        trackers = [await router.send(Shutdown(reason=str(i)), to=peer, track=True) for i in range(8)]
+        assert all(isinstance(t, zmq.MessageTracker) for t in trackers)
+        assert router.statistics().dropped > 0  # the slow peer's excess: dropped, and done
+        assert trackers[-1].done
+    finally:
+        router.close()
+        dealer.close()
