@@ -57,7 +57,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="held-out evaluation of a run's saved policy ([eval] of its config)")
     p.add_argument("run_dir")
     p.add_argument("--checkpoint", default=None, metavar="PATH",
-                   help="policy.safetensors or its folder (default RUN_DIR/final); 'base' for version 0")
+                   help="policy.safetensors or its folder (default RUN_DIR/final; a sharded "
+                        "checkpoint/vN/ is read whole); 'base' for version 0")
     p.add_argument("--out", default=None, help="where eval/ and samples/ go (default RUN_DIR)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override the run's config, e.g. --set eval.prompts=32 (repeatable)")

@@ -225,7 +225,7 @@ def evaluate_run(run_dir: Path, checkpoint: str | None = None, overrides: list[s
 
     ``checkpoint``: None = ``run_dir/final/policy.safetensors``; ``"base"`` = the base model
     (version 0); a ``.safetensors`` file or a folder holding ``policy.safetensors`` (``final/``,
-    ``checkpoint/v<N>/``). Writes ``eval/v<version>.jsonl`` and ``samples/eval_v<version>.png``
+    ``checkpoint/v<N>/``), or a sharded run's ``checkpoint/v<N>/`` (``dcp/``, read whole here). Writes ``eval/v<version>.jsonl`` and ``samples/eval_v<version>.png``
     under ``out_dir`` (default ``run_dir``); returns the ``eval/`` metrics plus the version.
     """
     from safetensors import safe_open
@@ -251,7 +251,14 @@ def evaluate_run(run_dir: Path, checkpoint: str | None = None, overrides: list[s
     model = build_model(cfg.model, seed=cfg.run.seed, device=device,
                         embedded_guidance=cfg.sampler.embedded_guidance)
     version = 0
-    if checkpoint != "base":
+    sharded = None
+    if checkpoint not in (None, "base"):  # a checkpoint version folder written sharded (dcp/)?
+        from digenrl.rl.checkpoint import checkpoint_weights
+        sharded = checkpoint_weights(Path(checkpoint), model)
+    if sharded is not None:
+        version, sd = sharded
+        model.load_sync_state_dict(sd)
+    elif checkpoint != "base":
         path = Path(checkpoint) if checkpoint else run_dir / "final" / "policy.safetensors"
         if path.is_dir():
             path = path / "policy.safetensors"

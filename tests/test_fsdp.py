@@ -178,3 +178,29 @@ def test_a_sharded_checkpoint_is_written_shard_by_shard_and_loads_on_another_ran
         for param, state in ref["optim"].items():
             assert all(torch.equal(torch.as_tensor(got["optim"][param][k]), torch.as_tensor(v))
                        for k, v in state.items()), (name, param)
+
+
+def test_digenrl_eval_reads_a_sharded_checkpoint_whole(one_rank_group: None, tmp_path: Path) -> None:
+    from digenrl.launch import evaluate_run, make_run_dir
+    from digenrl.models import build_model
+    from digenrl.rl.checkpoint import checkpoint_weights, save_trainer_state
+    from digenrl.rl.policy import build_policy
+    from tests.test_evaluate import TINY
+
+    cfg = load_config(None, [*TINY, "model.fsdp=true", "run.eval_every=1", 'eval.terms=[{ name = "brightness" }]'])
+    run_dir = make_run_dir(cfg, str(tmp_path / "run"))
+    policy = build_policy(cfg, world_size=2)  # sharded, as a rank of 2 would; the group has one
+    x = torch.randn(2, *policy.model.latent_shape, generator=torch.Generator().manual_seed(1))
+    policy.model.velocity(x, 0.5, policy.model.encode_prompts(["a", "b"])).pow(2).mean().backward()
+    policy.optimizer_step()
+    vdir = save_trainer_state(run_dir, policy, {}, write=True)
+    assert (vdir / "dcp" / ".metadata").is_file() and not (vdir / "policy.safetensors").exists()
+    trained = policy.state_dict_for_sync()
+    base = build_model(cfg.model, seed=cfg.run.seed)
+    before = {k: v.clone() for k, v in base.sync_state_dict().items()}
+    got = checkpoint_weights(vdir, base)
+    assert got is not None and got[0] == 1 and got[1].keys() == trained.keys()
+    # exact on purpose: the shards hold the trained float32 tensors, stitched back unchanged
+    assert all(torch.equal(got[1][k], trained[k]) for k in trained)
+    assert any(not torch.equal(before[k], trained[k]) for k in trained)  # the step moved weights
+    assert evaluate_run(run_dir, str(vdir), out_dir=tmp_path / "eval")["policy_version"] == 1

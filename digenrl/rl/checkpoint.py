@@ -170,6 +170,25 @@ def load_trainer_state(ckpt: Checkpoint, policy: Any) -> dict[str, Any]:
     return dict(ckpt.trainer.get("counters", {}))
 
 
+def checkpoint_weights(folder: Path, model: Any) -> tuple[int, dict[str, torch.Tensor]] | None:
+    """(version, sync state for ``model``) of a checkpoint version folder written sharded
+    (``dcp/``), read whole in this process; None for any other folder. Keys the checkpoint
+    does not hold (frozen buffers) keep ``model``'s values. For ``digenrl eval``."""
+    if not (folder / DCP_DIR / ".metadata").is_file():
+        return None
+    from digenrl.rl.sharding import sync_keys_of, whole_state
+
+    try:
+        version = int(json.loads((folder / "trainer.json").read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{folder}/trainer.json: unreadable ({e})") from e
+    state = whole_state(folder / DCP_DIR)
+    sd = {k: v.detach().clone() for k, v in model.sync_state_dict().items()}
+    sd.update({key: state["model"][fqn] for fqn, key in sync_keys_of(state, bool(getattr(model, "lora_rank", 0))).items()
+               if key in sd})
+    return version, sd
+
+
 # ---------------------------------------------------------------------------- coordinator side
 
 def trainer_part_ready(run_dir: Path, version: int) -> bool:

@@ -158,11 +158,9 @@ def load_sharded(folder: str | Path, policy: object) -> None:
                    options=StateDictOptions(ignore_frozen_params=True))
 
 
-def _load_into_masters(folder: str | Path, policy: Any) -> None:
-    """A single trainer with float32 masters over a low-precision module (rl/policy.py): the
-    checkpoint's whole tensors become the masters (and their rounding the module), its
-    optimizer state, keyed by parameter name, the masters' state. Buffers the checkpoint
-    holds (positional tables) are loaded too; what it does not hold keeps its value."""
+def whole_state(folder: str | Path) -> dict[str, Any]:
+    """A :func:`save_sharded` checkpoint read whole in this process (no process group):
+    ``{"model": {fqn: tensor}, "optim": {...}}``, the shards stitched back together."""
     import tempfile
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -170,9 +168,22 @@ def _load_into_masters(folder: str | Path, policy: Any) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         whole = Path(tmp) / "whole.pt"
         dcp_to_torch_save(str(folder), str(whole))
-        state = torch.load(whole, map_location="cpu", weights_only=True)
-    lora = getattr(policy.model, "lora_rank", 0)
-    to_key = {fqn: (fqn.replace(".default", "") if lora else fqn) for fqn in state["model"]}
+        state: dict[str, Any] = torch.load(whole, map_location="cpu", weights_only=True)
+    return state
+
+
+def sync_keys_of(state: dict[str, Any], lora: bool) -> dict[str, str]:
+    """Module parameter name -> the sync state's key (peft's LoRA keys drop the adapter name)."""
+    return {fqn: (fqn.replace(".default", "") if lora else fqn) for fqn in state["model"]}
+
+
+def _load_into_masters(folder: str | Path, policy: Any) -> None:
+    """A single trainer with float32 masters over a low-precision module (rl/policy.py): the
+    checkpoint's whole tensors become the masters (and their rounding the module), its
+    optimizer state, keyed by parameter name, the masters' state. Buffers the checkpoint
+    holds (positional tables) are loaded too; what it does not hold keeps its value."""
+    state = whole_state(folder)
+    to_key = sync_keys_of(state, bool(getattr(policy.model, "lora_rank", 0)))
     masters = policy._master_keys()  # sync key -> index in policy.params
     missing = sorted(set(masters) - set(to_key.values()))
     if missing:
