@@ -171,7 +171,8 @@ def plan(ce: ClusterEnv, *, trainers: int, port: int, bind_host: str, gpus_per_n
     launches: list[Launch] = []
     here = (ce.rank == 0 and role is None) if coordinator_here is None else coordinator_here
     if here:
-        counts: tuple[str, ...] = ("--set", f"cluster.trainers={trainers}")
+        # cluster.host: where the coordinator binds its PUB socket and the trainers' rendezvous
+        counts: tuple[str, ...] = ("--set", f'cluster.host="{bind_host}"', "--set", f"cluster.trainers={trainers}")
         if world > trainers:  # else the rollouts are elsewhere: give cluster.rollouts in extra
             counts += ("--set", f"cluster.rollouts={world - trainers}")
         launches.append(Launch("coordinator", -1, ("--role", "coordinator", "--bind", f"tcp://{bind_host}:{port}",

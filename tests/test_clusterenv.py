@@ -121,6 +121,7 @@ def test_the_sbatch_script_starts_one_coordinator_and_every_rank_once(
     assert c.bind == f"tcp://10.0.0.1:{port}"  # task 0 runs on the first host of the list
     cfg = load_config(c.config, c.overrides)  # the coordinator expects exactly these ranks
     assert (cfg.cluster.trainers, cfg.cluster.rollouts) == (trainers, world - trainers)
+    assert cfg.cluster.host == "10.0.0.1"  # its PUB socket and the trainers' rendezvous: reachable
     nodes_ = [x for _, x in launches if x["role"] != "coordinator"]
     assert sorted(x["rank"] for x in nodes_) == list(range(world))
     # every trainer rank on the coordinator's host (their rendezvous is served there)
@@ -180,6 +181,7 @@ def test_the_kubernetes_pods_find_the_coordinator_and_the_counts_agree(
     port = service["spec"]["ports"][0]["targetPort"]
     assert a.bind == f"tcp://10.1.0.0:{port}"  # the trainer pod's POD_IP, the Service's target port
     cfg = load_config(None, a.overrides)
+    assert cfg.cluster.host == "10.1.0.0"  # its PUB socket binds the pod's address, not loopback
     trainers = [x for x in out["trainer"] if x["role"] == "trainer"]
     assert (cfg.cluster.trainers, cfg.cluster.rollouts) == (len(trainers), len(out["rollout"]))
     endpoint = f"tcp://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
