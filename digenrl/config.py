@@ -148,6 +148,13 @@ class TrainConfig:
     window_stride: int = _f(
         1, "mix: denoising steps the window moves by at each shift; past window_hi it rolls back "
         "to window_lo", ge=1)
+    window_shift_decay: float = _f(
+        0.0, "mix: MixGRPO's exp_decay: at window start p the window stays "
+        "ceil(window_shift_every * exp(-decay * max(0, p - window_decay_from))) steps (>= 1); "
+        "0 keeps the interval constant (the reference uses 0.1)", ge=0)
+    window_decay_from: int = _f(
+        0, "mix: window start from which window_shift_decay shortens the interval (the "
+        "reference uses 13 of 25 steps)", ge=0)
     algorithm: Literal["grpo", "nft", "awm"] = _f(
         "grpo", "grpo: Flow-GRPO / DanceGRPO / MixGRPO (per-step chunks, behaviour log-probs); "
         "nft: DiffusionNFT; awm: Advantage Weighted Matching (both train on final clean samples "

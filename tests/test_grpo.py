@@ -147,6 +147,29 @@ def test_mix_window_slides_by_the_stride_every_shift_interval_and_rolls_back():
     assert stride2 == [0, 2, 4, 6, 0]
 
 
+def test_mix_window_with_exp_decay_stays_shorter_at_each_start_past_the_threshold():
+    import math
+
+    from digenrl.config import load_config
+    from digenrl.core.plan import mix_window_start, plan_for_step
+
+    # tau(p) = ceil(4 exp(-ln2 max(0, p - 1))): 4 at starts 0 and 1, then 2, 1, 1 (ceil 0.5 = 1)
+    kw = dict(window_size=2, window_lo=0, window_hi=6, shift_every=4, stride=1, decay=math.log(2),
+              decay_from=1)
+    starts = [mix_window_start(s, **kw) for s in range(15)]
+    assert starts == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 4, 0, 0, 0]
+    # the reference's values (tau 5, k 0.1, threshold 13): at start 20, ceil(5 e^-0.7) = ceil(2.48)
+    ref = dict(window_size=1, window_lo=20, window_hi=22, shift_every=5, stride=1, decay=0.1,
+               decay_from=13)
+    assert [mix_window_start(s, **ref) for s in range(7)] == [20, 20, 20, 21, 21, 21, 20]  # 21: ceil(2.25)
+    cfg = load_config(None, ["sampler.num_steps=8", "train.timesteps=mix", "train.window_hi=6",
+                             "train.window_shift_every=4", f"train.window_shift_decay={math.log(2)}",
+                             "train.window_decay_from=1"])
+    assert [plan_for_step(cfg, s)[0][0] for s in range(12)] == starts[:12]
+    with pytest.raises(ValueError, match="decay = -1"):
+        mix_window_start(0, **{**kw, "decay": -1.0})
+
+
 def test_mix_plan_is_the_sliding_window_sde_inside_and_trained_and_a_pure_function_of_the_step():
     from digenrl.config import load_config
     from digenrl.core.plan import plan_for_step

@@ -17,6 +17,7 @@ prompts with the same noise seeds, and a restarted coordinator hands out the sam
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -139,21 +140,37 @@ class TimestepPlan:
     sde: list[int] = field(default_factory=list)
 
 def mix_window_start(step: int, *, window_size: int, window_lo: int, window_hi: int,
-                     shift_every: int, stride: int) -> int:
+                     shift_every: int, stride: int, decay: float = 0.0, decay_from: int = 0) -> int:
     """MixGRPO's progressive sliding window: where the window starts at optimizer step ``step``.
 
     The window starts at ``lo`` and stays for ``shift_every`` steps (the paper's shift interval
     tau), then moves ``stride`` denoising steps later; once it would end past ``hi`` it rolls back
-    to ``lo`` (the reference code's ``roll_back``). A pure function of the step, so every node
-    and a resumed run agree without carrying state.
+    to ``lo`` (the reference code's ``roll_back``). With ``decay > 0`` (the reference's
+    ``exp_decay`` strategy) the interval shrinks as the window moves to low noise: at start
+    ``p`` the window stays ``ceil(shift_every * exp(-decay * max(0, p - decay_from)))`` steps
+    (at least 1). A pure function of the step, so every node and a resumed run agree without
+    carrying state.
     """
     if shift_every < 1 or stride < 1:
         raise ValueError(f"shift_every = {shift_every}, stride = {stride}: expected both >= 1")
+    if not (decay >= 0 and math.isfinite(decay)) or decay_from < 0:
+        raise ValueError(f"decay = {decay}, decay_from = {decay_from}: expected both >= 0")
     positions = (window_hi - window_size - window_lo) // stride + 1
     if positions < 1:
         raise ValueError(f"window_size = {window_size}: the window [{window_lo}, {window_lo}+"
                          f"{window_size}) must fit below hi = {window_hi}")
-    return window_lo + stride * ((step // shift_every) % positions)
+    if decay == 0:
+        return window_lo + stride * ((step // shift_every) % positions)
+    starts = [window_lo + stride * i for i in range(positions)]
+    # ceil of a float a hair above an integer would add a step: round to 9 places first
+    stays = [max(1, math.ceil(round(shift_every * math.exp(-decay * max(0, p - decay_from)), 9)))
+             for p in starts]
+    left = step % sum(stays)
+    for p, n in zip(starts, stays):
+        if left < n:
+            return p
+        left -= n
+    raise AssertionError("unreachable: left < sum(stays)")
 
 
 def select_timesteps(
@@ -168,6 +185,8 @@ def select_timesteps(
     step: int = 0,
     shift_every: int = 10,
     stride: int = 1,
+    decay: float = 0.0,
+    decay_from: int = 0,
 ) -> TimestepPlan:
     """The steps to train and to sample with noise for one training step.
 
@@ -198,7 +217,8 @@ def select_timesteps(
         if mode == "mix":
             k = mix_window_start(step, window_size=window_size, window_lo=window_lo,
                                  window_hi=min(max(hi, window_lo + window_size), num_steps),
-                                 shift_every=shift_every, stride=stride)
+                                 shift_every=shift_every, stride=stride, decay=decay,
+                                 decay_from=decay_from)
         else:
             k = rng.randint(window_lo, max(hi - window_size, window_lo))
         window = list(range(k, k + window_size))
@@ -226,6 +246,7 @@ def plan_for_step(cfg: Config, step: int) -> tuple[list[int], list[int]]:
                             window_size=t.window_size, window_lo=t.window_lo,
                             window_hi=t.window_hi,
                             rng=random.Random(stable_int("timesteps", cfg.run.seed, step)),
-                            step=step, shift_every=t.window_shift_every, stride=t.window_stride)
+                            step=step, shift_every=t.window_shift_every, stride=t.window_stride,
+                            decay=t.window_shift_decay, decay_from=t.window_decay_from)
     sde = list(plan.sde) if cfg.sampler.sde_type != "ode" else []
     return list(plan.trained), sde
