@@ -116,6 +116,26 @@ async def test_clean_samples_for_another_step_shape_or_revoked_attempt_are_refus
     assert set(actor.finals) == {6}
 
 
+async def test_clean_samples_are_staged_within_the_same_bounds_as_chunks(tmp_path: Path) -> None:
+    # a flood of clean samples (forward-process fragments) is charged like chunks: two attempts
+    # of a slot at most, and bytes within the byte window plus one fragment
+    actor, data = _trainer(tmp_path, "train.algorithm=nft", "runtime.fragments_per_step=1",
+                           "runtime.byte_window_mb=0.1")
+    x0 = torch.zeros(8, *actor.policy.model.latent_shape)  # 2 prompts x group 4, float32: 96 KiB
+    window = int(0.1 * 2**20)
+    assert 2 * x0.nbytes <= window + x0.nbytes < 3 * x0.nbytes  # room for two, not three
+
+    def clean(task_id: int, step: int) -> CleanSample:
+        return CleanSample(task_id=task_id, step=step, fragment=0, policy_version=0, x0=x0)
+
+    await _feed(actor, data, [*(clean(100 + i, 0) for i in range(10)), clean(200, 1)])
+    assert actor.refused == {"too_many_attempts_of_a_slot": 8, "staging_over_the_byte_window": 1}
+    assert set(actor.finals) == {100, 101} and actor.staged_bytes == 2 * x0.nbytes
+    for task in list(actor.finals):  # unstaging gives every byte back
+        actor._unstage(task)
+    assert actor.staged_bytes == 0 and not actor.finals and not actor._staged_slot
+
+
 # ----------------------------------------------------------------------------- the coordinator
 
 

@@ -183,38 +183,48 @@ class TrainerActor(Actor):
                 return "bad_shape"  # one final latent per trajectory of the fragment
         return None
 
-    def _stage(self, chunk: Chunk) -> str | None:
-        """Keep ``chunk`` until its commit; why not, if it would overflow the bounds. Honest
-        staging never exceeds the ledger's byte window (or one fragment when that is larger)
-        and holds at most two attempts of a slot (a revoked one whose Revoke is still on
-        its way, and its successor)."""
-        slot = (chunk.step, chunk.fragment)
-        task = chunk.task_id
+    def _stage(self, msg: Chunk | CleanSample) -> str | None:
+        """Keep a chunk, or a forward-process fragment's clean sample, until its commit; why
+        not, if it would overflow the bounds. Honest staging never exceeds the ledger's byte
+        window (or one fragment when that is larger) and holds at most two attempts of a slot
+        (a revoked one whose Revoke is still on its way, and its successor)."""
+        slot = (msg.step, msg.fragment)
+        task = msg.task_id
         if task not in self._staged_slot:
             if sum(1 for s in self._staged_slot.values() if s == slot) >= 2:
                 return "too_many_attempts_of_a_slot"
         elif self._staged_slot[task] != slot:
             return "task_changed_slot"
-        nbytes = _nbytes(chunk)
-        old = self.staged.get(task, {}).get(chunk.t_index)
-        freed = _nbytes(old[0]) if old is not None else 0
-        trained = self._trained_of(chunk.step)
-        fragment_bytes = nbytes * len(trained)  # a whole fragment's chunks, at most, on this rank
+        nbytes = _nbytes(msg)
+        if isinstance(msg, CleanSample):
+            old_final = self.finals.get(task)
+            freed = _nbytes(old_final[0]) if old_final is not None else 0
+            fragment_bytes = nbytes  # one clean sample is the whole fragment on this rank
+        else:
+            old = self.staged.get(task, {}).get(msg.t_index)
+            freed = _nbytes(old[0]) if old is not None else 0
+            fragment_bytes = nbytes * len(self._trained_of(msg.step))  # a whole fragment's chunks
         window = int(self.cfg.runtime.byte_window_mb * 2**20)
         if self.staged_bytes - freed + nbytes > window + fragment_bytes:
             return "staging_over_the_byte_window"
         self._staged_slot[task] = slot
         # on a GPU the copy starts now, on a side stream, while earlier work trains
-        self.staged[task][chunk.t_index] = (chunk, self.h2d.stage([chunk.x_t, chunk.x_next, chunk.log_prob]))
+        if isinstance(msg, CleanSample):
+            self.finals[task] = (msg, self.h2d.stage([msg.x0]))
+        else:
+            self.staged[task][msg.t_index] = (msg, self.h2d.stage([msg.x_t, msg.x_next, msg.log_prob]))
         self.staged_bytes += nbytes - freed
         return None
 
     def _unstage(self, task_id: int) -> dict[int, tuple[Chunk, Landed]]:
-        """Take a task's staged chunks out (for training, or to drop them)."""
+        """Take a task's staged chunks out (for training, or to drop them) and drop its clean
+        sample (``_consume`` takes that first)."""
         chunks = self.staged.pop(task_id, {})
-        self.finals.pop(task_id, None)
+        final = self.finals.pop(task_id, None)
         self._staged_slot.pop(task_id, None)
         self.staged_bytes -= sum(_nbytes(c) for c, _ in chunks.values())
+        if final is not None:
+            self.staged_bytes -= _nbytes(final[0])
         return chunks
 
     async def _data_loop(self) -> None:
@@ -230,12 +240,10 @@ class TrainerActor(Actor):
             if why is not None:
                 self.refuse(why, msg, task=msg.task_id, step=msg.step, fragment=msg.fragment)
                 continue
-            if isinstance(msg, Chunk):
+            if isinstance(msg, (Chunk, CleanSample)):
                 why = self._stage(msg)
                 if why is not None:
                     self.refuse(why, msg, task=msg.task_id, step=msg.step, staged_bytes=self.staged_bytes)
-            elif isinstance(msg, CleanSample):
-                self.finals[msg.task_id] = (msg, self.h2d.stage([msg.x0]))
             elif isinstance(msg, Commit):
                 if msg.task_id in self.revoked:
                     self._unstage(msg.task_id)
@@ -454,7 +462,9 @@ class TrainerActor(Actor):
                                              self.reward_fn, self.cfg, span="tag_generate")
 
 
-def _nbytes(c: Chunk) -> int:
+def _nbytes(c: Chunk | CleanSample) -> int:
+    if isinstance(c, CleanSample):
+        return c.x0.nbytes
     return c.x_t.nbytes + c.x_next.nbytes + c.log_prob.nbytes
 
 
