@@ -242,10 +242,6 @@ class RuntimeConfig:
     weights_fanout: int = _f(1, "weights relay: each rollout serves the parts it has verified to at "
                              "most this many others, trainer rank 0 serves one (1: a chain; 0: every "
                              "rollout fetches from rank 0, whose egress grows with the rollouts)", ge=0)
-    slowdown: float = _f(1.0, "TEST-ONLY knob: a rollout sleeps (slowdown-1)x its work", ge=1)
-    slowdown_nodes: list[str] = _f([], "TEST-ONLY: node ids the slowdown applies to (empty = all rollouts)")
-    trainer_slowdown: float = _f(1.0, "TEST-ONLY knob: a trainer rank sleeps (trainer_slowdown-1)x "
-                                 "its training work (fragment train, optimizer step)", ge=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,6 +267,18 @@ class TransportConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FaultsConfig:
+    """TEST-ONLY knobs (``digenrl/faults.py``): a production config never sets ``[faults]``."""
+
+    slowdown: float = _f(1.0, "a generating node sleeps (slowdown-1)x its denoising work "
+                         "(an emulated slower GPU)", ge=1)
+    slowdown_nodes: list[str] = _f([], "node ids the slowdown applies to (empty = every rollout; "
+                                   "a trainer named here is slowed when it generates for TAG)")
+    trainer_slowdown: float = _f(1.0, "a trainer rank sleeps (trainer_slowdown-1)x its training "
+                                 "work (fragment train, optimizer step)", ge=1)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -282,6 +290,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     @property
     def batch_size(self) -> int:

@@ -31,7 +31,7 @@ def node_final(log: Path) -> dict:
 
 
 def test_a_tenfold_slower_trainer_keeps_rollout_memory_within_the_byte_window(tmp_path: Path) -> None:
-    cfg = resolve_mode(load_config(None, [*SMALL, "run.steps=3", "runtime.trainer_slowdown=10",
+    cfg = resolve_mode(load_config(None, [*SMALL, "run.steps=3", "faults.trainer_slowdown=10",
                                           f"runtime.byte_window_mb={WINDOW_MB}"]), "digenrl")
     run_dir = make_run_dir(cfg, str(tmp_path / "bp"))
     summary = launch(cfg, run_dir)

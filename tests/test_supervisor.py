@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SMALL = ["run.steps=4", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
          "runtime.fragments_per_step=2", "sampler.num_steps=4", "runtime.heartbeat_s=0.2",
-         "runtime.slowdown=2", "runtime.tag=\"never\""]
+         "faults.slowdown=2", "runtime.tag=\"never\""]
 
 
 def supervisor_conf(state: Path) -> Path:

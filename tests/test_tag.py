@@ -31,7 +31,7 @@ def test_tag_helper_generates_without_breaking_staleness_or_accounting(tmp_path:
     # generation-bound (one trained timestep, the rollout slowed 3x by the TEST-ONLY knob)
     # and TAG forced on: the idle trainer must help
     s = _launch(tmp_path, "tag", ["run.steps=3", "train.timesteps=window", "train.window_size=1",
-                                  "runtime.tag=always", "runtime.slowdown=3.0"])
+                                  "runtime.tag=always", "faults.slowdown=3.0"])
     _adds_up(s)
     sched = s["scheduler"]
     assert sched["tag_granted"] >= 1 and sched["tag_consumed"] == sched["tag_granted"]
@@ -52,7 +52,7 @@ def test_a_slow_rollout_gets_proportionally_fewer_fragments(tmp_path: Path) -> N
     # rollout-1 is made 5x slower by the TEST-ONLY knob; rollout-0 should take most fragments
     # (each node holds up to 2 fragments before any speed is measured, so use enough steps)
     s = _launch(tmp_path, "hetero", ["run.steps=6", "runtime.tag=never", "cluster.rollouts=2",
-                                     "runtime.slowdown=5.0", "runtime.slowdown_nodes=[\"rollout-1\"]"])
+                                     "faults.slowdown=5.0", "faults.slowdown_nodes=[\"rollout-1\"]"])
     _adds_up(s)
     fast = s["nodes"]["rollout-0"]["committed"]
     slow = s["nodes"]["rollout-1"]["committed"]

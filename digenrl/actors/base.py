@@ -28,6 +28,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from digenrl.faults import NO_SLOWDOWN, Slowdown
 from digenrl.telemetry.trace import BusyClock, SpanRecorder
 
 STOP_GRACE_S = 30.0
@@ -44,8 +45,10 @@ class Actor:
 
     role = "actor"
 
-    def __init__(self, *, node_id: str, recorder: SpanRecorder, log: Any) -> None:
+    def __init__(self, *, node_id: str, recorder: SpanRecorder, log: Any,
+                 slowdown: Slowdown = NO_SLOWDOWN) -> None:
         self.node_id = node_id
+        self.slowdown = slowdown  # TEST-ONLY ([faults]): compute spans stretched, see digenrl/faults.py
         self.recorder = recorder
         self.log = log
         self.busy = BusyClock(recorder)
@@ -159,8 +162,13 @@ class Actor:
         One thread for all of an actor's torch work (its calls are sequential anyway): the
         work stays on one OS thread instead of hopping between the default pool's threads.
         """
+        t0 = time.perf_counter()
         with self.working(name, **args):
-            return await self.submit(name, fn, *a)
+            out = await self.submit(name, fn, *a)
+        extra = self.slowdown.extra_s(name, time.perf_counter() - t0)
+        if extra > 0:  # TEST-ONLY ([faults]): an emulated slower GPU, idle after the span
+            await asyncio.sleep(extra)
+        return out
 
     def submit(self, name: str, fn: Callable[..., Any], *a: Any) -> asyncio.Future[Any]:
         """Queue ``fn(*a)`` on the compute thread, without a span (the caller records the

@@ -24,7 +24,8 @@ from digenrl.config import Config
 from digenrl.core.plan import FORWARD_ALGORITHMS, plan_for_step, step_prompts, trajectory_seed
 from digenrl.data.prompts import load_splits
 from digenrl.devices import init_process_group, resolve_device, use_device
-from digenrl.rl.checkpoint import colocated_checkpoint, colocated_resume, crash_point
+from digenrl.faults import crash_point
+from digenrl.rl.checkpoint import colocated_checkpoint, colocated_resume
 from digenrl.rl.evaluate import build_eval_reward, eval_due, evaluate
 from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.learner import Learner, save_final
@@ -101,7 +102,7 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
                           reward_fn=reward_fn, metadata=[train_set.metadata[ids[g]] for g in my_groups])
         with recorder.span("generate", step=step):
             records, result = job.run_all()
-        crash_point("generate", step)  # TEST-ONLY fault hook (DIGENRL_TEST_CRASH)
+        crash_point("generate", step)  # TEST-ONLY (digenrl/faults.py)
         with recorder.span("fragment_train", step=step):
             learner.train_fragment(records={j: None for j in trained} if forward else records,
                                    cond=result.cond, rewards=result.rewards,

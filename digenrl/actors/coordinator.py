@@ -44,12 +44,12 @@ from digenrl.actors.weightsync import WeightSync
 from digenrl.config import Config, to_toml
 from digenrl.core.credits import CreditError
 from digenrl.core.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerError, ShutdownCmd
+from digenrl.faults import crash_point
 from digenrl.rl.checkpoint import (
     Checkpoint,
     CheckpointError,
     checkpoint_due,
     commit_checkpoint,
-    crash_point,
     latest_checkpoint,
     trainer_part_ready,
 )

@@ -20,7 +20,6 @@ import os
 import signal
 import socket as pysocket
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -30,6 +29,7 @@ import zmq.asyncio
 
 from digenrl.actors.base import STOP_GRACE_S, default_node_id, incarnation, loop_factory
 from digenrl.config import Config, config_from_dict, load_config
+from digenrl.faults import node_slowdown
 from digenrl.telemetry import sdnotify
 from digenrl.telemetry.logging import configure_logging, get_logger
 from digenrl.telemetry.trace import SpanRecorder
@@ -131,20 +131,6 @@ def hard_exit(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _slow_trainer(actor: Any, factor: float) -> None:
-    """TEST-ONLY (runtime.trainer_slowdown): sleep (factor-1)x each training op's time."""
-    inner = actor.in_thread
-
-    async def in_thread(name: str, fn: Any, *a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        out = await inner(name, fn, *a, **kw)
-        if name in ("fragment_train", "optimizer_step"):
-            await asyncio.sleep((factor - 1.0) * (time.perf_counter() - t0))
-        return out
-
-    actor.in_thread = in_thread
-
-
 def _with_watchdog(actor: Any, control: Any) -> sdnotify.Watchdog:
     """Add the systemd watchdog to the actor's background loops (a no-op when not armed).
 
@@ -227,7 +213,8 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
         reward_fn = None if workers else build_reward(cfg.reward.terms, device=device)
         scorers = {k.split("/", 1)[1]: track(zs.connect(ctx, "dealer", v, cfg))
                    for k, v in sorted(endpoints.items()) if k.startswith("reward/")} if workers else {}
-        kw = dict(node_id=node_id, recorder=recorder, log=log.bind(policy_version=0))
+        kw = dict(node_id=node_id, recorder=recorder, log=log.bind(policy_version=0),
+                  slowdown=node_slowdown(cfg.faults, node_id=node_id, role=role))
         if role == "reward":
             from digenrl.actors.reward import RewardActor
             peers = NodePeers(node_id=node_id, incarnation=inc, cfg=cfg, control=control)
@@ -272,8 +259,6 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
         actor.busy = _HeartbeatStats(actor.busy, lambda: {
             **sec.counters(), "rss_mb": rss_mb(), **traffic(opened),
             **{f"refused_{k}": v for k, v in refused.items()}})
-        if role == "trainer" and cfg.runtime.trainer_slowdown > 1.0:
-            _slow_trainer(actor, cfg.runtime.trainer_slowdown)
         _with_watchdog(actor, control)
         actor.trace_path, actor.trace_flush_s = rdir / "trace" / f"{node_id}.jsonl", cfg.runtime.trace_flush_s
         loop = asyncio.get_running_loop()

@@ -364,9 +364,7 @@ class NodePeers:
                           reward_fn=None if self.scorers else reward_fn,
                           metadata=[json.loads(m) for m in task.metadata])
         wire = WIRE_DTYPES[cfg.sampler.wire_dtype]
-        nodes = cfg.runtime.slowdown_nodes
-        slowed = self.node_id in nodes if nodes else actor.role == "rollout"
-        slow = cfg.runtime.slowdown if slowed else 1.0
+        slowdown = actor.slowdown
         loop = asyncio.get_running_loop()
         handed: asyncio.Queue[tuple[str, int, int, Any] | None] = asyncio.Queue()
         halt = threading.Event()  # set by the event loop: stop at the next pull
@@ -383,8 +381,9 @@ class NodePeers:
                     t0 = clock()
                     rec = next(it, None)
                     t1 = clock()
-                    if slow > 1.0:  # TEST-ONLY knob: emulate a slower GPU
-                        time.sleep((slow - 1.0) * (t1 - t0) / 1e9)
+                    extra = slowdown.extra_s(span, (t1 - t0) / 1e9)
+                    if extra > 0:  # TEST-ONLY ([faults]): an emulated slower GPU
+                        time.sleep(extra)
                     if rec is None:
                         hand((span, t0, t1, None))
                         t0 = clock()

@@ -38,10 +38,9 @@ from digenrl.actors.peers import NodePeers
 from digenrl.config import Config
 from digenrl.core.credits import within_staleness
 from digenrl.core.plan import FORWARD_ALGORITHMS, owners_for, plan_for_step, trajectory_seed
+from digenrl.faults import crash_point, hang_point
 from digenrl.rl.checkpoint import (
     checkpoint_due,
-    crash_point,
-    hang_point,
     latest_checkpoint,
     load_trainer_state,
     save_trainer_state,

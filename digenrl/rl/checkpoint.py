@@ -38,11 +38,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import random
 import shutil
-import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -322,56 +319,6 @@ def dedupe_metrics(run_dir: Path) -> None:
             is_eval = any(k.startswith("eval/") for k in row)
             rows[(int(row.get("step", -1)), 0 if is_eval else 1)] = line
     write_text_atomic(path, "".join(rows[k] + "\n" for k in sorted(rows)))
-
-
-# ---------------------------------------------------------------------------- fault injection
-
-CRASH_ENV = "DIGENRL_TEST_CRASH"
-HANG_ENV = "DIGENRL_TEST_HANG"
-
-
-def _fault_due(env: str, point: str, version: int, once: Path | None) -> bool:
-    """TEST-ONLY: whether ``$env`` (``point:N``) asks for a fault here: ``point`` matches and
-    ``version >= N``; with ``once`` (a marker file), only the first time in a run."""
-    spec = os.environ.get(env, "")
-    if not spec:
-        return False
-    name, _, at = spec.partition(":")
-    if name != point or version < int(at):
-        return False
-    if once is not None:
-        if once.exists():
-            return False
-        once.write_text(f"{point}:{version}\n")
-    return True
-
-
-def crash_point(point: str, version: int, once: Path | None = None) -> None:
-    """TEST-ONLY: SIGKILL this process (and its group if it leads one) at ``point:version``.
-
-    ``DIGENRL_TEST_CRASH=commit:2`` kills the coordinator when the first commit of step >= 2
-    arrives, i.e. mid-step with work in flight, as a power loss would. With ``once`` (a
-    marker file) it fires a single time per run, so a restarted process does not crash
-    again. Unset: a no-op.
-    """
-    if not _fault_due(CRASH_ENV, point, version, once):
-        return
-    if os.getpgid(0) == os.getpid():
-        os.killpg(os.getpid(), signal.SIGKILL)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def hang_point(point: str, version: int, once: Path | None = None) -> None:
-    """TEST-ONLY: block the calling thread for good at ``point:version`` (a wedged GPU or
-    collective: the process and its event loop live on, the work never returns).
-
-    ``DIGENRL_TEST_HANG=trainer:2`` hangs a trainer's compute thread as it starts training
-    step >= 2. With ``once`` (a marker file) it fires a single time per run. Unset: a no-op.
-    """
-    if not _fault_due(HANG_ENV, point, version, once):
-        return
-    while True:
-        time.sleep(3600)
 
 
 # ---------------------------------------------------------------------------- colocated loop

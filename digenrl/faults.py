@@ -1,0 +1,116 @@
+"""TEST-ONLY fault injection and slowdowns, in one place: a production run uses none of it.
+
+Two kinds of knob:
+
+* **Slowdowns**, from the config's ``[faults]`` section (:class:`~digenrl.config.FaultsConfig`;
+  it reaches every node in Welcome with the rest of the run's config). :func:`node_slowdown`
+  turns it into a :class:`Slowdown`: per kind of compute span, how many times longer the work
+  takes. The actor sleeps ``(factor - 1) x`` the span's own time after each such span, outside
+  the span, so a slowed node looks like a slower GPU that idles the difference. Generating
+  spans (``denoise_step``, ``tag_generate``) are stretched on the compute thread, between two
+  pulls of the sampler; training spans (``fragment_train``, ``optimizer_step``) after the
+  compute thread returns.
+* **Crash and hang points**, from the environment of the process meant to fail:
+  ``DIGENRL_TEST_CRASH=point:N`` and ``DIGENRL_TEST_HANG=point:N`` fire at ``point`` once the
+  step (or version) reaches ``N``. An environment variable and not a config key because the
+  fault is meant for one process invocation: a run resumed from its checkpoint reads the same
+  config and must not crash again.
+
+| point      | hook          | where                                           | what happens                      |
+|------------|---------------|-------------------------------------------------|-----------------------------------|
+| ``commit``   | crash_point | coordinator, a Commit of step >= N arrives      | SIGKILL of its process group (a power loss mid-step, work in flight) |
+| ``trainer``  | crash_point | trainer rank, about to train a step >= N fragment | SIGKILL, once per run (marker file) |
+| ``trainer``  | hang_point  | trainer compute thread, training step >= N      | blocks for good, once per run: a wedged GPU or collective |
+| ``generate`` | crash_point | colocated loop, after generating step >= N      | SIGKILL |
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from digenrl.config import FaultsConfig
+
+CRASH_ENV = "DIGENRL_TEST_CRASH"
+HANG_ENV = "DIGENRL_TEST_HANG"
+
+GENERATION_SPANS = ("denoise_step", "tag_generate")
+"""Spans of generating work: a rollout's pulls of the sampler, a trainer's TAG pulls."""
+TRAINING_SPANS = ("fragment_train", "optimizer_step")
+"""Spans of a trainer rank's training work."""
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    """How many times longer each kind of compute span takes: span name -> factor (>= 1)."""
+
+    factors: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+
+    def extra_s(self, span: str, seconds: float) -> float:
+        """Seconds to sleep after ``span`` took ``seconds``: ``(factor - 1) x seconds``."""
+        return (self.factors.get(span, 1.0) - 1.0) * seconds
+
+
+NO_SLOWDOWN = Slowdown()
+
+
+def node_slowdown(faults: FaultsConfig, *, node_id: str, role: str) -> Slowdown:
+    """The node's slowdown: ``faults.slowdown`` for its generating spans when it is named in
+    ``faults.slowdown_nodes`` (every rollout when that list is empty), and on a trainer rank
+    ``faults.trainer_slowdown`` for its training spans."""
+    factors: dict[str, float] = {}
+    generates_slowly = node_id in faults.slowdown_nodes if faults.slowdown_nodes else role == "rollout"
+    if generates_slowly and faults.slowdown > 1.0:
+        factors.update(dict.fromkeys(GENERATION_SPANS, faults.slowdown))
+    if role == "trainer" and faults.trainer_slowdown > 1.0:
+        factors.update(dict.fromkeys(TRAINING_SPANS, faults.trainer_slowdown))
+    return Slowdown(MappingProxyType(factors)) if factors else NO_SLOWDOWN
+
+
+def _fault_due(env: str, point: str, version: int, once: Path | None) -> bool:
+    """Whether ``$env`` (``point:N``) asks for a fault here: ``point`` matches and
+    ``version >= N``; with ``once`` (a marker file), only the first time in a run."""
+    spec = os.environ.get(env, "")
+    if not spec:
+        return False
+    name, _, at = spec.partition(":")
+    if name != point or version < int(at):
+        return False
+    if once is not None:
+        if once.exists():
+            return False
+        once.write_text(f"{point}:{version}\n")
+    return True
+
+
+def crash_point(point: str, version: int, once: Path | None = None) -> None:
+    """SIGKILL this process (and its group if it leads one) at ``point:version``.
+
+    ``DIGENRL_TEST_CRASH=commit:2`` kills the coordinator when the first commit of step >= 2
+    arrives, i.e. mid-step with work in flight, as a power loss would. With ``once`` (a
+    marker file) it fires a single time per run, so a restarted process does not crash
+    again. Unset: a no-op.
+    """
+    if not _fault_due(CRASH_ENV, point, version, once):
+        return
+    if os.getpgid(0) == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang_point(point: str, version: int, once: Path | None = None) -> None:
+    """Block the calling thread for good at ``point:version`` (a wedged GPU or collective:
+    the process and its event loop live on, the work never returns).
+
+    ``DIGENRL_TEST_HANG=trainer:2`` hangs a trainer's compute thread as it starts training
+    step >= 2. With ``once`` (a marker file) it fires a single time per run. Unset: a no-op.
+    """
+    if not _fault_due(HANG_ENV, point, version, once):
+        return
+    while True:
+        time.sleep(3600)
