@@ -19,11 +19,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from digenrl.config import Config, ConfigError, load_config, resolve_mode, to_toml
 from digenrl.fileio import write_json_atomic, write_text_atomic
 from digenrl.transport.sockets import free_port
+
+if TYPE_CHECKING:
+    from digenrl.actors.colocated import ColocatedResult
 
 
 def _counts(cfg: Config, args: argparse.Namespace, mode: str | None) -> Config:
@@ -125,7 +128,7 @@ def _child_env(cfg: Config, index: int = 0) -> dict[str, str]:
     return env
 
 
-def run_colocated_ranks(cfg: Config, run_dir: Path, resume: bool = False) -> dict[str, Any]:
+def run_colocated_ranks(cfg: Config, run_dir: Path, resume: bool = False) -> ColocatedResult:
     """One process per rank (world > 1) or this process (world 1)."""
     from digenrl.actors.colocated import run_colocated
     from digenrl.telemetry.progress import Progress
@@ -145,7 +148,8 @@ def run_colocated_ranks(cfg: Config, run_dir: Path, resume: bool = False) -> dic
     if any(codes):
         from digenrl.actors.base import RunFailed
         raise RunFailed(f"colocated ranks exited with codes {codes}; see {run_dir}/logs")
-    return json.loads((run_dir / "colocated-summary.json").read_text())
+    result: ColocatedResult = json.loads((run_dir / "colocated-summary.json").read_text())
+    return result
 
 
 def check_runtime_support(cfg: Config) -> None:

@@ -26,22 +26,28 @@ WAIT = 10.0
 
 
 class _Model:
-    """Records what was applied; the only thing catch_up asks of a rollout's model."""
+    """Records what was applied."""
 
     def __init__(self) -> None:
         self.applied: list[dict[str, torch.Tensor]] = []
 
-    def load_sync_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.applied.append(sd)
-
 
 class _Actor:
+    """The part of the WeightSyncActor protocol (actors/peers.py) that prefetch and catch-up use."""
+
     role = "rollout"
 
     def __init__(self) -> None:
         self.recorder = SpanRecorder("rollout-0", "rollout")
         self.log = structlog.get_logger()
         self.model = _Model()
+        self.unexpected_messages: list[str] = []
+
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        self.model.applied.append(sd)
+
+    def unexpected(self, socket: str, msg: object, why: str = "no handler") -> None:
+        self.unexpected_messages.append(f"{socket}:{type(msg).__name__}")
 
     def working(self, name: str, **args: Any) -> Any:
         return self.recorder.span(name, **args)

@@ -317,8 +317,8 @@ async def test_an_actor_appends_its_trace_while_it_runs(tmp_path):
                 on_disk.append([json.loads(x)["args"]["step"] for x in path.read_text().splitlines()
                                 if '"ph": "X"' in x])
 
-    actor = Worker(node_id="rollout-0", recorder=recorder, log=structlog.get_logger())
-    actor.trace_path, actor.trace_flush_s = path, 0.01
+    actor = Worker(node_id="rollout-0", recorder=recorder, log=structlog.get_logger(),
+                   trace_path=path, trace_flush_s=0.01)
     await asyncio.wait_for(actor.run(), 30)
     assert on_disk == [[0], [0, 1], [0, 1, 2]]  # each span on disk while the actor still ran
     assert dump(path) == 0  # nothing was left for the end

@@ -6,6 +6,20 @@ sockets closed. An exception in any of them propagates (never swallowed) and end
 After a stop request ``main()`` has ``stop_grace_s`` to notice it; then it is cancelled (a
 torch call that never returns cannot be, which :meth:`Actor.compute_stuck` reports).
 
+Where this sits (README, "Files"; ``tests/test_layout.py`` enforces it): the package is
+layered, lowest first, ``config, fileio, faults, data -> core, transport, models, telemetry ->
+rl -> actors, sim -> launch -> cli``, and a module imports only its own layer or lower ones.
+The actors are the I/O shell around the sans-I/O ``core`` (the scheduler and the credit
+ledger): they turn socket messages into core events and core commands into messages, and
+they run the RL code (``rl/``) on a compute thread.
+
+How an actor is wired: everything comes in through the constructor, nothing is patched on
+afterwards. The node process (``actors/node.py``) hands each actor its sockets (inside
+:class:`~digenrl.actors.peers.NodePeers`), a :class:`NodeHooks` (extra heartbeat stats, where
+those stats go, extra background loops) and, in tests only, a
+:class:`~digenrl.faults.Slowdown`. What :class:`~digenrl.actors.peers.NodePeers` needs back
+from a rollout or trainer actor is the :class:`~digenrl.actors.peers.PeerActor` protocol.
+
 | blocking call             | waits for                         | unblocked by                    |
 |---------------------------|-----------------------------------|---------------------------------|
 | ``wait_stopped()``        | shutdown requested                | ``request_stop()``, Shutdown msg |
@@ -21,12 +35,13 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, Required, TypedDict
 
 from digenrl.faults import NO_SLOWDOWN, Slowdown
 from digenrl.telemetry.trace import BusyClock, SpanRecorder
@@ -40,30 +55,84 @@ class RunFailed(RuntimeError):
     """The run ended without finishing (no recovery left, a disk full, ...); the message says why."""
 
 
+class Log(Protocol):
+    """The logger an actor is given (structlog's bound loggers are such)."""
+
+    def bind(self, **context: Any) -> Log: ...
+    def info(self, event: str, **kw: Any) -> Any: ...
+    def warning(self, event: str, **kw: Any) -> Any: ...
+    def error(self, event: str, **kw: Any) -> Any: ...
+
+
+def _no_stats() -> Mapping[str, float]:
+    return {}
+
+
+def _drop_stats(stats: Mapping[str, float]) -> None:
+    """Stats seen by nobody (an actor outside a node process: tests, the coordinator)."""
+
+
+Loop = Callable[[], Coroutine[Any, Any, None]]
+"""A background loop: called once by :meth:`Actor.run`, runs until cancelled."""
+
+
+@dataclass(frozen=True)
+class NodeHooks:
+    """What the node process adds to its actor, given to the constructor (``actors/node.py``):
+    the actor knows nothing of transport security, process memory or systemd."""
+
+    extra_stats: Callable[[], Mapping[str, float]] = _no_stats
+    """More heartbeat stats: the node's transport-security counters, its memory."""
+    stats_sink: Callable[[Mapping[str, float]], None] = _drop_stats
+    """Sees every heartbeat's stats (the node's Prometheus endpoint serves the latest)."""
+    loops: tuple[Loop, ...] = ()
+    """More background loops (the systemd watchdog)."""
+    compute_init: Callable[[], object] | None = None
+    """Run once on the compute thread when it starts (the node sets its CUDA device there:
+    a thread's current device is its own)."""
+
+
+NO_HOOKS = NodeHooks()
+
+
+class ActorArgs(TypedDict, total=False):
+    """The keyword arguments of :class:`Actor`, which every actor passes through
+    (``def __init__(self, *, ..., **kw: Unpack[ActorArgs])``)."""
+
+    node_id: Required[str]
+    recorder: Required[SpanRecorder]
+    log: Required[Log]
+    hooks: NodeHooks
+    slowdown: Slowdown
+    stop_grace_s: float
+    trace_path: Path | None
+    trace_flush_s: float
+
+
 class Actor:
     """Base of coordinator, rollout and trainer actors."""
 
     role = "actor"
 
-    def __init__(self, *, node_id: str, recorder: SpanRecorder, log: Any,
-                 slowdown: Slowdown = NO_SLOWDOWN) -> None:
+    def __init__(self, *, node_id: str, recorder: SpanRecorder, log: Log,
+                 hooks: NodeHooks = NO_HOOKS, slowdown: Slowdown = NO_SLOWDOWN,
+                 stop_grace_s: float = STOP_GRACE_S, trace_path: Path | None = None,
+                 trace_flush_s: float = 5.0) -> None:
         self.node_id = node_id
-        self.slowdown = slowdown  # TEST-ONLY ([faults]): compute spans stretched, see digenrl/faults.py
         self.recorder = recorder
         self.log = log
+        self.hooks = hooks
+        self.slowdown = slowdown  # TEST-ONLY ([faults]): compute spans stretched, see digenrl/faults.py
         self.busy = BusyClock(recorder)
         self._stop = asyncio.Event()
         self.stop_reason = ""
         self._compute: ThreadPoolExecutor | None = None
         self._computing: tuple[str, Future[Any]] | None = None  # the last torch call submitted
-        self.stop_grace_s = STOP_GRACE_S  # after a stop request, how long main may take to notice it
-        self.trace_path: Path | None = None  # where the node's trace goes (None: kept in memory)
-        self.trace_flush_s = 5.0
+        self.stop_grace_s = stop_grace_s  # after a stop request, how long main may take to notice it
+        self.trace_path = trace_path  # where the node's trace goes (None: kept in memory)
+        self.trace_flush_s = trace_flush_s
         self.unexpected_messages: Counter[str] = Counter()  # "socket:Type" -> count
         self.refused: Counter[str] = Counter()  # messages dropped by :meth:`refuse`, by reason
-        #: run once on the compute thread when it starts (the node sets its CUDA device there:
-        #: a thread's current device is its own)
-        self.compute_init: Callable[[], Any] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -82,7 +151,8 @@ class Actor:
     async def main(self) -> None:
         raise NotImplementedError
 
-    def background(self) -> list[Callable[[], Awaitable[None]]]:
+    def background(self) -> list[Loop]:
+        """The actor's own background loops (:meth:`run` adds the node's ``hooks.loops``)."""
         return []
 
     async def close(self) -> None:
@@ -94,7 +164,7 @@ class Actor:
                 main = tg.create_task(self.main(), name=f"{self.node_id}:main")
                 flush = [self._flush_trace] if self.trace_path is not None else []
                 loops = [tg.create_task(fn(), name=f"{self.node_id}:{fn.__name__}")
-                         for fn in [*self.background(), *flush]]
+                         for fn in [*self.background(), *self.hooks.loops, *flush]]
                 stop = tg.create_task(self._stop.wait(), name=f"{self.node_id}:stop")
                 await asyncio.wait({main, stop}, return_when=asyncio.FIRST_COMPLETED)
                 if not main.done():
@@ -145,8 +215,14 @@ class Actor:
                              total_refused=n, **fields)
 
     def heartbeat_stats(self) -> dict[str, float]:
-        """What the node's heartbeats report: busy/wall seconds and the unexpected messages."""
-        return {**self.busy.stats(), "unexpected_messages": float(self.unexpected_messages.total())}
+        """What the next heartbeat reports: busy/wall seconds, the unexpected and the refused
+        messages (``refused_<reason>``) and the node's ``hooks.extra_stats``;
+        ``hooks.stats_sink`` sees it too."""
+        out = {**self.busy.stats(), "unexpected_messages": float(self.unexpected_messages.total()),
+               **{f"refused_{k}": float(v) for k, v in self.refused.items()},
+               **self.hooks.extra_stats()}
+        self.hooks.stats_sink(out)
+        return out
 
     # -- work accounting ------------------------------------------------------------------
     @contextmanager
@@ -175,7 +251,7 @@ class Actor:
         work's spans itself); awaiting the result is the caller's business."""
         if self._compute is None:
             self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-compute",
-                                               initializer=self.compute_init)
+                                               initializer=self.hooks.compute_init)
         job = self._compute.submit(contextvars.copy_context().run, partial(fn, *a))
         self._computing = (name, job)
         return asyncio.wrap_future(job)
@@ -197,7 +273,7 @@ def incarnation() -> int:
     return time.time_ns() // 1000
 
 
-def loop_factory() -> Any:
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     """The event loop every process runs: uvloop where it is installed (made once, at the entry)."""
     try:
         import uvloop

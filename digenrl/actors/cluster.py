@@ -32,7 +32,7 @@ from digenrl.rl.checkpoint import CheckpointError, dedupe_metrics, latest_checkp
 from digenrl.telemetry.logging import get_logger
 from digenrl.telemetry.metrics import MetricsWriter
 from digenrl.telemetry.progress import Progress
-from digenrl.telemetry.trace import SpanRecorder, busy_share
+from digenrl.telemetry.trace import SpanRecorder
 from digenrl.transport import factory as zs
 from digenrl.transport.sockets import free_port
 
@@ -220,18 +220,18 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
 
     metrics = MetricsWriter(run_dir)
     recorder = SpanRecorder("coordinator", "coordinator")
+    trace_path = run_dir / "trace" / "coordinator.jsonl"
     actor = CoordinatorActor(cfg=cfg, scheduler=sched, control=control, pub=pub, prompts=prompts,
                              metadata=train_set.metadata,
                              run_dir=run_dir, dist_endpoint=f"tcp://{host}:{free_port(host)}",
                              metrics=metrics, progress=Progress(cfg.run.steps),
                              expected_trainers=cfg.cluster.trainers, node_id="coordinator",
-                             recorder=recorder, log=log,
-                             scheduler_factory=new_scheduler)
+                             recorder=recorder, log=log, scheduler_factory=new_scheduler,
+                             trace_path=trace_path, trace_flush_s=cfg.runtime.trace_flush_s)
     try:
         actor.restore_from(ckpt)
     except ValueError as e:  # a snapshot of another run shape (CreditError, SchedulerError)
         raise CheckpointError(f"checkpoint {ckpt.path if ckpt else run_dir}: {e}") from None
-    actor.trace_path, actor.trace_flush_s = run_dir / "trace" / "coordinator.jsonl", cfg.runtime.trace_flush_s
     if ckpt is not None:
         for why in ckpt.skipped:  # a newer checkpoint did not verify (launch prints it too)
             log.warning("checkpoint skipped", reason=why)
@@ -264,7 +264,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
         control.close()
         pub.close()
         ctx.term()
-        for close in (actor.flush_metrics, metrics.close, lambda: recorder.dump(actor.trace_path)):
+        for close in (actor.flush_metrics, metrics.close, lambda: recorder.dump(trace_path)):
             try:
                 close()
             except OSError as e:  # already failing for it (a full disk): the run's error says so
@@ -275,37 +275,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     except OSError as e:
         if not actor.stop_reason.startswith("failed"):
             actor.stop_reason = f"failed: {_os_error(e)}"
-    stats = actor.sched.statistics()
-    F = cfg.runtime.fragments_per_step
-    # a restored ledger keeps only slots of steps >= its version: the steps below were
-    # consumed (each slot once, the ledger asserts it) before the checkpoint was taken
-    base = actor.resumed_from[-1] if actor.resumed_from else 0
-    consumed = base * F + sum(actor.sched.ledger.is_consumed(s, f)
-                              for s in range(base, cfg.run.steps) for f in range(F))
-    steps_done = stats["version"]
-    # throughput from the first assignment to the last step: process start-up (imports,
-    # model build) is reported apart as startup_s, as the colocated loop's figure excludes it
-    t_a, t_b = actor.t_first_assign, actor.t_last_step
-    train_wall = (t_b - t_a) if (t_a is not None and t_b is not None and t_b > t_a) else wall
-    segment_steps = steps_done - (actor.resumed_from[-1] if actor.resumed_from else 0)
-    summary = {
-        "mode": cfg.run.mode, "steps": steps_done, "wall_s": actor.wall_before + wall,
-        "startup_s": (t_a - t0) if t_a is not None else wall,
-        "samples_per_s": cfg.batch_size * max(segment_steps, 0) / train_wall,
-        "slots": {"consumed": consumed, "expected": cfg.run.steps * F},
-        "recovery": actor.recovery, "resumed_from": actor.resumed_from,
-        "refused": dict(actor.refused),  # messages dropped by the identity gate, by reason
-        "accounting": {k: stats[k] for k in ("admitted", "trained", "discarded", "in_flight")},
-        "scheduler": {k: v for k, v in stats.items() if k not in ("nodes",)},
-        "nodes": stats["nodes"],
-        "staleness_hist": actor.staleness_hist,
-        "busy": {n: busy_share(b, w) for n, (b, w) in actor.busy_total.items()},
-        "traffic": dict(zip(("messages", "bytes"), actor.traffic(), strict=True)),
-        "weights": actor.weights.summary(actor.latest_announce.version if actor.latest_announce else 0),
-        "restarts": children.restarts if children else {},
-        "stop_reason": actor.stop_reason,
-        "unexpected_messages": dict(actor.unexpected_messages),
-    }
+    summary = actor.summary(wall_s=wall, started_at=t0, restarts=children.restarts if children else {})
     try:
         write_json_atomic(run_dir / "summary.json", summary)
     except OSError as e:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from digenrl.rl.rewards import build_reward
 from digenrl.rl.sde import sigma_schedule
 from digenrl.telemetry.images import save_grid
 from digenrl.telemetry.metrics import MetricsWriter, StepMetrics
+from digenrl.telemetry.progress import Progress
 from digenrl.telemetry.trace import BusyClock, SpanRecorder, busy_share
 
 
@@ -42,9 +44,19 @@ def _all_reduce(t: torch.Tensor) -> None:
 
 
 
+class ColocatedResult(TypedDict):
+    """What :func:`run_colocated` returns (rank 0 of several: summed over the ranks)."""
+
+    samples_per_s: float
+    wall_s: float
+    trained: int
+    discarded: dict[str, int]
+    busy: float
+
+
 def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int = 1,
-                  progress: object | None = None, log: object | None = None,
-                  resume: bool = False, device: torch.device | None = None) -> dict[str, float]:
+                  progress: Progress | None = None, log: object | None = None,
+                  resume: bool = False, device: torch.device | None = None) -> ColocatedResult:
     """Train ``cfg.run.steps`` steps; rank 0 writes metrics.jsonl and sample grids.
 
     ``resume`` continues from run_dir's checkpoint; checkpoints follow run.checkpoint_every.
@@ -135,7 +147,7 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
         if writer is not None:
             writer.write(StepMetrics.from_record(last))
             if progress is not None:
-                progress.update(last)  # type: ignore[attr-defined]
+                progress.update(last)
         if time.perf_counter() - flushed >= cfg.runtime.trace_flush_s:  # memory stays flat
             recorder.dump(trace_path)
             flushed = time.perf_counter()
@@ -168,16 +180,17 @@ def _rank_main(argv: list[str]) -> int:
         result = run_colocated(cfg, run_dir, rank=rank, world_size=world,
                                resume=len(argv) > 4 and argv[4] == "resume", device=device)
         # every rank's trained/discarded counts add up to the step's batch
-        counts = [None] * world
+        counts: list[tuple[int, dict[str, int]] | None] = [None] * world
         dist.all_gather_object(counts, (result["trained"], result["discarded"]))
     finally:
         import gc
         gc.collect()  # FSDP modules (hook cycles) must go before the group they shard over
         dist.destroy_process_group()
     if rank == 0:
-        result["trained"] = sum(c[0] for c in counts)  # type: ignore[index]
+        gathered = [c for c in counts if c is not None]  # all_gather_object filled every slot
+        result["trained"] = sum(trained for trained, _ in gathered)
         merged: dict[str, int] = {}
-        for _, d in counts:  # type: ignore[misc]
+        for _, d in gathered:
             for k, v in d.items():
                 merged[k] = merged.get(k, 0) + v
         result["discarded"] = merged

@@ -35,7 +35,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -626,3 +626,42 @@ class CoordinatorActor(Actor):
             self.metrics.write(StepMetrics.from_record(row))
             if self.progress is not None:
                 self.progress.update(row)
+
+    def summary(self, *, wall_s: float, started_at: float,
+                restarts: Mapping[str, int]) -> dict[str, Any]:
+        """The run's summary.json (docs/metrics.md): throughput, slots, accounting, recovery.
+
+        ``wall_s``: this process's run time; ``started_at``: its ``perf_counter`` when the
+        coordinator began serving (start-up until the first assignment is reported apart as
+        ``startup_s``); ``restarts``: child restarts by node id (the local launcher's).
+        """
+        cfg, stats = self.cfg, self.sched.statistics()
+        F = cfg.runtime.fragments_per_step
+        # a restored ledger keeps only slots of steps >= its version: the steps below were
+        # consumed (each slot once, the ledger asserts it) before the checkpoint was taken
+        base = self.resumed_from[-1] if self.resumed_from else 0
+        consumed = base * F + sum(self.sched.ledger.is_consumed(s, f)
+                                  for s in range(base, cfg.run.steps) for f in range(F))
+        steps_done = stats["version"]
+        # throughput from the first assignment to the last step: process start-up (imports,
+        # model build) is reported apart as startup_s, as the colocated loop's figure excludes it
+        t_a, t_b = self.t_first_assign, self.t_last_step
+        train_wall = (t_b - t_a) if (t_a is not None and t_b is not None and t_b > t_a) else wall_s
+        return {
+            "mode": cfg.run.mode, "steps": steps_done, "wall_s": self.wall_before + wall_s,
+            "startup_s": (t_a - started_at) if t_a is not None else wall_s,
+            "samples_per_s": cfg.batch_size * max(steps_done - base, 0) / train_wall,
+            "slots": {"consumed": consumed, "expected": cfg.run.steps * F},
+            "recovery": self.recovery, "resumed_from": self.resumed_from,
+            "refused": dict(self.refused),  # messages dropped by the identity gate, by reason
+            "accounting": {k: stats[k] for k in ("admitted", "trained", "discarded", "in_flight")},
+            "scheduler": {k: v for k, v in stats.items() if k not in ("nodes",)},
+            "nodes": stats["nodes"],
+            "staleness_hist": self.staleness_hist,
+            "busy": {n: busy_share(b, w) for n, (b, w) in self.busy_total.items()},
+            "traffic": dict(zip(("messages", "bytes"), self.traffic(), strict=True)),
+            "weights": self.weights.summary(self.latest_announce.version if self.latest_announce else 0),
+            "restarts": dict(restarts),
+            "stop_reason": self.stop_reason,
+            "unexpected_messages": dict(self.unexpected_messages),
+        }

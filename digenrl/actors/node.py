@@ -20,22 +20,38 @@ import os
 import signal
 import socket as pysocket
 import sys
-from collections.abc import Callable
+from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import zmq.asyncio
 
-from digenrl.actors.base import STOP_GRACE_S, default_node_id, incarnation, loop_factory
+from digenrl.actors.base import (
+    STOP_GRACE_S,
+    ActorArgs,
+    Loop,
+    NodeHooks,
+    default_node_id,
+    incarnation,
+    loop_factory,
+)
 from digenrl.config import Config, config_from_dict, load_config
+from digenrl.devices import resolve_device, use_device
 from digenrl.faults import node_slowdown
 from digenrl.telemetry import sdnotify
 from digenrl.telemetry.logging import configure_logging, get_logger
 from digenrl.telemetry.trace import SpanRecorder
 from digenrl.transport import factory as zs
-from digenrl.transport.protocol import Hello, Shutdown, Welcome
+from digenrl.transport.protocol import Hello, Role, Shutdown, Welcome
 from digenrl.transport.security import node_security, process_counters
+from digenrl.transport.sockets import Socket
+
+if TYPE_CHECKING:  # imported where they are built: a node loads only its own role's code
+    from digenrl.actors.reward import RewardActor
+    from digenrl.actors.rollout import RolloutActor
+    from digenrl.actors.trainer import TrainerActor
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -43,7 +59,8 @@ def run_node(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else None
     configure_logging(log_file=(run_dir / "logs" / f"{node_id}.log") if run_dir else None)
     overrides = [*args.overrides, *(["transport.allow_plaintext=true"] if args.allow_plaintext else [])]
-    prometheus = _start_prometheus(getattr(args, "prometheus_port", None))
+    latest = LatestStats()
+    prometheus = _start_prometheus(getattr(args, "prometheus_port", None), latest)
     try:
         if args.role == "coordinator":
             from digenrl.actors.cluster import serve_coordinator
@@ -54,30 +71,38 @@ def run_node(args: argparse.Namespace) -> int:
                                              spawn=False, allow_plaintext=args.allow_plaintext))
             return 0
         if not args.coordinator:
-            raise SystemExit("digenrl-node: --coordinator ENDPOINT is required for rollout and trainer")
-        from digenrl.devices import resolve_device, use_device
+            raise SystemExit("digenrl-node: --coordinator ENDPOINT is required for rollout, trainer and reward")
+        roles: dict[str, Role] = {"rollout": "rollout", "trainer": "trainer", "reward": "reward"}
+        role = roles[args.role]  # argparse checked it
         device = resolve_device(getattr(args, "device", None))
         use_device(device)
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            return int(runner.run(_node(args.role, node_id, args.coordinator, args.gpu or "cpu", args.bind,
-                                        run_dir, load_config(args.config, overrides), device)))
+            return int(runner.run(_node(role, node_id, args.coordinator, args.gpu or "cpu", args.bind,
+                                        run_dir, load_config(args.config, overrides), device, latest)))
     finally:
         if prometheus is not None:
             prometheus.shutdown()
 
 
-_NODE_STATS: dict[str, float] = {}
-"""The latest heartbeat stats of this process's node, for the Prometheus endpoint."""
+class LatestStats:
+    """The latest heartbeat stats of this process's node, read by the Prometheus endpoint
+    (its own thread: the dict is replaced whole, never mutated, so a reader sees one beat)."""
+
+    def __init__(self) -> None:
+        self.stats: Mapping[str, float] = {}
+
+    def update(self, stats: Mapping[str, float]) -> None:
+        self.stats = dict(stats)
 
 
-def _start_prometheus(port: int | None) -> Any:
+def _start_prometheus(port: int | None, latest: LatestStats) -> Any:
     """Serve the node's counters on ``port``; returns a server with ``shutdown()`` or None."""
     if port is None:
         return None
     from digenrl.telemetry.metrics import MissingExtraError
     from digenrl.telemetry.prometheus import start_prometheus
     try:
-        started = start_prometheus(port, lambda: {**process_counters(), **_NODE_STATS})
+        started = start_prometheus(port, lambda: {**process_counters(), **latest.stats})
     except MissingExtraError as e:
         raise SystemExit(f"digenrl-node: --prometheus-port: {e}") from None
     # prometheus-client >= 0.20 returns (server, thread); older versions return None
@@ -95,32 +120,11 @@ def rss_mb(field: str = "VmRSS") -> float:
     return -1.0
 
 
-def traffic(sockets: list[Any]) -> dict[str, float]:
+def traffic(sockets: list[Socket]) -> dict[str, float]:
     """Messages and frame bytes these sockets sent so far (``net_messages`` / ``net_bytes``)."""
     stats = [s.statistics() for s in sockets]
     return {"net_messages": float(sum(st.sent for st in stats)),
             "net_bytes": float(sum(st.bytes_sent for st in stats))}
-
-
-class _HeartbeatStats:
-    """``actor.busy`` with the node's security counters and memory added to heartbeat stats.
-
-    Heartbeats send ``actor.busy.stats()``; wrapping it here puts the counters on the wire
-    without the actors knowing about transport security.
-    """
-
-    def __init__(self, busy: Any, extra: Callable[[], dict[str, float]]) -> None:
-        self._busy = busy
-        self._extra = extra
-
-    def stats(self) -> dict[str, float]:
-        out = {**self._busy.stats(), **self._extra()}
-        _NODE_STATS.clear()
-        _NODE_STATS.update(out)
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._busy, name)
 
 
 def hard_exit(code: int) -> NoReturn:
@@ -131,8 +135,8 @@ def hard_exit(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _with_watchdog(actor: Any, control: Any) -> sdnotify.Watchdog:
-    """Add the systemd watchdog to the actor's background loops (a no-op when not armed).
+def _watchdog_loops(control: Socket) -> tuple[Loop, ...]:
+    """The systemd watchdog as a background loop for the actor; none when it is not armed.
 
     Alive means the control socket moved since the last ping: heartbeats go out every
     ``heartbeat_s``, so a node whose loop is wedged or whose coordinator link is stuck stops
@@ -140,7 +144,7 @@ def _with_watchdog(actor: Any, control: Any) -> sdnotify.Watchdog:
     """
     wd = sdnotify.Watchdog()
     if not wd.enabled:
-        return wd
+        return ()
     last = [-1]
 
     def alive() -> bool:
@@ -149,26 +153,23 @@ def _with_watchdog(actor: Any, control: Any) -> sdnotify.Watchdog:
         last[0] = st.sent + st.received
         return moved
 
-    loops = actor.background
-
     async def watchdog() -> None:
         await wd.run(alive)
 
-    actor.background = lambda: [*loops(), watchdog]
-    return wd
+    return (watchdog,)
 
 
-async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str | None,
-                run_dir: Path | None, boot: Config, device: torch.device) -> int:
+async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str | None,
+                run_dir: Path | None, boot: Config, device: torch.device, latest: LatestStats) -> int:
     """``boot`` is the local config: transport settings (keys, limits) until Welcome brings the run's.
     Models (policy, reference, text encoders, VAE) go on ``device``; trainer ranks group over
     NCCL on CUDA, gloo on the CPU."""
     log = get_logger(role, node_id)
     ctx = zmq.asyncio.Context()
     inc = incarnation()
-    opened: list[Any] = []
+    opened: list[Socket] = []
 
-    def track(s: Any) -> Any:
+    def track(s: Socket) -> Socket:
         opened.append(s)
         return s
 
@@ -213,12 +214,24 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
         reward_fn = None if workers else build_reward(cfg.reward.terms, device=device)
         scorers = {k.split("/", 1)[1]: track(zs.connect(ctx, "dealer", v, cfg))
                    for k, v in sorted(endpoints.items()) if k.startswith("reward/")} if workers else {}
-        kw = dict(node_id=node_id, recorder=recorder, log=log.bind(policy_version=0),
-                  slowdown=node_slowdown(cfg.faults, node_id=node_id, role=role))
+        sec = node_security(ctx)
+        limit = cfg.runtime.stall_timeout_s
+        trace_path = rdir / "trace" / f"{node_id}.jsonl"
+        kw = ActorArgs(
+            node_id=node_id, recorder=recorder, log=log.bind(policy_version=0),
+            hooks=NodeHooks(extra_stats=lambda: {**sec.counters(), "rss_mb": rss_mb(), **traffic(opened)},
+                            stats_sink=latest.update, loops=_watchdog_loops(control),
+                            compute_init=partial(use_device, device)),
+            slowdown=node_slowdown(cfg.faults, node_id=node_id, role=role),
+            stop_grace_s=min(STOP_GRACE_S, limit) if limit > 0 else STOP_GRACE_S,
+            trace_path=trace_path, trace_flush_s=cfg.runtime.trace_flush_s)
+        actor: RolloutActor | TrainerActor | RewardActor
+        trainer: TrainerActor | None = None
         if role == "reward":
             from digenrl.actors.reward import RewardActor
+            assert data is not None and reward_fn is not None  # bound above; no workers here
             peers = NodePeers(node_id=node_id, incarnation=inc, cfg=cfg, control=control)
-            actor: Any = RewardActor(peers=peers, cfg=cfg, router=data, reward_fn=reward_fn, **kw)
+            actor = RewardActor(peers=peers, cfg=cfg, router=data, reward_fn=reward_fn, **kw)
         elif role == "rollout":
             sub = track(zs.connect(ctx, "sub", endpoints["pub"], cfg))
             wdealer = track(zs.connect(ctx, "dealer", endpoints["weights"], cfg))
@@ -247,41 +260,30 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
                 from digenrl.rl.evaluate import build_eval_reward
                 test_set = load_splits(cfg.prompts)[1]  # the test file must be readable here
                 eval_reward = build_eval_reward(cfg, device) if msg.rank == 0 else None
-            actor = TrainerActor(peers=peers, cfg=cfg, policy=policy, rank=msg.rank,
-                                 world_size=msg.world_size, run_dir=rdir, reward_fn=reward_fn,
-                                 test_set=test_set, eval_reward=eval_reward, **kw)
+            actor = trainer = TrainerActor(peers=peers, cfg=cfg, policy=policy, rank=msg.rank,
+                                           world_size=msg.world_size, run_dir=rdir, reward_fn=reward_fn,
+                                           test_set=test_set, eval_reward=eval_reward, **kw)
+            del policy  # the actor holds it (and drops it before the process group goes)
         from functools import partial
 
         from digenrl.devices import use_device
         actor.compute_init = partial(use_device, device)
-        sec = node_security(ctx)
-        refused = actor.refused  # messages dropped at arrival, by reason (Actor.refuse)
-        actor.busy = _HeartbeatStats(actor.busy, lambda: {
-            **sec.counters(), "rss_mb": rss_mb(), **traffic(opened),
-            **{f"refused_{k}": v for k, v in refused.items()}})
-        _with_watchdog(actor, control)
-        actor.trace_path, actor.trace_flush_s = rdir / "trace" / f"{node_id}.jsonl", cfg.runtime.trace_flush_s
         loop = asyncio.get_running_loop()
 
         def on_sigterm() -> None:
             sdnotify.stopping()
             actor.request_stop("SIGTERM")
-            wake = getattr(actor, "wake", None)  # a trainer waiting for work re-checks stopping
-            if wake is not None:
-                wake.set()
 
         loop.add_signal_handler(signal.SIGTERM, on_sigterm)
         rss_ready = rss_mb()
         log.info("joined", rank=msg.rank, world_size=msg.world_size, rss_mb=rss_ready, device=str(device))
         sdnotify.ready()
         stuck: str | None = None
-        limit = cfg.runtime.stall_timeout_s
-        actor.stop_grace_s = min(STOP_GRACE_S, limit) if limit > 0 else STOP_GRACE_S
         try:
             await actor.run()
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
-            recorder.dump(actor.trace_path)
+            recorder.dump(trace_path)
             stuck = actor.compute_stuck()
             if stuck is not None:
                 # a torch call that never returns cannot be interrupted, and the interpreter
@@ -289,13 +291,13 @@ async def _node(role: str, node_id: str, coordinator: str, gpu: str, bind: str |
                 # leaves without either, so that its supervisor can restart it
                 log.error("compute thread wedged at stop; exiting hard", call=stuck,
                           grace_s=actor.stop_grace_s, stop_reason=actor.stop_reason)
-            elif role == "trainer" and msg.world_size > 1:
+            elif trainer is not None and msg.world_size > 1:
                 import gc
 
                 import torch.distributed as dist
                 # a sharded model (FSDP) holds the process group: drop it first, so the group
                 # is really torn down here and not in the interpreter's exit (gloo aborts there)
-                actor.policy = actor.learner = policy = None
+                trainer.drop_model()
                 gc.collect()
                 if dist.is_initialized():
                     dist.destroy_process_group()

@@ -16,6 +16,20 @@ from the new upstream (parts already verified are kept); an upstream silent for 
 liveness timeout (``heartbeat_s x heartbeat_misses``) is bypassed for rank 0 for the rest
 of that version; ``WeightsMissing`` (the upstream moved on to a newer version) ends the
 fetch, and the node fetches the newest announced version instead.
+
+The actor <-> peers contract, both ways typed:
+
+* the actor holds its ``NodePeers`` (given to its constructor by ``actors/node.py``) and
+  calls it: ``heartbeat_loop`` / ``relay_loop`` / ``reward_loops`` (background loops),
+  ``heard_from_coordinator`` and ``on_route`` (from its control loop), ``on_announce`` /
+  ``prefetch`` / ``catch_up`` (rollouts: weights, TCSS), ``generate_and_stream`` (a
+  rollout's fragment, a trainer's TAG fragment);
+* ``NodePeers`` calls back only what :class:`PeerActor` declares (the compute thread, the
+  trace, the log, stop requests, heartbeat stats, the revoked set) plus, for weight
+  catch-up, :meth:`WeightSyncActor.load_weights`. :class:`~digenrl.actors.base.Actor`
+  provides all of it but ``revoked``, ``policy_version`` and ``load_weights``, which
+  ``RolloutActor``, ``TrainerActor`` and ``RewardActor`` define. No ``getattr`` probing: a
+  new actor kind is checked by mypy against these protocols.
 """
 
 from __future__ import annotations
@@ -27,15 +41,21 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 
+from digenrl.actors.base import Log, Loop
 from digenrl.config import Config
 from digenrl.core.plan import FORWARD_ALGORITHMS
+from digenrl.faults import Slowdown
+from digenrl.models.base import FlowModel
 from digenrl.rl.fragment import FragmentJob, FragmentResult
+from digenrl.rl.rewards import Reward
 from digenrl.rl.sampler import WIRE_DTYPES
 from digenrl.telemetry.nvml import GpuProbe
+from digenrl.telemetry.trace import SpanRecorder
 from digenrl.transport.errors import Closed
 from digenrl.transport.protocol import (
     Assign,
@@ -52,7 +72,8 @@ from digenrl.transport.protocol import (
     WeightsRequest,
     WeightsRoute,
 )
-from digenrl.transport.staging import DeviceToHost
+from digenrl.transport.sockets import Socket
+from digenrl.transport.staging import DeviceToHost, Staged
 from digenrl.transport.weights import WeightAssembly, WeightStore, serve_weights
 
 _EMPTY_IMAGES = torch.zeros(0, dtype=torch.uint8)
@@ -68,12 +89,52 @@ class WeightsSuperseded(Exception):
         self.version, self.newest = version, newest
 
 
+_Handed = tuple[str, int, int, tuple[int, float, float, Staged] | None]
+"""(span name, start ns, end ns, (t index, sigma, sigma next, staged chunk) or None), from
+the compute thread to the loop."""
+
+
+class PeerActor(Protocol):
+    """What :class:`NodePeers` needs of the actor it serves (heartbeats, generation)."""
+
+    role: str
+    log: Log
+    recorder: SpanRecorder
+    slowdown: Slowdown
+    revoked: set[int]
+    """Task ids the coordinator revoked: a fragment in generation stops at its next chunk."""
+
+    @property
+    def stopping(self) -> bool: ...
+    @property
+    def policy_version(self) -> int:
+        """The weights version the actor generates (or trains) with, for heartbeats."""
+        ...
+    def request_stop(self, reason: str) -> None: ...
+    def heartbeat_stats(self) -> dict[str, float]: ...
+    def unexpected(self, socket: str, msg: object, why: str = ...) -> None: ...
+    def working(self, name: str, **args: Any) -> AbstractContextManager[None]: ...
+    def submit(self, name: str, fn: Callable[..., Any], *a: Any) -> asyncio.Future[Any]: ...
+    async def in_thread(self, name: str, fn: Callable[..., Any], *a: Any, **args: Any) -> Any: ...
+
+
+class WeightSyncActor(PeerActor, Protocol):
+    """A :class:`PeerActor` that takes new weights at trajectory boundaries (a rollout)."""
+
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load a verified weight set into the generating model (runs on the compute thread)."""
+        ...
+
+
 class NodePeers:
-    def __init__(self, *, node_id: str, incarnation: int, cfg: Config, control: Any,
-                 sub: Any = None, pushes: dict[int, Any] | None = None, data: Any = None,
-                 weights: Any = None, gpu_probe: GpuProbe | None = None, relay: Any = None,
-                 connect: Callable[[str], Any] | None = None,
-                 scorers: dict[str, Any] | None = None) -> None:
+    """A node's sockets and the shared behaviours; see the module doc for the contract."""
+
+    def __init__(self, *, node_id: str, incarnation: int, cfg: Config, control: Socket,
+                 sub: Socket | None = None, pushes: dict[int, Socket] | None = None,
+                 data: Socket | None = None, weights: Socket | None = None,
+                 gpu_probe: GpuProbe | None = None, relay: Socket | None = None,
+                 connect: Callable[[str], Socket] | None = None,
+                 scorers: dict[str, Socket] | None = None) -> None:
         """``weights``: a rollout's DEALER to trainer rank 0 (a trainer's weights ROUTER);
         ``relay``: a rollout's own weights ROUTER; ``connect(endpoint)``: a new DEALER (to an
         upstream the coordinator names)."""
@@ -107,13 +168,13 @@ class NodePeers:
         self.relay = relay
         self.connect = connect
         self.upstream_endpoint = ""  # "" = trainer rank 0 (self.weights)
-        self._upstream: Any = None  # DEALER to a relaying rollout
+        self._upstream: Socket | None = None  # DEALER to a relaying rollout
         self._rerouted = asyncio.Event()
         self.relay_fallbacks = 0  # fetches that bypassed a silent upstream for rank 0
         self._superseded = -1  # newest version the upstream said it will never hold
 
     # ------------------------------------------------------------------ heartbeats
-    def heartbeat_loop(self, actor: Any) -> Any:
+    def heartbeat_loop(self, actor: PeerActor) -> Loop:
         """Beat every ``heartbeat_s``; stop the node if the coordinator stops answering.
 
         The coordinator answers every beat, so ``heartbeat_misses`` beats in a row with no
@@ -129,15 +190,11 @@ class NodePeers:
             while True:
                 if self.unanswered > misses and not actor.stopping:
                     actor.log.error("coordinator lost", unanswered_beats=self.unanswered)
-                    actor.request_stop("coordinator_lost")
-                    wake = getattr(actor, "wake", None)
-                    if wake is not None:
-                        wake.set()
+                    actor.request_stop("coordinator_lost")  # a trainer's also wakes its main loop
                 self._gpu_reading = await self.gpu.read_async()
                 await self.control.send(Heartbeat(
                     node_id=self.node_id, incarnation=self.incarnation,
-                    policy_version=getattr(actor, "policy", None).version if hasattr(actor, "policy")
-                    else self.version,
+                    policy_version=actor.policy_version,
                     state="stopping" if actor.stopping else "running", seq=next(self._seq),
                     gpu=self._gpu_reading, stats=actor.heartbeat_stats()))
                 self.unanswered += 1
@@ -159,7 +216,7 @@ class NodePeers:
             self.announced = msg
             self.announce_event.set()
 
-    async def catch_up(self, actor: Any, floor: int) -> None:
+    async def catch_up(self, actor: WeightSyncActor, floor: int) -> None:
         """At a trajectory boundary: apply the newest version at hand; wait for ``floor``.
 
         The tensors usually arrived already: :meth:`prefetch` fetches and verifies each
@@ -198,14 +255,13 @@ class NodePeers:
             with actor.recorder.span("wait", waiting_for=f"version {floor}"):
                 await self.announce_event.wait()
 
-    async def _apply(self, actor: Any, version: int, sd: dict[str, torch.Tensor]) -> None:
-        await actor.in_thread("weight_apply", actor.model.load_sync_state_dict, sd, version=version)
+    async def _apply(self, actor: WeightSyncActor, version: int, sd: dict[str, torch.Tensor]) -> None:
+        await actor.in_thread("weight_apply", actor.load_weights, sd, version=version)
         if self._ready is not None and self._ready[0] <= version:
             self._ready = None
         self.version = version
-        actor.log = actor.log.bind(policy_version=self.version)
 
-    def prefetch(self, actor: Any) -> None:
+    def prefetch(self, actor: PeerActor) -> None:
         """Start fetching the newest announced version in the background (rollouts call this
         on every announcement); at most one fetch runs, a newer announcement waits for it."""
         ann = self.announced
@@ -228,7 +284,7 @@ class NodePeers:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    async def _prefetch(self, actor: Any, ann: VersionAnnounce) -> None:
+    async def _prefetch(self, actor: PeerActor, ann: VersionAnnounce) -> None:
         try:
             sd = await self._fetch(actor, ann, span="weight_prefetch")
             if self._ready is None or self._ready[0] < ann.version:
@@ -262,14 +318,14 @@ class NodePeers:
             old.close()
         self._rerouted.set()
 
-    def relay_loop(self, actor: Any) -> Any:
+    def relay_loop(self, actor: PeerActor) -> Loop:
         """The background loop serving this node's held versions on its weights ROUTER."""
         async def relay() -> None:
             if self.relay is not None:
                 await serve_weights(self.relay, self.store, actor.unexpected)
         return relay
 
-    async def _fetch(self, actor: Any, ann: VersionAnnounce, span: str) -> dict[str, torch.Tensor]:
+    async def _fetch(self, actor: PeerActor, ann: VersionAnnounce, span: str) -> dict[str, torch.Tensor]:
         """Every part of ``ann`` from the upstream, verified as it lands (and served on from
         here meanwhile); whole tensors out. Raises :class:`WeightsSuperseded`."""
         async with self.weights_lock:
@@ -285,7 +341,7 @@ class NodePeers:
         await self.control.send(WeightsHeld(node_id=self.node_id, version=ann.version))
         return sd
 
-    async def _fetch_parts(self, actor: Any, asm: WeightAssembly) -> None:
+    async def _fetch_parts(self, actor: PeerActor, asm: WeightAssembly) -> None:
         rt = self.cfg.runtime
         silent_s = rt.heartbeat_s * rt.heartbeat_misses
         in_flight: set[int] = set()
@@ -327,7 +383,7 @@ class NodePeers:
                     self.store.landed()
 
     @staticmethod
-    async def _exchange(sock: Any, version: int, due: list[int], in_flight: set[int]) -> Any:
+    async def _exchange(sock: Socket, version: int, due: list[int], in_flight: set[int]) -> Any:
         """Ask for the ``due`` parts, then the next answer."""
         for part in due:
             await sock.send(WeightsRequest(version=version, part=part))
@@ -343,8 +399,9 @@ class NodePeers:
             self._d2h = DeviceToHost(device)
         return self._d2h
 
-    async def generate_and_stream(self, actor: Any, task: Assign, model: Any, version: int,
-                                  reward_fn: Any, cfg: Config, span: str) -> bool:
+    async def generate_and_stream(self, actor: PeerActor, task: Assign, model: FlowModel,
+                                  version: int, reward_fn: Reward | None, cfg: Config,
+                                  span: str) -> bool:
         """Generate ``task``; each trained step goes to its owner the moment it exists.
 
         The whole trajectory is one job on the actor's compute thread: it hands each trained
@@ -366,15 +423,15 @@ class NodePeers:
         wire = WIRE_DTYPES[cfg.sampler.wire_dtype]
         slowdown = actor.slowdown
         loop = asyncio.get_running_loop()
-        handed: asyncio.Queue[tuple[str, int, int, Any] | None] = asyncio.Queue()
+        handed: asyncio.Queue[_Handed | None] = asyncio.Queue()
         halt = threading.Event()  # set by the event loop: stop at the next pull
         clock = actor.recorder.now_ns
 
-        def hand(item: tuple[str, int, int, Any] | None) -> None:
+        def hand(item: _Handed | None) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is gone (the node is exiting)
                 loop.call_soon_threadsafe(handed.put_nowait, item)
 
-        def produce() -> Any:
+        def produce() -> FragmentResult | None:
             try:
                 it = job.steps()
                 while not halt.is_set():
@@ -414,7 +471,7 @@ class NodePeers:
                 if chunk is None:
                     continue
                 index, sigma, sigma_next, staged = chunk
-                if task.task_id in getattr(actor, "revoked", ()):
+                if task.task_id in actor.revoked:
                     staged.release()
                     halt.set()
                     await job_done  # the compute thread stops at its next pull
@@ -438,6 +495,7 @@ class NodePeers:
                 left = handed.get_nowait()
                 if left is not None and left[3] is not None:
                     left[3][3].release()
+        assert result is not None, "the job ends with a result unless halted"
         gen_seconds = time.perf_counter() - t_start
         if forward:
             for rank in sorted({int(r) for r in task.owners.values()}):
@@ -483,13 +541,13 @@ class NodePeers:
             metadata=[m for m in task.metadata for _ in range(g)]))
         self._to_commit.put_nowait((task, result, version, gen_seconds, time.monotonic()))
 
-    def reward_loops(self, actor: Any) -> list[Any]:
+    def reward_loops(self, actor: PeerActor) -> list[Loop]:
         """Background loops of a node whose rewards are scored by workers: one receiving each
         worker's answers, one committing fragments as their answers come (in order)."""
         if not self.scorers:
             return []
 
-        def receiver(name: str, sock: Any) -> Any:
+        def receiver(name: str, sock: Socket) -> Loop:
             async def receive_scores() -> None:
                 while True:
                     _, msg = await sock.recv()
@@ -512,7 +570,7 @@ class NodePeers:
                     scored = None
                 del self._scores[task.task_id]
                 self._outstanding[name] -= 1
-                if task.task_id in getattr(actor, "revoked", ()):
+                if task.task_id in actor.revoked:
                     continue  # re-queued elsewhere: commit nothing
                 if scored is None or scored.error:
                     discard = "reward_timeout" if scored is None else "reward_failed"

@@ -26,17 +26,19 @@ from typing import Any
 
 import torch
 
-from digenrl.actors.base import Actor
+from digenrl.actors.base import Actor, Loop
 from digenrl.actors.peers import NodePeers
 from digenrl.config import Config
-from digenrl.rl.rewards import RewardError
+from digenrl.rl.rewards import Reward, RewardError
 from digenrl.transport.protocol import Heartbeat, Score, Scored, Shutdown
+from digenrl.transport.sockets import Socket
 
 
 class RewardActor(Actor):
     role = "reward"
 
-    def __init__(self, *, peers: NodePeers, cfg: Config, router: Any, reward_fn: Any, **kw: Any) -> None:
+    def __init__(self, *, peers: NodePeers, cfg: Config, router: Socket, reward_fn: Reward,
+                 **kw: Any) -> None:
         super().__init__(**kw)
         self.peers = peers
         self.cfg = cfg
@@ -44,8 +46,14 @@ class RewardActor(Actor):
         self.reward_fn = reward_fn
         self.requests: asyncio.Queue[tuple[bytes, Score]] = asyncio.Queue()
         self.scored = self.failed = self.batches = 0
+        self.revoked: set[int] = set()  # a worker generates nothing: nothing to revoke
 
-    def background(self) -> list[Any]:
+    @property
+    def policy_version(self) -> int:
+        """A worker holds no policy: its heartbeats say version 0."""
+        return 0
+
+    def background(self) -> list[Loop]:
         return [self.peers.heartbeat_loop(self), self._control_loop, self._recv_loop]
 
     async def _control_loop(self) -> None:

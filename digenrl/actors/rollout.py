@@ -23,9 +23,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from digenrl.actors.base import Actor
+import torch
+
+from digenrl.actors.base import Actor, Loop
 from digenrl.actors.peers import NodePeers
 from digenrl.config import Config
+from digenrl.models.adapter import DiffusersFlowModel
+from digenrl.rl.rewards import Reward
 from digenrl.transport.protocol import (
     Assign,
     Heartbeat,
@@ -39,17 +43,27 @@ from digenrl.transport.protocol import (
 class RolloutActor(Actor):
     role = "rollout"
 
-    def __init__(self, *, peers: NodePeers, cfg: Config, model: Any, reward_fn: Any, **kw: Any) -> None:
+    def __init__(self, *, peers: NodePeers, cfg: Config, model: DiffusersFlowModel,
+                 reward_fn: Reward | None, **kw: Any) -> None:
+        """``reward_fn``: None when reward workers score (``cluster.rewards > 0``)."""
         super().__init__(**kw)
         self.peers = peers
         self.cfg = cfg
         self.model = model
         self.reward_fn = reward_fn
-        self.version = 0
         self.tasks: asyncio.Queue[Assign] = asyncio.Queue()
         self.revoked: set[int] = set()
 
-    def background(self) -> list[Any]:
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights in the model (applied at trajectory boundaries)."""
+        return self.peers.version
+
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """Weights the peers fetched and verified, into the model (on the compute thread)."""
+        self.model.load_sync_state_dict(sd)
+
+    def background(self) -> list[Loop]:
         return [self.peers.heartbeat_loop(self), self._control_loop, self._announce_loop,
                 self.peers.relay_loop(self), *self.peers.reward_loops(self)]
 
@@ -67,7 +81,10 @@ class RolloutActor(Actor):
             if task.task_id in self.revoked:
                 continue
             # trajectory boundary: apply the newest announced version (TCSS)
+            before = self.peers.version
             await self.peers.catch_up(self, task.version_floor)
+            if self.peers.version != before:
+                self.log = self.log.bind(policy_version=self.peers.version)
             await self.peers.generate_and_stream(self, task, self.model, self.peers.version,
                                                  self.reward_fn, self.cfg, span="denoise_step")
 
@@ -93,8 +110,10 @@ class RolloutActor(Actor):
             self.peers.prefetch(self)
 
     async def _announce_loop(self) -> None:
+        sub = self.peers.sub
+        assert sub is not None, "a rollout's peers hold the announcement SUB (actors/node.py)"
         while True:
-            _, msg = await self.peers.sub.recv()
+            _, msg = await sub.recv()
             if isinstance(msg, VersionAnnounce):
                 self.peers.on_announce(msg)
                 self.peers.prefetch(self)  # fetch while this trajectory is still generating

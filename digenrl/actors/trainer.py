@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from digenrl.actors.base import Actor
+from digenrl.actors.base import Actor, Loop
 from digenrl.actors.peers import NodePeers
 from digenrl.config import Config
 from digenrl.core.credits import within_staleness
@@ -105,8 +105,22 @@ class TrainerActor(Actor):
         self.wake = asyncio.Event()
         self._trained_steps: dict[int, list[int]] = {}  # step -> its plan's trained timesteps
 
+    @property
+    def policy_version(self) -> int:
+        """Optimizer steps this rank has taken (its heartbeats report it)."""
+        return self.policy.version
+
+    def request_stop(self, reason: str) -> None:
+        super().request_stop(reason)
+        self.wake.set()  # a rank waiting for work re-checks ``stopping``
+
+    def drop_model(self) -> None:
+        """Let go of the policy and learner: a sharded (FSDP) model holds the process group,
+        which must be destroyed after the model, not by the interpreter's exit."""
+        del self.learner, self.policy
+
     # ---------------------------------------------------------------- loops
-    def background(self) -> list[Any]:
+    def background(self) -> list[Loop]:
         loops = [self.peers.heartbeat_loop(self), self._control_loop, self._data_loop,
                  *self.peers.reward_loops(self)]
         if self.rank == 0:
@@ -227,8 +241,10 @@ class TrainerActor(Actor):
         return chunks
 
     async def _data_loop(self) -> None:
+        data = self.peers.data
+        assert data is not None, "a trainer's peers hold its data PULL (actors/node.py)"
         while True:
-            _, msg = await self.peers.data.recv()
+            _, msg = await data.recv()
             if not isinstance(msg, (Chunk, CleanSample, Commit)):
                 self.unexpected("data", msg)
                 continue
@@ -275,7 +291,6 @@ class TrainerActor(Actor):
                 self._unstage(msg.task_id)
             elif isinstance(msg, Shutdown):
                 self.request_stop(msg.reason)
-                self.wake.set()
             elif isinstance(msg, VersionAnnounce):
                 pass  # ranks learn versions from their own optimizer steps
             elif not isinstance(msg, Heartbeat):  # a Heartbeat answers ours: proof of life

@@ -22,7 +22,7 @@ from digenrl.core.plan import FORWARD_ALGORITHMS
 from digenrl.models.base import Cond
 from digenrl.rl.forward import fragment_backward as forward_fragment_backward
 from digenrl.rl.grpo import group_advantages
-from digenrl.rl.policy import Policy
+from digenrl.rl.policy import Policy, StepLike
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Learner:
     def version(self) -> int:
         return self.policy.version
 
-    def train_fragment(self, *, records: Mapping[int, object], cond: Cond, rewards: Sequence[float],
+    def train_fragment(self, *, records: Mapping[int, StepLike], cond: Cond, rewards: Sequence[float],
                        gen_version: int, n_trained_total: int, sigma_max: float,
                        reward_terms: Mapping[str, Sequence[float]] | None = None,
                        passes: int | None = None, final: torch.Tensor | None = None,

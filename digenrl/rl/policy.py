@@ -103,7 +103,7 @@ class Policy:
             if self._ref is not None:
                 shard_transformer(self._ref.transformer, param_dtype=compute)
         #: the model's own trained parameters (compute dtype)
-        self.model_params = list(model.trainable_parameters())
+        self.model_params: list[torch.Tensor] = list(model.trainable_parameters())
         if not self.model_params:
             raise ValueError("the model has no trainable parameters")
         #: what the optimizer updates: float32 masters of model_params, or model_params themselves
@@ -111,8 +111,8 @@ class Policy:
         self.has_masters = any(p.dtype != torch.float32 for p in self.model_params)
         if self.has_masters:
             self.params = [p.detach().float().requires_grad_(True) for p in self.model_params]
-            for p, master in zip(self.model_params, self.params):
-                p.register_post_accumulate_grad_hook(partial(_to_master, master))
+            for param, master in zip(self.model_params, self.params):
+                param.register_post_accumulate_grad_hook(partial(_to_master, master))
         self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, betas=train_cfg.adam_betas,
                                            weight_decay=train_cfg.weight_decay)
         self.version = 0
@@ -249,7 +249,9 @@ class Policy:
             kl = torch.zeros_like(per_sample)
             if tc.kl_beta > 0:
                 v_ref = self._ref_velocity(x_t, rec.sigma, cond)
-                ref = sde_step(sc.sde_type, x_t, v_ref, rec.sigma, rec.sigma_next, **step)
+                ref = sde_step(sc.sde_type, x_t, v_ref, rec.sigma, rec.sigma_next,
+                               noise_level=sc.noise_level, eta=sc.eta, sigma_max=sigma_max,
+                               x_next=x_next)
                 kl = kl_penalty(out.mean, ref.mean, out.noise_scale)
                 per_sample = per_sample + tc.kl_beta * kl
             loss = per_sample.sum() * w

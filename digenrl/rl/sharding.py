@@ -58,12 +58,13 @@ def shard_transformer(transformer: torch.nn.Module, param_dtype: torch.dtype = t
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("model.fsdp: torch.distributed is not initialised; FSDP2 needs the "
                            "trainer ranks' process group")
-    kw = {}
-    if param_dtype != torch.float32:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # fp32 parameters: fully_shard's default policy (no casts); else compute in param_dtype
+    # and reduce gradients in float32
+    mp_policy = (MixedPrecisionPolicy() if param_dtype == torch.float32 else
+                 MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
     for block in _blocks(transformer):
-        fully_shard(block, **kw)
-    fully_shard(transformer, **kw)
+        fully_shard(block, mp_policy=mp_policy)
+    fully_shard(transformer, mp_policy=mp_policy)
     for m in transformer.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # sum over ranks, as the unsharded all-reduce does

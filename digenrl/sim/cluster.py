@@ -101,7 +101,7 @@ def cluster_from_dict(table: dict[str, Any], origin: str = "<cluster>") -> Clust
             if k not in ("type", "count", "role"):
                 raise ClusterError(f"unknown key {key}.{k}: expected type, count, role")
         t = row.get("type")
-        _check(f"{key}.type", t, str, t in GPUS, f"one of {', '.join(GPUS)}")
+        t = _check(f"{key}.type", t, str, t in GPUS, f"one of {', '.join(GPUS)}")
         n = row.get("count", 1)
         _check(f"{key}.count", n, int, isinstance(n, int) and n >= 1, "an integer >= 1")
         role = row.get("role", "any")

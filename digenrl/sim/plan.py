@@ -35,6 +35,7 @@ def _divisor_at_most(n: int, cap: int) -> int:
 def mode_run(cfg: Config, mode: str, cluster: Cluster, *, trainers: int | None = None,
              off: str | None = None, **setup_kw: Any) -> tuple[Config, SimSetup]:
     """The (Config, SimSetup) pair one simulated mode (optionally with one mechanism off) runs."""
+    rollouts: list[str]
     if mode == "colocated":
         rollouts, train = [], cluster.all_gpus()
     else:
@@ -73,7 +74,7 @@ def _row(name: str, r: SimResult, base: float | None) -> dict[str, Any]:
 def plan(cfg: Config, cluster: Cluster, modes: list[str], *, calibration: dict[str, Any] | None = None,
          search: bool = False, ablate: bool = True) -> dict[str, Any]:
     """Simulate every mode (+ ablations and split search); plain data, deterministic."""
-    kw = {"calibration": calibration, "seed": cfg.run.seed}
+    kw: dict[str, Any] = {"calibration": calibration, "seed": cfg.run.seed}  # SimSetup fields
     results: dict[str, SimResult] = {}
     for m in modes:
         results[m] = simulate(*mode_run(cfg, m, cluster, **kw))

@@ -42,10 +42,10 @@ def grid(images: torch.Tensor, nrow: int, *, scale: int | None = None, pad: int 
     img = Image.fromarray(canvas.permute(1, 2, 0).contiguous().numpy())
     scale = auto_scale(h, w) if scale is None else scale
     if scale > 1:
-        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+        img = img.resize((img.width * scale, img.height * scale), Image.Resampling.NEAREST)
     if max(img.size) > max_side:
         shrink = max_side / max(img.size)
-        img = img.resize((max(1, round(img.width * shrink)), max(1, round(img.height * shrink))), Image.BILINEAR)
+        img = img.resize((max(1, round(img.width * shrink)), max(1, round(img.height * shrink))), Image.Resampling.BILINEAR)
     return img
 
 

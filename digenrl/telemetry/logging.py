@@ -52,7 +52,7 @@ def node_log_path(run_dir: Path | str, node_id: str) -> Path:
     return Path(run_dir) / "logs" / f"{node_id}.log"
 
 
-class _ConsoleHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _ConsoleHandler(logging.StreamHandler):
     """Writes records for people; steps around a live progress line on the same terminal
     (otherwise a record would be glued to the end of ``step 3/6 ... ETA 12s``)."""
 

@@ -117,7 +117,8 @@ class StepMetrics:
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
         if missing := sorted(required - set(scalars)):
             raise ValueError(f"metrics row of step {row.get('step')!r} lacks {missing}")
-        return cls(**scalars, **dicts, extra=extra)
+        fields: dict[str, Any] = {**scalars, **dicts}  # checked by name above, typed by the class
+        return cls(**fields, extra=extra)
 
 
 def _number(v: Any) -> int | float:

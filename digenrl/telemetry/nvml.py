@@ -25,7 +25,7 @@ import asyncio
 import importlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -92,16 +92,22 @@ class GpuProbe:
                 return
             self._initialised = True
             try:
-                if self._nvml is None:
-                    self._nvml = importlib.import_module("pynvml")
-                self._nvml.nvmlInit()
+                nvml = self._nvml if self._nvml is not None else importlib.import_module("pynvml")
             except ImportError as e:
                 self._reason = _describe(e)
                 return
-            except (self._nvml.NVMLError, OSError) as e:
+            self._nvml = nvml
+            try:
+                nvml.nvmlInit()
+            except (nvml.NVMLError, OSError) as e:
                 self._reason = _describe(e)
                 return
             self._available = True
+
+    def _lib(self) -> ModuleType:
+        """The NVML module (a fake in tests); only called once it initialised."""
+        assert self._nvml is not None, "NVML is read only after a successful init"
+        return self._nvml
 
     @property
     def available(self) -> bool:
@@ -120,7 +126,7 @@ class GpuProbe:
         self._init()
         if not self._available:
             return {"available": False, "reason": self._reason, "gpus": []}
-        nvml = self._nvml
+        nvml = self._lib()
         try:
             devices = (self._devices if self._devices is not None
                        else list(range(nvml.nvmlDeviceGetCount())))
@@ -136,11 +142,11 @@ class GpuProbe:
         """Shut NVML down if, and only if, it initialised (shutdown after a failed init raises)."""
         with self._lock:
             if self._available:
-                self._nvml.nvmlShutdown()
+                self._lib().nvmlShutdown()
             self._available = False
 
     def _read_one(self, device: int | str) -> dict[str, Any]:
-        nvml = self._nvml
+        nvml = self._lib()
         index: int | str = device
         try:
             if isinstance(device, int):
@@ -164,10 +170,10 @@ class GpuProbe:
         except nvml.NVMLError as e:
             return {"index": index, "error": _describe(e)}
 
-    def _optional(self, query: Any) -> float | None:
+    def _optional(self, query: Callable[[], float]) -> float | None:
         try:
             return float(query())
-        except self._nvml.NVMLError as e:
+        except self._lib().NVMLError as e:
             if getattr(e, "value", None) == _NOT_SUPPORTED:
                 return None
             raise

@@ -275,16 +275,17 @@ def busy_fraction(spans: Iterable[Span], t0: int | float, t1: int | float,
     names = set(busy_names)
     intervals = sorted((max(s.start, t0), min(s.end, t1)) for s in spans
                        if s.name in names and s.end > t0 and s.start < t1)
-    covered, cur_start, cur_end = 0.0, None, None
+    covered = 0.0
+    current: tuple[float, float] | None = None  # the union of overlapping intervals so far
     for start, end in intervals:
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                covered += cur_end - cur_start
-            cur_start, cur_end = start, end
+        if current is None or start > current[1]:
+            if current is not None:
+                covered += current[1] - current[0]
+            current = (start, end)
         else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        covered += cur_end - cur_start
+            current = (current[0], max(current[1], end))
+    if current is not None:
+        covered += current[1] - current[0]
     return covered / (t1 - t0)
 
 

@@ -21,7 +21,7 @@ import dataclasses
 import math
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, dataclass_transform
 
 import msgpack
 import torch
@@ -91,6 +91,7 @@ def _kind_of(tp: Any) -> str:
     raise TypeError(f"unsupported message field type {tp!r}")  # our bug, not a peer's
 
 
+@dataclass_transform(frozen_default=True, kw_only_default=True)
 def message(tag: str) -> Callable[[type[M]], type[M]]:
     """Class decorator: make a frozen keyword-only dataclass and register it under ``tag``."""
 

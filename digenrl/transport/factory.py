@@ -60,7 +60,7 @@ def bind(ctx: zmq.asyncio.Context, kind: str, endpoint: str, cfg: Config, *,
     try:
         if handover:  # a restarted node reusing its identity takes over the old connection
             sock.zmq_socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        sock.endpoint = sock.bind(endpoint)  # type: ignore[attr-defined]
+        sock.bind(endpoint)
     except BaseException:
         sock.close()
         raise
@@ -79,5 +79,4 @@ def connect(ctx: zmq.asyncio.Context, kind: str, endpoint: str, cfg: Config, *,
     except BaseException:
         sock.close()
         raise
-    sock.endpoint = endpoint  # type: ignore[attr-defined]
     return sock

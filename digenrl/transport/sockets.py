@@ -168,6 +168,7 @@ class Socket:
             raise TypeError(f"expected a zmq.asyncio.Context, got {type(ctx).__name__}")
         self.options = options or SocketOptions()
         self.name = name or type(self).__name__.lower()
+        self.endpoint = ""  # the address of the last bind (wildcards resolved) or connect
         self._stats = SocketStatistics()
         self._closed = False
         sock = ctx.socket(self.KIND)
@@ -204,12 +205,14 @@ class Socket:
         """Bind and return the actual address (``tcp://127.0.0.1:*`` gets its real port)."""
         Endpoint.parse(endpoint)
         self._live().bind(endpoint)
-        return self.last_endpoint
+        self.endpoint = self.last_endpoint
+        return self.endpoint
 
     def connect(self, endpoint: str) -> None:
         """Connect (asynchronously: ZeroMQ reconnects until the peer is there)."""
         Endpoint.parse(endpoint)
         self._live().connect(endpoint)
+        self.endpoint = endpoint
 
     @property
     def last_endpoint(self) -> str:

@@ -70,7 +70,7 @@ def _import(name: str, spec: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RewardError(f"reward {name!r}: module {module_name!r} has no function {attr!r}")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def resolve_reward(name: str) -> RewardFn:
@@ -239,6 +239,9 @@ def _build_term(spec: RewardTerm) -> Term:
         except Exception as e:  # loading weights failed: name the term, keep the cause
             raise RewardError(f"reward {label!r}: building {target.__name__} raised "
                               f"{type(e).__name__}: {e}") from e
+        if not callable(scorer):
+            raise RewardError(f"reward {label!r}: a {target.__name__} is not callable (a reward "
+                              "class needs __call__(images, prompts[, metadata]))")
         return Term(label=label, weight=float(spec.weight), scorer=scorer,
                     takes_metadata=_takes_metadata(scorer), key=spec.key)
     if args:
