@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+import tomli_w
+
 Mode = Literal["digenrl", "disagg-sync", "colocated"]
 MODES: tuple[str, ...] = get_args(Mode)
 
@@ -499,28 +501,14 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def to_toml(cfg: Config) -> str:
-    """Serialise the resolved config as TOML (what a run writes to its run dir)."""
-    out: list[str] = []
+    """Serialise the resolved config as TOML (what a run writes to its run dir and what
+    Welcome carries to every node).
 
-    def scalar(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, float):
-            return repr(v)
-        if isinstance(v, list):
-            return "[" + ", ".join(scalar(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{k} = {scalar(x)}" for k, x in v.items()) + " }"
-        return str(v)
-
-    for section, table in to_dict(cfg).items():
-        out.append(f"[{section}]")
-        for k, v in table.items():
-            out.append(f"{k} = {scalar(v)}")
-        out.append("")
-    return "\n".join(out)
+    ``tomli_w`` writes it, quoting and escaping every key and string as TOML requires. The
+    reading half stays ours (:func:`load_config`, :func:`config_from_dict`): a generic TOML
+    library parses, but cannot say which field of which section is wrong and what it expects.
+    """
+    return tomli_w.dumps(to_dict(cfg))
 
 
 def resolve_mode(cfg: Config, mode: str | None = None) -> Config:

@@ -19,11 +19,18 @@ same data. So:
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Iterator, Mapping
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 
 import pytest
 import torch
+
+from digenrl.faults import CRASH_ENV, HANG_ENV
 
 #: torch intra-op threads for the whole suite: in this process (an autouse fixture) and in
 #: every run it launches (:data:`THREAD_SETS`). CPU kernels may round differently at another
@@ -33,6 +40,11 @@ TEST_THREADS = int(os.environ.get("DIGENRL_TEST_THREADS", "1"))
 
 #: ``--set`` overrides that give a launched run the suite's thread count.
 THREAD_SETS = [f"run.threads={TEST_THREADS}"]
+
+#: The small run most launch tests start from (later overrides win): the tiny random model,
+#: 2 prompts x 2 generations cut into 2 fragments, 4 denoising steps, the suite's threads.
+SMALL = [*THREAD_SETS, 'model.path="random"', "train.prompts_per_step=2", "train.group_size=2",
+         "runtime.fragments_per_step=2", "sampler.num_steps=4"]
 
 
 @pytest.fixture(autouse=True)
@@ -59,3 +71,65 @@ def assert_same_weights(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Ten
 def assert_close_across_instances(a: torch.Tensor, b: torch.Tensor) -> None:
     """Outputs of two module instances with identical weights, on the same input."""
     torch.testing.assert_close(a, b, rtol=INSTANCE_RTOL, atol=INSTANCE_ATOL)
+
+
+# ----------------------------------------------------------------------------- waiting
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout: float, poll_s: float = 0.2) -> None:
+    """Poll ``cond`` (another process's files or state, which nothing can signal) until it
+    holds; the timeout only bounds a broken run and names ``what`` was awaited."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(poll_s)
+
+
+async def wait_until_async(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """:func:`wait_until` inside an event loop, for state the loop's own tasks change."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- launched runs
+
+
+def set_args(sets: Sequence[str]) -> list[str]:
+    """``--set KEY=VALUE`` command-line pairs."""
+    return [a for s in sets for a in ("--set", s)]
+
+
+def launch_command(*args: str, sets: Sequence[str] = ()) -> list[str]:
+    """``python -m digenrl.cli launch ARGS`` with the suite's thread count and ``sets``."""
+    return [sys.executable, "-m", "digenrl.cli", "launch", *args, *set_args([*THREAD_SETS, *sets])]
+
+
+def launch_env(*, crash: str = "", hang: str = "") -> dict[str, str]:
+    """A launched run's environment: one OpenMP thread; a fault point (digenrl/faults.py)
+    only where asked, never one inherited from the test's own environment."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for var, spec in ((CRASH_ENV, crash), (HANG_ENV, hang)):
+        env.pop(var, None)
+        if spec:
+            env[var] = spec
+    return env
+
+
+def launch_run(*args: str, sets: Sequence[str] = (), crash: str = "", hang: str = "",
+               timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``digenrl launch`` to its end as a user would; its output captured. A session of
+    its own: a crash point kills the launcher's whole process group, not the test's."""
+    return subprocess.run(launch_command(*args, sets=sets), env=launch_env(crash=crash, hang=hang),
+                          start_new_session=True, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The trained policy a run left in ``run_dir/final``."""
+    from safetensors.torch import load_file
+    return load_file(run_dir / "final" / "policy.safetensors")

@@ -12,11 +12,10 @@ from digenrl.actors.cluster import bytes_per_trajectory
 from digenrl.config import load_config, resolve_mode
 from digenrl.launch import launch, make_run_dir
 from digenrl.models import build_model
+from tests.conftest import SMALL
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
-         "runtime.fragments_per_step=2", "sampler.num_steps=4"]
 WINDOW_MB = 0.02
 # What a rollout may grow by after it is ready besides the latents in flight: allocator
 # arenas and activations of its first generations (measured 20-40 MiB on the tiny model).

@@ -100,6 +100,18 @@ def test_the_resolved_config_round_trips_through_toml() -> None:
     assert again == cfg
 
 
+def test_strings_and_keys_toml_must_escape_or_quote_round_trip() -> None:
+    """The hand-written writer this replaced emitted a newline raw and left dotted keys of
+    reward args unquoted: both read back wrong or not at all."""
+    import tomllib
+
+    from digenrl.config import PromptConfig, RewardConfig, RewardTerm
+    awkward = 'a "quoted"\\path\nwith a newline\tand a tab'
+    cfg = Config(prompts=PromptConfig(file=awkward), reward=RewardConfig(terms=[RewardTerm(
+        name="pkg.mod:Scorer", args={"model.path": awkward, "sizes": [1, 2], "nested": {"k": 0.5}})]))
+    assert config_from_dict(tomllib.loads(to_toml(cfg))) == cfg
+
+
 def test_every_field_has_help() -> None:
     assert all(help_ for _, _, help_ in describe_fields(Config))
 

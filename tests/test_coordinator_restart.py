@@ -12,13 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from digenrl.rl.checkpoint import latest_checkpoint
 from digenrl.transport.sockets import free_port
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -47,15 +47,6 @@ def _node(args: list[str], run_dir: Path, name: str) -> subprocess.Popen:
                             stdout=log, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def _wait(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _steps_done(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
@@ -80,8 +71,8 @@ def test_a_restarted_coordinator_resumes_and_the_nodes_rejoin(tmp_path: Path) ->
         procs = [coord, *start_nodes()]
         # a committed checkpoint, not just a metrics line: a step's metrics are sent before its
         # checkpoint is written, and a coordinator killed in between rightly starts over
-        _wait(lambda: _steps_done(run_dir) >= 1 and latest_checkpoint(run_dir) is not None, 120,
-              "the first checkpoint")
+        wait_until(lambda: _steps_done(run_dir) >= 1 and latest_checkpoint(run_dir) is not None,
+                   "the first checkpoint", 120)
         coord.send_signal(signal.SIGKILL)
         coord.wait(10)
         # the nodes hear nothing back and stop on their own, non-zero (for a supervisor)

@@ -12,37 +12,26 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from digenrl.telemetry.metrics import read_metrics
-from tests.conftest import THREAD_SETS
+from tests.conftest import SMALL, final_weights, launch_command, launch_env, wait_until
 
 pytestmark = pytest.mark.slow
 
-SETS = ["model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
-        "runtime.fragments_per_step=2", "sampler.num_steps=4", "run.checkpoint_every=1",
-        "runtime.heartbeat_s=0.25"]
+SETS = [*SMALL, "run.checkpoint_every=1", "runtime.heartbeat_s=0.25"]
 
 
 def _start(run_dir: Path, mode: str, steps: int, rollouts: int, crash: str = "", hang: str = "",
            sets: tuple[str, ...] = ()) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("DIGENRL_TEST_CRASH", None)
-    env.pop("DIGENRL_TEST_HANG", None)
-    if crash:
-        env["DIGENRL_TEST_CRASH"] = crash
-    if hang:
-        env["DIGENRL_TEST_HANG"] = hang
-    cmd = [sys.executable, "-m", "digenrl.cli", "launch", "--mode", mode, "--steps", str(steps),
-           "--rollouts", str(rollouts), "--run-dir", str(run_dir),
-           *[a for s in (*THREAD_SETS, *SETS, *sets) for a in ("--set", s)]]
-    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    cmd = launch_command("--mode", mode, "--steps", str(steps), "--rollouts", str(rollouts),
+                         "--run-dir", str(run_dir), sets=[*SETS, *sets])
+    # a session of its own: a crash point kills the launcher's whole process group
+    return subprocess.Popen(cmd, env=launch_env(crash=crash, hang=hang), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(proc: subprocess.Popen, run_dir: Path, steps: int) -> dict:
@@ -63,14 +52,11 @@ def _finish(proc: subprocess.Popen, run_dir: Path, steps: int) -> dict:
 
 
 def test_a_killed_trainer_rewinds_the_run_to_its_checkpoint_and_ends_bit_identical(tmp_path: Path) -> None:
-    from safetensors.torch import load_file
-
     whole = _finish(_start(tmp_path / "whole", "disagg-sync", 3, 1), tmp_path / "whole", 3)
     s = _finish(_start(tmp_path / "cut", "disagg-sync", 3, 1, crash="trainer:2"), tmp_path / "cut", 3)
     assert s["recovery"]["trainer_resets"] == 1 and whole["recovery"]["trainer_resets"] == 0
     assert s["restarts"]["trainer-0"] == 1 and s["resumed_from"] == [2]
-    a = load_file(tmp_path / "whole" / "final" / "policy.safetensors")
-    b = load_file(tmp_path / "cut" / "final" / "policy.safetensors")
+    a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
     # exact on purpose: same machine and thread count, so the rewound run must replay the same arithmetic
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -78,10 +64,9 @@ def test_a_killed_trainer_rewinds_the_run_to_its_checkpoint_and_ends_bit_identic
 def test_a_rollout_killed_with_kill_9_is_restarted_and_its_work_redone(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = _start(run_dir, "digenrl", 4, 2)
-    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
-    while not (metrics.exists() and metrics.stat().st_size) and proc.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)  # waiting for a condition (step 0 trained), not for a duration
+    metrics = run_dir / "metrics.jsonl"
+    wait_until(lambda: (metrics.exists() and metrics.stat().st_size > 0) or proc.poll() is not None,
+               "step 0 trained", 240, poll_s=0.05)
     pids = json.loads((run_dir / "logs" / "pids.json").read_text())
     os.kill(pids["rollout-0"], signal.SIGKILL)
     s = _finish(proc, run_dir, 4)

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from digenrl.config import load_config, resolve_mode
 from digenrl.rl.learner import Learner
 from digenrl.rl.sharding import pass_count, step_passes
+from tests.conftest import SMALL as TINY_RUN
+from tests.conftest import final_weights
 
-SMALL = ["run.steps=2", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
-         "runtime.fragments_per_step=1", "sampler.num_steps=4", "cluster.trainers=2"]
+SMALL = [*TINY_RUN, "run.steps=2", "runtime.fragments_per_step=1", "cluster.trainers=2"]
 
 
 def test_pass_counts_follow_the_tsp_plan() -> None:
@@ -93,8 +94,6 @@ def test_a_sharded_bf16_policy_keeps_float32_masters_and_computes_what_a_bf16_ro
 
 
 def _run(tmp_path: Path, mode: str, fsdp: bool, extra: list[str]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     from digenrl.launch import launch, make_run_dir
 
     cfg = resolve_mode(load_config(None, [*SMALL, *extra, f"model.fsdp={str(fsdp).lower()}"]), mode)
@@ -102,7 +101,7 @@ def _run(tmp_path: Path, mode: str, fsdp: bool, extra: list[str]) -> dict[str, t
     summary = launch(cfg, run_dir)
     acc = summary["accounting"]
     assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) and acc["in_flight"] == 0
-    return load_file(run_dir / "final" / "policy.safetensors")
+    return final_weights(run_dir)
 
 
 @pytest.mark.slow

@@ -45,7 +45,8 @@ from digenrl.transport.protocol import (
     decode,
     encode,
 )
-from tests.test_security import config, hello, start_coordinator, wait_until
+from tests.conftest import wait_until_async
+from tests.test_security import config, hello, start_coordinator
 
 STORM = 20_000
 
@@ -193,7 +194,7 @@ async def run_storm(tmp_path: Path, n: int, cfg: Config | None = None,
     try:
         async with asyncio.TaskGroup() as tg:
             run = tg.create_task(actor.run())
-            await wait_until(lambda: "trainer-0" in actor.heartbeats, "the trainer's first heartbeat", 120)
+            await wait_until_async(lambda: "trainer-0" in actor.heartbeats, "the trainer's first heartbeat", 120)
             data_endpoint = actor.trainers[0]["data_endpoint"]
             loop = asyncio.get_running_loop()
             t0 = loop.time()
@@ -202,10 +203,10 @@ async def run_storm(tmp_path: Path, n: int, cfg: Config | None = None,
                        tg.create_task(asyncio.to_thread(send_storm, zmq.PUSH, data_endpoint,
                                                         trainer_msgs, counted))]
             try:
-                await wait_until(lambda: actor.control.statistics().bad_frames + actor.refused.total() >= n,
-                                 "coordinator count", 120)
-                await wait_until(lambda: _trainer_counted(actor.heartbeats["trainer-0"].stats) >= n,
-                                 "trainer count", 120)
+                await wait_until_async(lambda: actor.control.statistics().bad_frames + actor.refused.total() >= n,
+                                       "coordinator count", 120)
+                await wait_until_async(lambda: _trainer_counted(actor.heartbeats["trainer-0"].stats) >= n,
+                                       "trainer count", 120)
             finally:
                 counted.set()
             seconds = loop.time() - t0
@@ -216,7 +217,7 @@ async def run_storm(tmp_path: Path, n: int, cfg: Config | None = None,
                                    pid=1, host="probe", data_endpoint="", weights_endpoint=""))
             _, welcome = await asyncio.wait_for(probe.recv(), 30)
             # ... and the trainer keeps heartbeating
-            await wait_until(lambda: actor.heartbeats["trainer-0"].seq > seq_after_storm + 1,
+            await wait_until_async(lambda: actor.heartbeats["trainer-0"].seq > seq_after_storm + 1,
                              "heartbeats after the storm", 30)
             run.cancel()
         trainer.terminate()  # SIGTERM: a graceful drain, exit code 0

@@ -10,12 +10,12 @@ import torch
 from digenrl.config import load_config, resolve_mode
 from digenrl.launch import launch, make_run_dir
 from digenrl.telemetry.metrics import read_metrics
-from tests.conftest import THREAD_SETS
+from tests.conftest import SMALL as TINY_RUN
+from tests.conftest import final_weights
 
 pytestmark = pytest.mark.slow
 
-SMALL = [*THREAD_SETS, "run.steps=2", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
-         "runtime.fragments_per_step=2", "sampler.num_steps=4"]
+SMALL = [*TINY_RUN, "run.steps=2"]
 
 
 def _launch(tmp_path: Path, mode: str, extra: list[str] = (), **cluster: int) -> tuple[Path, dict]:
@@ -64,15 +64,10 @@ def test_digenrl_mode_never_trains_beyond_staleness_one(tmp_path: Path) -> None:
     assert fetched and len(applied) >= 1 and len(fetched) >= len(applied)
 
 
-def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    return load_file(run_dir / "final" / "policy.safetensors")
-
-
 def test_disagg_sync_equals_colocated_after_two_steps(tmp_path: Path) -> None:
     a, _ = _launch(tmp_path, "colocated", ["runtime.fragments_per_step=1"])
     b, _ = _launch(tmp_path, "disagg-sync")
-    pa, pb = _final_params(a), _final_params(b)
+    pa, pb = final_weights(a), final_weights(b)
     assert pa.keys() == pb.keys()
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], rtol=0, atol=1e-6, msg=k)
@@ -83,8 +78,8 @@ def test_tsp_two_ranks_and_gap_four_fragments_give_the_same_update(tmp_path: Pat
     base, _ = _launch(tmp_path / "one", "digenrl", [*extra, "runtime.fragments_per_step=1"])
     gap, _ = _launch(tmp_path / "gap", "digenrl", [*extra, "runtime.fragments_per_step=4"])
     tsp, _ = _launch(tmp_path / "tsp", "digenrl", [*extra, "runtime.fragments_per_step=1"], trainers=2)
-    p0 = _final_params(base)
-    for other in (_final_params(gap), _final_params(tsp)):
+    p0 = final_weights(base)
+    for other in (final_weights(gap), final_weights(tsp)):
         for k in p0:
             torch.testing.assert_close(other[k], p0[k], rtol=0, atol=1e-6, msg=k)
 

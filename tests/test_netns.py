@@ -21,12 +21,12 @@ import pytest
 
 from digenrl.config import load_config, resolve_mode, to_toml
 from digenrl.transport.curve import generate_keys
+from tests.conftest import SMALL as TINY_RUN
 
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
-SMALL = ["run.steps=2", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
-         "runtime.fragments_per_step=2", "sampler.num_steps=4", "runtime.tag=\"never\""]
+SMALL = [*TINY_RUN, "run.steps=2", "runtime.tag=\"never\""]
 
 
 def ip(*args: str) -> None:

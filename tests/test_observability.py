@@ -34,7 +34,7 @@ from digenrl.telemetry.progress import Progress
 from digenrl.telemetry.prometheus import flatten_stats, serve_node_metrics, start_prometheus
 from digenrl.telemetry.report import PNG_SIZES, make_report
 from digenrl.telemetry.trace import Span, busy_fraction, read_trace
-from tests.conftest import THREAD_SETS
+from tests.conftest import SMALL, launch_command
 
 MODES = ("digenrl", "disagg-sync", "colocated")
 HEARTBEAT_S = 0.1
@@ -200,11 +200,8 @@ def launched(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProc
     out = {}
     for mode in MODES:
         run_dir = root / mode
-        sets = [*THREAD_SETS, 'model.path="random"', "train.prompts_per_step=2", "train.group_size=2",
-                "runtime.fragments_per_step=2", "sampler.num_steps=4",
-                f"runtime.heartbeat_s={HEARTBEAT_S}", "runtime.heartbeat_misses=50"]
-        cmd = [sys.executable, "-m", "digenrl.cli", "launch", "--mode", mode, "--steps", "2",
-               "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
+        sets = [*SMALL, f"runtime.heartbeat_s={HEARTBEAT_S}", "runtime.heartbeat_misses=50"]
+        cmd = launch_command("--mode", mode, "--steps", "2", "--run-dir", str(run_dir), sets=sets)
         proc = subprocess.run(cmd, capture_output=True, timeout=600, check=False)
         assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
         out[mode] = (run_dir, proc)

@@ -8,12 +8,9 @@ with work in flight; ``digenrl launch --resume`` then continues it from the chec
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,44 +26,27 @@ from digenrl.rl.checkpoint import (
     save_trainer_state,
 )
 from digenrl.telemetry.metrics import read_metrics
-from tests.conftest import THREAD_SETS
+from tests.conftest import SMALL, final_weights, launch_run, set_args
 
-SETS = ["run.steps=4", "run.checkpoint_every=1", "model.path=\"random\"", "train.prompts_per_step=2",
-        "train.group_size=2", "runtime.fragments_per_step=2", "sampler.num_steps=4"]
-
-
-def _launch(*args: str, crash: str = "") -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("DIGENRL_TEST_CRASH", None)
-    if crash:
-        env["DIGENRL_TEST_CRASH"] = crash
-    cmd = [sys.executable, "-m", "digenrl.cli", "launch", *args, *[a for s in THREAD_SETS for a in ("--set", s)]]
-    # a session of its own: the crash hook kills the launcher's whole process group
-    return subprocess.run(cmd, env=env, start_new_session=True, capture_output=True, text=True,
-                          timeout=300, check=False)
+SETS = [*SMALL, "run.steps=4", "run.checkpoint_every=1"]
 
 
 def _fresh_args(mode: str, run_dir: Path, sets: list[str] = SETS) -> list[str]:
-    return ["--mode", mode, "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
-
-
-def _final(run_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    return load_file(run_dir / "final" / "policy.safetensors")
+    return ["--mode", mode, "--run-dir", str(run_dir), *set_args(sets)]
 
 
 def _interrupt_and_resume(tmp_path: Path, mode: str, crash: str, versions: tuple[int, ...],
                           sets: list[str] = SETS, killed: str = "") -> tuple[Path, dict]:
     """``killed``: the launcher survives its killed children and says so (multi-rank colocated)."""
     cut = tmp_path / f"{mode}-cut"
-    r = _launch(*_fresh_args(mode, cut, sets), crash=crash)
+    r = launch_run(*_fresh_args(mode, cut, sets), crash=crash)
     if killed:
         assert r.returncode == 1 and killed in r.stderr, r.stderr[-2000:]
     else:
         assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     assert not (cut / "final").exists()
     assert latest_checkpoint(cut).version in versions
-    r = _launch("--resume", str(cut))
+    r = launch_run("--resume", str(cut))
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((cut / "summary.json").read_text())
     acc = summary["accounting"]
@@ -82,10 +62,10 @@ def _interrupt_and_resume(tmp_path: Path, mode: str, crash: str, versions: tuple
 def test_k0_run_killed_in_step_three_and_resumed_is_bit_identical_to_an_uninterrupted_run(
         tmp_path: Path, mode: str, crash: str) -> None:
     whole = tmp_path / f"{mode}-whole"
-    r = _launch(*_fresh_args(mode, whole))
+    r = launch_run(*_fresh_args(mode, whole))
     assert r.returncode == 0, r.stderr[-3000:]
     cut, summary = _interrupt_and_resume(tmp_path, mode, crash, versions=(2,))
-    a, b = _final(whole), _final(cut)
+    a, b = final_weights(whole), final_weights(cut)
     assert a.keys() == b.keys()
     # exact on purpose: same machine and thread count, so a resumed run must replay the same arithmetic
     assert all(torch.equal(a[k], b[k]) for k in a)

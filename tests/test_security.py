@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
 import structlog
@@ -29,9 +28,10 @@ from digenrl.transport.curve import (
 from digenrl.transport.protocol import Hello, Welcome
 from digenrl.transport.security import PlaintextRefused, node_security
 from digenrl.transport.sockets import Dealer
+from tests.conftest import SMALL as TINY_RUN
+from tests.conftest import wait_until_async
 
-SMALL = ["run.steps=2", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
-         "runtime.fragments_per_step=2", "sampler.num_steps=4", "runtime.tag=\"never\""]
+SMALL = [*TINY_RUN, "run.steps=2", "runtime.tag=\"never\""]
 
 
 def config(*extra: str) -> Config:
@@ -53,16 +53,6 @@ def start_coordinator(ctx: zmq.asyncio.Context, cfg: Config, run_dir: Path) -> C
         metrics=MetricsWriter(run_dir, tensorboard=False), expected_trainers=1,
         node_id="coordinator", recorder=SpanRecorder("coordinator", "coordinator"),
         log=get_logger("coordinator", "coordinator"))
-
-
-async def wait_until(cond: Any, what: str, timeout: float = 20.0) -> None:
-    """Poll ``cond`` on the event loop; the timeout only bounds a broken run."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def hello(node_id: str) -> Hello:
@@ -87,7 +77,7 @@ async def test_a_client_without_an_allowed_key_cannot_make_the_coordinator_act(t
             run = tg.create_task(actor.run())
             # queued on the TCP connection; the refused handshake means it is never delivered
             await rogue.send(hello("rogue-0"))
-            await wait_until(lambda: sec.counters()["zap_rejected"] >= 1, "the ZAP rejection")
+            await wait_until_async(lambda: sec.counters()["zap_rejected"] >= 1, "the ZAP rejection")
             await good.send(hello("trainer-0"))
             _, msg = await asyncio.wait_for(good.recv(), 20)
             assert isinstance(msg, Welcome) and msg.node_id == "trainer-0"

@@ -8,20 +8,20 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from digenrl.config import load_config, resolve_mode, to_toml
 from digenrl.transport.sockets import free_port
+from tests.conftest import SMALL as TINY_RUN
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-SMALL = ["run.steps=4", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
-         "runtime.fragments_per_step=2", "sampler.num_steps=4", "runtime.heartbeat_s=0.2",
+SMALL = [*TINY_RUN, "run.steps=4", "runtime.heartbeat_s=0.2",
          "faults.slowdown=2", "runtime.tag=\"never\""]
 
 
@@ -44,15 +44,6 @@ def ctl(conf: Path, env: dict[str, str], *args: str) -> str:
     out = subprocess.run([str(BIN / "supervisorctl"), "-c", str(conf), *args], capture_output=True,
                          text=True, timeout=30, env=env)
     return out.stdout.strip()
-
-
-def wait_for(cond, what: str, timeout: float) -> None:
-    """Poll an external process manager; the timeout only bounds a broken run."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def start_supervisord(tmp_path: Path, sets: list[str], **extra_env: str
@@ -101,18 +92,18 @@ def test_supervisord_restarts_a_killed_rollout_and_the_run_finishes(tmp_path: Pa
     rollout = "digenrl:digenrl-rollout-0"
     try:
         metrics = run_dir / "metrics.jsonl"
-        wait_for(lambda: metrics.is_file() and metrics.read_text().strip(), "the first step", 90)
+        wait_until(lambda: metrics.is_file() and metrics.read_text().strip(), "the first step", 90)
         old_pid = int(ctl(conf, env, "pid", rollout))
         os.kill(old_pid, signal.SIGKILL)
-        wait_for(lambda: ctl(conf, env, "pid", rollout) not in ("0", str(old_pid), ""), "the restart", 30)
-        wait_for(lambda: "EXITED" in ctl(conf, env, "status", "digenrl:digenrl-coordinator"),
+        wait_until(lambda: ctl(conf, env, "pid", rollout) not in ("0", str(old_pid), ""), "the restart", 30)
+        wait_until(lambda: "EXITED" in ctl(conf, env, "status", "digenrl:digenrl-coordinator"),
                  "the coordinator to exit", 90)
         status = ctl(conf, env, "status")
         assert "FATAL" not in status and "BACKOFF" not in status, status
         summary = assert_finished(run_dir, 4)
         assert any("#lost" in k for k in summary["nodes"]), summary["nodes"]
         # exit 0 at the end of the run: supervisord (autorestart=unexpected) leaves them down
-        wait_for(lambda: "RUNNING" not in ctl(conf, env, "status"), "every node to exit", 30)
+        wait_until(lambda: "RUNNING" not in ctl(conf, env, "status"), "every node to exit", 30)
         assert ctl(conf, env, "status").count("EXITED") == 3, ctl(conf, env, "status")
     finally:
         stop_supervisord(sup)
@@ -126,7 +117,7 @@ def test_supervisord_recovers_a_wedged_trainer_that_still_heartbeats(tmp_path: P
     sup, conf, env, run_dir = start_supervisord(
         tmp_path, ["runtime.stall_timeout_s=5", "run.checkpoint_every=1"], DIGENRL_TEST_HANG="trainer:1")
     try:
-        wait_for(lambda: "EXITED" in ctl(conf, env, "status", "digenrl:digenrl-coordinator"),
+        wait_until(lambda: "EXITED" in ctl(conf, env, "status", "digenrl:digenrl-coordinator"),
                  "the coordinator to exit", 180)
         summary = assert_finished(run_dir, 4)
         assert summary["recovery"]["stalls"] == 1 and summary["recovery"]["trainer_resets"] == 1

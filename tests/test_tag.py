@@ -8,16 +8,15 @@ import pytest
 
 from digenrl.config import load_config, resolve_mode
 from digenrl.launch import launch, make_run_dir
-from tests.conftest import THREAD_SETS
+from tests.conftest import SMALL as TINY_RUN
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["model.path=\"random\"", "train.prompts_per_step=4", "train.group_size=2",
-         "runtime.fragments_per_step=4", "sampler.num_steps=4"]
+SMALL = [*TINY_RUN, "train.prompts_per_step=4", "runtime.fragments_per_step=4"]
 
 
 def _launch(tmp_path: Path, name: str, extra: list[str], mode: str = "digenrl") -> dict:
-    cfg = resolve_mode(load_config(None, [*THREAD_SETS, *SMALL, *extra]), mode)
+    cfg = resolve_mode(load_config(None, [*SMALL, *extra]), mode)
     return launch(cfg, make_run_dir(cfg, str(tmp_path / name)))
 
 

@@ -6,13 +6,15 @@ written by :func:`generate_keys` (``digenrl keys generate``). A server socket ta
 :class:`~digenrl.transport.sockets.Socket` as ``security=``.
 
 Which clients may talk is decided by :class:`Authenticator`, a ZAP handler (ZeroMQ RFC
-27) on an inproc ROUTER of the same context. Server sockets set
-``ZAP_ENFORCE_DOMAIN``, so without a running handler no client gets in at all (the
-libzmq default would accept any client that knows the server's public key).
+27) on the context's inproc ZAP endpoint: pyzmq's asyncio authenticator with an allow-list of
+client keys and the counters a node reports. Server sockets set ``ZAP_ENFORCE_DOMAIN``, so
+without a running handler no client gets in at all (the libzmq default would accept any
+client that knows the server's public key).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,12 +24,12 @@ import structlog
 import zmq
 import zmq.asyncio
 import zmq.auth
+from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
 
 from digenrl.transport.errors import TransportError
 
 log = structlog.get_logger("digenrl.transport.curve")
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DEFAULT_DOMAIN = "digenrl"
 
 
@@ -110,65 +112,70 @@ class CurveClient:
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.keypair.secret)
 
 
-class Authenticator:
+class Authenticator(AsyncioAuthenticator):
     """ZAP handler admitting CURVE clients whose public key is on an allow-list.
 
-    Construct it (it binds the context's ZAP endpoint at once, so handshakes queue until
-    it serves) and run :meth:`serve` in the actor's task group.
+    pyzmq's own asyncio authenticator (``zmq.auth.asyncio``) does the ZAP protocol; this
+    subclass adds what a node reports and logs: ``accepted`` / ``rejected`` counters and one
+    warning per refused client (its address and key). It admits the CURVE mechanism only,
+    for one ZAP domain (the base class would also admit NULL clients of a domain).
+
+    Construct it inside the event loop that serves it: it binds the context's ZAP endpoint
+    and answers at once (a handshake that found no handler would be refused for good).
+    :meth:`serve` keeps a task alive until cancelled, then unbinds; :meth:`close` unbinds.
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, *, allowed: Iterable[bytes] = (),
                  domain: str = DEFAULT_DOMAIN) -> None:
-        self.domain = domain.encode()
-        self._allowed = {bytes(k) for k in allowed}
+        super().__init__(ctx)
+        self.domain = domain
+        self.certs[domain] = {bytes(k): True for k in allowed}  # z85 public key -> allowed
         self.accepted = 0
         self.rejected = 0
-        self._sock = ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._peer = ("", b"")  # (address, z85 key) of the request being answered
         try:
-            self._sock.bind(ZAP_ENDPOINT)
+            self.start()
         except zmq.ZMQError as e:
-            self._sock.close()
+            self.stop()
             raise TransportError(f"a ZAP handler already runs in this context: {e}") from e
 
-    def allow(self, public_key: bytes) -> None:
+    def allow_key(self, public_key: bytes) -> None:
         """Admit the client with this Z85 public key from its next handshake on."""
-        self._allowed.add(bytes(public_key))
+        self.certs[self.domain][bytes(public_key)] = True
 
-    def revoke(self, public_key: bytes) -> None:
+    def revoke_key(self, public_key: bytes) -> None:
         """Refuse this key from its next handshake on (open connections stay)."""
-        self._allowed.discard(bytes(public_key))
+        self.certs[self.domain].pop(bytes(public_key), None)
 
     async def serve(self) -> None:
-        """Answer ZAP requests until cancelled."""
-        while True:
-            request = await self._sock.recv_multipart()
-            await self._sock.send_multipart(self.reply(request))
+        """Keep answering until cancelled; then unbind the ZAP endpoint."""
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.stop()
 
-    def reply(self, request: list[bytes]) -> list[bytes]:
-        """The ZAP reply frames (routing envelope included) for one request."""
-        # [routing id, b"", version, request id, domain, address, identity, mechanism, creds...]
-        if len(request) < 8 or request[1] != b"":
-            return [request[0], b"", b"1.0", b"", b"500", b"malformed ZAP request", b"", b""]
-        envelope, version, request_id, domain, address = request[:2], *request[2:6]
-        mechanism, credentials = request[7], request[8:]
-        key = z85.encode(credentials[0]) if mechanism == b"CURVE" and credentials else b""
-        if version != b"1.0":
-            status, text = b"500", b"unsupported ZAP version"
-        elif domain != self.domain:
-            status, text = b"400", b"wrong domain"
-        elif key and key in self._allowed:
-            status, text = b"200", b"OK"
-        else:
-            status, text = b"400", b"key not allowed"
-        if status == b"200":
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        # [version, request id, domain, address, identity, mechanism, credentials...]
+        address = msg[3].decode(errors="replace") if len(msg) > 3 else ""
+        key = z85.encode(msg[6]) if len(msg) == 7 and msg[5] == b"CURVE" and len(msg[6]) == 32 else b""
+        self._peer = (address, key)
+        if len(msg) >= 6 and msg[5] != b"CURVE":
+            self._send_zap_reply(msg[1], b"400", b"CURVE only")
+            return
+        await super().handle_zap_message(msg)
+
+    def _send_zap_reply(self, request_id: bytes, status_code: bytes, status_text: bytes,
+                        user_id: str = "anonymous") -> None:
+        # every answer goes out here (pyzmq's one exit), so the counters see each decision
+        if status_code == b"200":
             self.accepted += 1
         else:
             self.rejected += 1
-            log.warning("curve_client_refused", address=address.decode(errors="replace"),
-                        key=key.decode(errors="replace"), why=text.decode())
-        return [*envelope, b"1.0", request_id, status, text, key if status == b"200" else b"", b""]
+            address, key = self._peer
+            log.warning("curve_client_refused", address=address, key=key.decode(errors="replace"),
+                        why=status_text.decode(errors="replace"))
+        super()._send_zap_reply(request_id, status_code, status_text, user_id)
 
     def close(self) -> None:
-        """Unbind the ZAP endpoint (linger 0)."""
-        self._sock.close(linger=0)
+        """Unbind the ZAP endpoint."""
+        self.stop()
