@@ -16,6 +16,12 @@ When a node sends what (see docs/deployment.md)::
 
 The wire format is systemd's ``sd_notify(3)``; an address starting with ``@`` names the
 Linux abstract socket namespace.
+
+Why not a library: the protocol is one datagram per notice, which this module sends in a few
+lines; ``systemd-python`` needs libsystemd headers to build (not on every machine, nor in
+slim containers), and a minimal pure-Python client (``sdnotify`` on PyPI) sends a notice and
+no more: the watchdog's period and PID checks below would still be ours. A dependency would
+add more than it removes.
 """
 
 from __future__ import annotations
