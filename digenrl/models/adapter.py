@@ -28,7 +28,7 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from digenrl.config import ConfigError
-from digenrl.models.base import Cond
+from digenrl.models.base import Cond, DiffusersTransformer
 
 #: flow_grpo's LoRA targets (train_sd3.py / train_flux.py): image and text attention projections.
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -57,7 +57,7 @@ class DiffusersFlowModel:
     guidance = 0.0
     """embedded guidance for guidance-distilled transformers (set from sampler.embedded_guidance)"""
 
-    def __init__(self, transformer: torch.nn.Module, *, encoder: Callable[[Sequence[str]], Cond],
+    def __init__(self, transformer: DiffusersTransformer, *, encoder: Callable[[Sequence[str]], Cond],
                  decoder: Callable[[torch.Tensor], torch.Tensor], latent_shape: tuple[int, ...],
                  lora_rank: int = 0, lora_alpha: float = 0.0, lora_targets: Sequence[str] = LORA_TARGETS,
                  gradient_checkpointing: bool = False, dtype: torch.dtype | None = None) -> None:
@@ -72,7 +72,8 @@ class DiffusersFlowModel:
         if lora_rank > 0:
             transformer.requires_grad_(False)
             try:
-                transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=self.lora_alpha,
+                # peft annotates lora_alpha as int but scales by lora_alpha / r, a float
+                transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=self.lora_alpha,  # type: ignore[arg-type]
                                                    init_lora_weights="gaussian", target_modules=list(lora_targets)))
             except ValueError as e:  # peft: no module matched
                 raise ConfigError(f"model.lora_targets = {list(lora_targets)}: no module of this "

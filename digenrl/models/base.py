@@ -20,18 +20,44 @@ as their first dimension, so it can be sliced, concatenated and sent over the wi
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 Cond = dict[str, torch.Tensor]
+
+if TYPE_CHECKING:  # diffusers is imported lazily at run time (an emulated node never loads it)
+    # from the defining modules: ``diffusers.ModelMixin`` is a dummy class to a type checker
+    from diffusers.configuration_utils import ConfigMixin
+    from diffusers.loaders.peft import PeftAdapterMixin
+    from diffusers.models.modeling_utils import ModelMixin
+
+    class DiffusersTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin):
+        """What every diffusers transformer class is (``SD3Transformer2DModel`` ... share no
+        single base): a module with a config and peft adapters. For type checking only;
+        :func:`digenrl.models.families.transformer_class` checks a class at run time."""
+
+        config: Any  # diffusers' FrozenDict, read by attribute (``config.guidance_embeds``)
+        config_name: Any  # ModelMixin says "config.json", ConfigMixin declares None
+        peft_config: dict[str, Any]  # set by add_adapter
+
+    class DiffusersVae(ModelMixin, ConfigMixin):
+        """A diffusers VAE (``AutoencoderKL``, ``AutoencoderKLWan``, ...). Type checking only."""
+
+        config: Any
+        config_name: Any
+
+        def decode(self, z: torch.Tensor, return_dict: bool = True) -> Any: ...
+else:
+    DiffusersTransformer = DiffusersVae = torch.nn.Module
 
 
 @runtime_checkable
 class FlowModel(Protocol):
     family: str
     latent_shape: tuple[int, ...]
-    transformer: torch.nn.Module
+    @property
+    def transformer(self) -> torch.nn.Module: ...
 
     def encode_prompts(self, prompts: Sequence[str]) -> Cond: ...
 

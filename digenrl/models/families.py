@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import diffusers
 
 from digenrl.config import ConfigError
 from digenrl.models import flux, qwenimage, sd3, video
 from digenrl.models.adapter import DiffusersFlowModel
+from digenrl.models.base import DiffusersTransformer
 from digenrl.models.pixels import shuffle_factor
 
 
@@ -115,7 +116,7 @@ def _hunyuanvideo(cfg: Any, vae: Any) -> Geometry:
 
 @dataclass(frozen=True)
 class FamilySpec:
-    cls: type
+    cls: type[DiffusersTransformer]
     adapter: type[DiffusersFlowModel]
     geometry: Callable[[Any, Any], Geometry]
     """(transformer config, VAE or None) -> :class:`Geometry`"""
@@ -127,17 +128,29 @@ class FamilySpec:
     max_tokens: int = 16
 
 
+def transformer_class(cls: type) -> type[DiffusersTransformer]:
+    """``cls``, checked to be what every diffusers transformer class is (a model with a config
+    and peft adapters: :class:`~digenrl.models.base.DiffusersTransformer`)."""
+    from diffusers.configuration_utils import ConfigMixin
+    from diffusers.loaders.peft import PeftAdapterMixin
+    from diffusers.models.modeling_utils import ModelMixin
+
+    if not all(issubclass(cls, base) for base in (ModelMixin, ConfigMixin, PeftAdapterMixin)):
+        raise TypeError(f"{cls.__name__} is not a diffusers transformer with peft adapters")
+    return cast("type[DiffusersTransformer]", cls)  # the check above is what the type says
+
+
 SPECS: dict[str, FamilySpec] = {
-    "sd3": FamilySpec(diffusers.SD3Transformer2DModel, sd3.SD3Model, _sd3,
+    "sd3": FamilySpec(transformer_class(diffusers.SD3Transformer2DModel), sd3.SD3Model, _sd3,
                       lambda cfg: (cfg.joint_attention_dim, cfg.pooled_projection_dim), "AutoencoderKL"),
-    "flux": FamilySpec(diffusers.FluxTransformer2DModel, flux.FluxModel, _flux,
+    "flux": FamilySpec(transformer_class(diffusers.FluxTransformer2DModel), flux.FluxModel, _flux,
                        lambda cfg: (cfg.joint_attention_dim, cfg.pooled_projection_dim), "AutoencoderKL",
                        guidance=3.5),
-    "qwenimage": FamilySpec(diffusers.QwenImageTransformer2DModel, qwenimage.QwenImageModel, _qwenimage,
+    "qwenimage": FamilySpec(transformer_class(diffusers.QwenImageTransformer2DModel), qwenimage.QwenImageModel, _qwenimage,
                             lambda cfg: (cfg.joint_attention_dim, 0), "AutoencoderKLQwenImage", guidance=1.0),
-    "wan": FamilySpec(diffusers.WanTransformer3DModel, video.WanModel, _wan,
+    "wan": FamilySpec(transformer_class(diffusers.WanTransformer3DModel), video.WanModel, _wan,
                       lambda cfg: (cfg.text_dim, 0), "AutoencoderKLWan"),
-    "hunyuanvideo": FamilySpec(diffusers.HunyuanVideoTransformer3DModel, video.HunyuanVideoModel, _hunyuanvideo,
+    "hunyuanvideo": FamilySpec(transformer_class(diffusers.HunyuanVideoTransformer3DModel), video.HunyuanVideoModel, _hunyuanvideo,
                                lambda cfg: (cfg.text_embed_dim, cfg.pooled_projection_dim),
                                "AutoencoderKLHunyuanVideo", guidance=6.0),
 }

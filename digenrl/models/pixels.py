@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from digenrl.models.base import DiffusersVae
+
 
 class Decoder(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
@@ -57,7 +59,7 @@ class PixelDecoder:
     def __init__(self, channels: int) -> None:
         self.channels = channels
         self.r = shuffle_factor(channels)
-        self._proj = None
+        self._proj: torch.Tensor | None = None  # the projection when channels != 3*r*r
         if self.r is None:
             gen = torch.Generator().manual_seed(0)
             self._proj = torch.randn(3, channels, generator=gen) / channels**0.5
@@ -75,6 +77,7 @@ class PixelDecoder:
         x = x.float()
         if self.r is not None:
             return to_uint8(torch.pixel_shuffle(x, self.r))
+        assert self._proj is not None, "made in __init__ whenever r is None"
         return to_uint8(torch.einsum("oc,bchw->bohw", self._proj.to(x.device), x))
 
 
@@ -99,7 +102,7 @@ class VaeDecoder:
     HunyuanVideo (``AutoencoderKLHunyuanVideo``): ``z / scaling_factor``.
     """
 
-    def __init__(self, vae: torch.nn.Module, family: str) -> None:
+    def __init__(self, vae: DiffusersVae, family: str) -> None:
         self.vae, self.family = vae.requires_grad_(False).eval(), family
 
     @torch.no_grad()

@@ -35,7 +35,7 @@ from digenrl.models.folder import (
     PipelineFolder,
     is_pipeline_folder,
 )
-from digenrl.models.pixels import PixelDecoder, VaeDecoder, shuffle_factor
+from digenrl.models.pixels import Decoder, PixelDecoder, VaeDecoder, shuffle_factor
 from digenrl.models.text import HashPromptEncoder, PipelinePromptEncoder
 
 if TYPE_CHECKING:
@@ -141,7 +141,8 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
                 transformer = pf.load("transformer", dtype=dtype, frozen=False)
             else:
                 transformer = spec.cls.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
-        transformer.to(device=device)
+        module: torch.nn.Module = transformer  # (diffusers wraps .to, which hides its signature)
+        module.to(device=device)
         if model_cfg.path == "random":
             _cast(transformer, dtype)
         cfg = transformer.config
@@ -149,6 +150,7 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
         geometry = spec.geometry(cfg, vae)
         latent_shape = geometry.latent_shape(model_cfg.height, model_cfg.width, model_cfg.num_frames)
         encoder = _encoder(model_cfg, pf, device, dtype, cfg)
+        decoder: Decoder
         if vae is not None:
             decoder = VaeDecoder(vae, family)
         else:

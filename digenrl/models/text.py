@@ -111,7 +111,7 @@ class PipelinePromptEncoder:
                 DEFAULT_PROMPT_TEMPLATE,
             )
 
-            template = DEFAULT_PROMPT_TEMPLATE["template"]
+            template = str(DEFAULT_PROMPT_TEMPLATE["template"])
             self._template = {"template": template,
                               "crop_start": template_prefix_tokens(pipe.tokenizer, template)}
 

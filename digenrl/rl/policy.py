@@ -89,7 +89,8 @@ class Policy:
         if train_cfg.kl_beta > 0 and not getattr(model, "lora_rank", 0):
             # shallow copy shares encoder/decoder; only the transformer is duplicated and frozen
             self._ref = copy.copy(model)
-            self._ref.transformer = copy.deepcopy(model.transformer).requires_grad_(False)
+            # the copy's own attribute (FlowModel exposes ``transformer`` read-only)
+            self._ref.__dict__["transformer"] = copy.deepcopy(model.transformer).requires_grad_(False)
         #: FSDP2: parameters, gradients and optimizer state are DTensor shards over the trainer
         #: ranks (see digenrl.rl.sharding); every pass must then run in lockstep on all ranks
         self.sharded = shard

@@ -459,7 +459,7 @@ class Simulator:
             node.offered = True
             self._apply(self.sched.tag_offer(node.id, self.now))
 
-    def _train_units(self, task: Any, n: int, rank: int) -> float:
+    def _train_units(self, task: AssignCmd, n: int, rank: int) -> float:
         """Sample-timesteps this rank trains for the fragment (TSP or data-parallel)."""
         if self.cfg.runtime.tsp and self.R > 1:
             return n * task.owners.count(rank)

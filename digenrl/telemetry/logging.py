@@ -52,7 +52,7 @@ def node_log_path(run_dir: Path | str, node_id: str) -> Path:
     return Path(run_dir) / "logs" / f"{node_id}.log"
 
 
-class _ConsoleHandler(logging.StreamHandler):
+class _ConsoleHandler(logging.StreamHandler[TextIO]):
     """Writes records for people; steps around a live progress line on the same terminal
     (otherwise a record would be glued to the end of ``step 3/6 ... ETA 12s``)."""
 
@@ -134,4 +134,5 @@ def get_logger(role: str, node_id: str, **context: Any) -> structlog.stdlib.Boun
 
     Bound loggers are immutable: ``log = log.bind(policy_version=v)`` when it changes.
     """
-    return structlog.get_logger(f"digenrl.{role}").bind(role=role, node_id=node_id, **context)
+    log: structlog.stdlib.BoundLogger = structlog.get_logger(f"digenrl.{role}")
+    return log.bind(role=role, node_id=node_id, **context)

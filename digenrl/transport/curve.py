@@ -19,6 +19,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 import zmq
@@ -89,7 +90,7 @@ class CurveServer:
     keypair: KeyPair
     domain: str = DEFAULT_DOMAIN
 
-    def apply(self, sock: zmq.Socket) -> None:
+    def apply(self, sock: zmq.Socket[Any]) -> None:
         """Set the options; must run before bind."""
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.keypair.secret)
@@ -105,7 +106,7 @@ class CurveClient:
     keypair: KeyPair
     server_public: bytes
 
-    def apply(self, sock: zmq.Socket) -> None:
+    def apply(self, sock: zmq.Socket[Any]) -> None:
         """Set the options; must run before connect."""
         sock.setsockopt(zmq.CURVE_SERVERKEY, self.server_public)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keypair.public)

@@ -59,6 +59,7 @@ def tensor_to_frame(where: str, t: Any) -> tuple[str, list[int], memoryview]:
 def as_buffer(frame: Any) -> memoryview:
     """A flat byte view of bytes, bytearray, memoryview or zmq.Frame, without copying."""
     tp = type(frame)
+    view: memoryview
     if tp is memoryview:
         view = frame
     elif tp is bytes or tp is bytearray:

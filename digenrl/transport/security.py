@@ -75,7 +75,7 @@ def allowed_client_keys(keys_dir: str | Path) -> list[bytes]:
 class _ZapThread:
     """An :class:`Authenticator` serving on a thread; ``start`` returns once it is bound."""
 
-    def __init__(self, ctx: zmq.Context, allowed: list[bytes]) -> None:
+    def __init__(self, ctx: zmq.Context[Any], allowed: list[bytes]) -> None:
         self._address = ctx.underlying
         self._allowed = allowed
         self._ready = threading.Event()
@@ -120,7 +120,7 @@ class _ZapThread:
 class NodeSecurity:
     """Security decisions and counters for every socket of one zmq context (see module doc)."""
 
-    def __init__(self, ctx: zmq.Context, transport: TransportConfig) -> None:
+    def __init__(self, ctx: zmq.Context[Any], transport: TransportConfig) -> None:
         self.transport = transport
         self._ctx = ctx
         self._zap: _ZapThread | None = None
@@ -219,10 +219,10 @@ class NodeSecurity:
         }
 
 
-_BY_CONTEXT: weakref.WeakKeyDictionary[zmq.Context, NodeSecurity] = weakref.WeakKeyDictionary()
+_BY_CONTEXT: weakref.WeakKeyDictionary[zmq.Context[Any], NodeSecurity] = weakref.WeakKeyDictionary()
 
 
-def node_security(ctx: zmq.Context, transport: TransportConfig | None = None) -> NodeSecurity:
+def node_security(ctx: zmq.Context[Any], transport: TransportConfig | None = None) -> NodeSecurity:
     """The context's :class:`NodeSecurity`, made from ``transport`` on first use.
 
     A node's security is fixed by the first config it opens a socket with (its local, boot

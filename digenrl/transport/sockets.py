@@ -64,7 +64,7 @@ _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 class SocketSecurity(Protocol):
     """Anything that sets a socket's security options before bind/connect (see curve.py)."""
 
-    def apply(self, sock: zmq.Socket) -> None: ...
+    def apply(self, sock: zmq.Socket[Any]) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,7 +196,7 @@ class Socket:
             security.apply(sock)
         self._configure(sock)
 
-    def _configure(self, sock: zmq.Socket) -> None:
+    def _configure(self, sock: zmq.Socket[Any]) -> None:
         """Kind-specific options, set before bind/connect."""
 
     # ------------------------------------------------------------ lifecycle
@@ -505,7 +505,7 @@ class Router(Socket):
 
     KIND = zmq.ROUTER
 
-    def _configure(self, sock: zmq.Socket) -> None:
+    def _configure(self, sock: zmq.Socket[Any]) -> None:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
 
     async def send(self, msg: Message, *, to: bytes | None = None,
@@ -593,7 +593,7 @@ class Pub(Socket):
     """A subscription is a topic prefix (this project's are empty): a peer sending a larger
     message is disconnected by ZeroMQ before it is buffered (issue 20: 8 MiB ones were kept)."""
 
-    def _configure(self, sock: zmq.Socket) -> None:
+    def _configure(self, sock: zmq.Socket[Any]) -> None:
         sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not only the first
         sock.setsockopt(zmq.MAXMSGSIZE, self.MAX_SUBSCRIPTION_BYTES)
 
@@ -625,7 +625,7 @@ class Sub(Socket):
 
     KIND = zmq.SUB
 
-    def _configure(self, sock: zmq.Socket) -> None:
+    def _configure(self, sock: zmq.Socket[Any]) -> None:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
 
     async def send(self, msg: Message, *, to: bytes | None = None,

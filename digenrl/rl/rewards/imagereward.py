@@ -112,7 +112,8 @@ class ImageReward:
             if missing or unexpected:
                 raise RewardError(f"{self.who}: {str(ckpt)!r} does not fit the {name} tower: "
                                   f"missing {missing[:3]}, unexpected {list(unexpected)[:3]}")
-        for m in (self.vision, self.text):
+        towers: tuple[torch.nn.Module, ...] = (self.vision, self.text)  # (transformers' .to wrapper confuses mypy)
+        for m in towers:
             m.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         self.head.to(self.device).eval().requires_grad_(False)
 
