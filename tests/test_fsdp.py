@@ -123,17 +123,18 @@ def test_two_sharded_ranks_train_the_same_update_as_two_unsharded(tmp_path: Path
 
 @pytest.mark.slow
 def test_a_sharded_run_killed_mid_run_resumes_bit_identical(tmp_path: Path) -> None:
-    from tests.test_resume import _final, _interrupt_and_resume, _launch
+    from tests.conftest import launch_run, set_args
+    from tests.test_resume import _interrupt_and_resume
 
     sets = ["run.steps=4", "run.checkpoint_every=1", "model.path=\"random\"",
             "train.prompts_per_step=2", "train.group_size=2", "sampler.num_steps=4",
             "cluster.trainers=2", "model.fsdp=true"]
     whole = tmp_path / "colocated-whole"
-    r = _launch("--mode", "colocated", "--run-dir", str(whole), *[a for s in sets for a in ("--set", s)])
+    r = launch_run("--mode", "colocated", "--run-dir", str(whole), *set_args(sets))
     assert r.returncode == 0, r.stderr[-3000:]
     cut, _ = _interrupt_and_resume(tmp_path, "colocated", "generate:2", versions=(2,), sets=sets,
                                    killed="exited with codes [-9, -9]")
-    a, b = _final(whole), _final(cut)
+    a, b = final_weights(whole), final_weights(cut)
     # exact on purpose: same machine and thread count, so a resumed run must replay the same arithmetic
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -151,7 +151,8 @@ async def test_identity_is_bound_at_hello_and_spoofed_reports_are_dropped_and_co
         Welcome,
     )
     from digenrl.transport.sockets import Dealer
-    from tests.test_security import config, hello, start_coordinator, wait_until
+    from tests.conftest import wait_until_async
+    from tests.test_security import config, hello, start_coordinator
 
     cfg = config("runtime.heartbeat_s=0.2", "runtime.heartbeat_misses=100")
     ctx = zmq.asyncio.Context()
@@ -191,8 +192,8 @@ async def test_identity_is_bound_at_hello_and_spoofed_reports_are_dropped_and_co
             await socks["rollout-7"].send(StepDone(step=0, version=1, metrics={}))  # not a trainer
             # issue 20: stats.busy_s a string (refused by the schema, counted as a bad frame)
             await socks["trainer-0"].send(beat("trainer-0", stats={"busy_s": "x"}))
-            await wait_until(lambda: actor.refused.total() >= 8, "the refusals", 30)
-            await wait_until(lambda: actor.control.statistics().bad_by_reason.get("invalid") == 1,
+            await wait_until_async(lambda: actor.refused.total() >= 8, "the refusals", 30)
+            await wait_until_async(lambda: actor.control.statistics().bad_by_reason.get("invalid") == 1,
                              "the schema's refusal", 30)
             await socks["trainer-0"].send(beat("trainer-0"))  # the real trainer is still answered
             _, answer = await asyncio.wait_for(socks["trainer-0"].recv(), 30)

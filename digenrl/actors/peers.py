@@ -348,6 +348,8 @@ class NodePeers:
         bypass = False  # the upstream went silent: rank 0 serves the rest of this version
         while missing := asm.missing():
             sock = self.weights if bypass or self._upstream is None else self._upstream
+            if sock is None:
+                raise RuntimeError(f"{self.node_id}: fetching weights v{asm.version} without a weights socket")
             self._rerouted.clear()
             due = [p for p in missing if p not in in_flight][:max(0, WEIGHTS_WINDOW - len(in_flight))]
             exchange = asyncio.ensure_future(self._exchange(sock, asm.version, due, in_flight))
@@ -552,7 +554,7 @@ class NodePeers:
                 while True:
                     _, msg = await sock.recv()
                     entry = self._scores.get(msg.task_id) if isinstance(msg, Scored) else None
-                    if entry is None:
+                    if entry is None or not isinstance(msg, Scored):
                         actor.unexpected(f"scorer {name}", msg, why="no fragment waits for it")
                     elif not entry[1].done():
                         entry[1].set_result(msg)

@@ -68,7 +68,7 @@ class RewardActor(Actor):
     async def _recv_loop(self) -> None:
         while True:
             peer, msg = await self.router.recv()
-            if isinstance(msg, Score):
+            if isinstance(msg, Score) and peer is not None:  # a ROUTER always names the peer
                 self.requests.put_nowait((peer, msg))
             else:
                 self.unexpected("requests", msg)
@@ -85,8 +85,10 @@ class RewardActor(Actor):
             stop.cancel()
             batch = [get.result()]
             n = batch[0][1].images.shape[0]
-            while not self.requests.empty() and n + self.requests._queue[0][1].images.shape[0] \
-                    <= self.cfg.reward.worker_batch:  # type: ignore[attr-defined]
+            while not self.requests.empty():
+                head: Score = self.requests._queue[0][1]  # type: ignore[attr-defined]  # a peek
+                if n + head.images.shape[0] > self.cfg.reward.worker_batch:
+                    break
                 batch.append(self.requests.get_nowait())
                 n += batch[-1][1].images.shape[0]
             await self._score(batch)

@@ -78,6 +78,7 @@ class FragmentJob:
         images = self.model.decode(self._final)
         prompts = [p for p in self.prompts for _ in range(g)]
         meta = None if self.metadata is None else [m for m in self.metadata for _ in range(g)]
+        terms: dict[str, torch.Tensor]
         if self.reward_fn is None:
             total, terms = torch.zeros(0), {}
         else:

@@ -358,7 +358,7 @@ class Socket:
         self._live()
         if not self._send_waiters:
             try:
-                tracker = _send_multipart(self._sync, frames, track)
+                tracker: zmq.MessageTracker | None = _send_multipart(self._sync, frames, track)
             except zmq.Again:
                 pass
             except zmq.ZMQError as e:
