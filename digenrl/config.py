@@ -8,6 +8,12 @@ key, the value and what was expected. Runtime objects (models, sockets) never li
 Modes are configurations of one scheduler, not separate code paths: :func:`resolve_mode`
 returns the config with the runtime knobs that a mode fixes (staleness K, GAP fragments,
 TSP, TAG) set, and that resolved tree is what a run records in its run dir.
+
+Reading is ``tomllib`` and writing ``tomli-w``; the validator between them stays hand-written
+(a few functions) rather than a schema library, because what it does is the point: one line per
+error naming the dotted key (``train.group_size``), the value and the bound, with the bounds
+and help text kept on the field itself, over plain frozen dataclasses that the torch-free
+``core`` and the simulator use as they are, with no runtime dependency for it.
 """
 
 from __future__ import annotations

@@ -178,7 +178,7 @@ def _cast(transformer: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def _encoder(model_cfg: ModelConfig, pf: PipelineFolder | None, device: torch.device, dtype: torch.dtype,
-             cfg: object):
+             cfg: object) -> HashPromptEncoder | PipelinePromptEncoder:
     from digenrl.models import families
 
     spec = families.SPECS[model_cfg.family]
