@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -93,7 +94,7 @@ def init_process_group(device: torch.device, *, init_method: str, rank: int, wor
     import torch.distributed as dist
 
     use_device(device)
-    kw = {"device_id": device} if device.type == "cuda" else {}
+    kw: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend_for(device), init_method=init_method, rank=rank,
                             world_size=world_size, **kw)
 

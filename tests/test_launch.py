@@ -91,7 +91,7 @@ def test_nft_runtime_update_equals_the_colocated_loops_at_staleness_zero(tmp_pat
     a, _ = _launch(tmp_path, "colocated", [*nft, "runtime.fragments_per_step=1"])
     b, summary = _launch(tmp_path, "disagg-sync", nft, trainers=2)
     _accounting_adds_up(summary, 4, 2)
-    pa, pb = _final_params(a), _final_params(b)
+    pa, pb = final_weights(a), final_weights(b)
     assert pa.keys() == pb.keys()
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], rtol=0, atol=1e-6, msg=k)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -115,8 +115,9 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
         with recorder.span("generate", step=step):
             records, result = job.run_all()
         crash_point("generate", step)  # TEST-ONLY (digenrl/faults.py)
+        slots: dict[int, Any] = {j: None for j in trained}  # forward algorithms: draw slots, values unused
         with recorder.span("fragment_train", step=step):
-            learner.train_fragment(records={j: None for j in trained} if forward else records,
+            learner.train_fragment(records=slots if forward else records,
                                    cond=result.cond, rewards=result.rewards,
                                    gen_version=policy.version, n_trained_total=len(trained),
                                    sigma_max=sigma_max, reward_terms=result.reward_terms,

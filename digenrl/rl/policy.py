@@ -236,7 +236,8 @@ class Policy:
         for t in sorted(records):
             rec = records[t]
             x_t, x_next, logp_old = tensors(t, rec)
-            step = dict(noise_level=sc.noise_level, eta=sc.eta, sigma_max=sigma_max, x_next=x_next)
+            step: dict[str, Any] = dict(noise_level=sc.noise_level, eta=sc.eta, sigma_max=sigma_max,
+                                        x_next=x_next)
 
             v = self._velocity(self.model, x_t, rec.sigma, cond)
             out = sde_step(sc.sde_type, x_t, v, rec.sigma, rec.sigma_next, **step)
