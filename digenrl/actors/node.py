@@ -264,10 +264,6 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                                            world_size=msg.world_size, run_dir=rdir, reward_fn=reward_fn,
                                            test_set=test_set, eval_reward=eval_reward, **kw)
             del policy  # the actor holds it (and drops it before the process group goes)
-        from functools import partial
-
-        from digenrl.devices import use_device
-        actor.compute_init = partial(use_device, device)
         loop = asyncio.get_running_loop()
 
         def on_sigterm() -> None:
