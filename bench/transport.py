@@ -20,6 +20,12 @@ alternating which goes first); a ratio is the median of the per-repeat ratios.
    through :mod:`digenrl.transport.staging`, against the bare copies and raw pyzmq (on a
    CPU-only machine "device" is the host; bench/gpu_check.py calls it on a GPU).
 
+Next to every wall-clock ratio the bench reports CPU time per message (both processes,
+libzmq's I/O threads included, ``time.process_time``): on a host shared with other jobs the
+wall clock mostly measures the scheduler, while the CPU a message costs is what decides the
+wall-clock ratios once the machine is quiet (``cpu_ratio_*``: raw over codec CPU per chunk;
+``heartbeat_cpu_ratio``: codec over raw CPU per round trip).
+
 ``--json`` prints one JSON object instead of tables (keys: ``goodput_ratio_64k``,
 ``goodput_ratio_1m``, ``goodput_ratio_16m``, ``heartbeat_rtt_ratio``,
 ``heartbeat_rtt_bulk_ratio`` and the figures behind them).
@@ -99,9 +105,11 @@ def _send(conn: Connection, mode: str, endpoint: str, nbytes: int, count: int) -
         sock.setsockopt(zmq.SNDHWM, OPTS.hwm)
         sock.connect(endpoint)
         frames = encode(_chunk(nbytes))
+        c0 = time.process_time()
         for _ in range(count):
             sock.send_multipart(frames, copy=False)
         conn.recv()  # the receiver has everything: close
+        conn.send(time.process_time() - c0)  # this process's CPU, its I/O threads included
         sock.close(linger=0)
         ctx.term()
         return
@@ -111,9 +119,11 @@ def _send(conn: Connection, mode: str, endpoint: str, nbytes: int, count: int) -
         with Push(ctx, options=OPTS) as push:
             push.connect(endpoint)
             base = _chunk(nbytes).__dict__
+            c0 = time.process_time()
             for i in range(count):
                 await push.send(Chunk(**{**base, "task_id": i}))
             conn.recv()
+            conn.send(time.process_time() - c0)
         ctx.term()
 
     _run(run())
@@ -125,12 +135,14 @@ def _echo(conn: Connection, mode: str, endpoint: str) -> None:
         sock = ctx.socket(zmq.ROUTER)
         sock.bind(endpoint)
         conn.send("ready")
+        c0 = time.process_time()
         while True:
             peer, body = sock.recv_multipart()
             msg = msgpack.unpackb(body)
             if msg.get("state") == "stopping":
                 break
             sock.send_multipart([peer, msgpack.packb(msg)])
+        conn.send(time.process_time() - c0)
         sock.close(linger=0)
         ctx.term()
         return
@@ -140,7 +152,9 @@ def _echo(conn: Connection, mode: str, endpoint: str) -> None:
         with Router(ctx, options=OPTS) as router:
             router.bind(endpoint)
             conn.send("ready")
+            c0 = time.process_time()
             await _echo_loop(router)
+            conn.send(time.process_time() - c0)
         ctx.term()
 
     _run(run())
@@ -188,8 +202,9 @@ def _free_tcp() -> str:
     return ep
 
 
-def goodput(peer: Connection, mode: str, nbytes: int, count: int) -> float:
-    """Payload bytes per second received (x_t + x_next + log_prob)."""
+def goodput(peer: Connection, mode: str, nbytes: int, count: int) -> tuple[float, float]:
+    """Payload bytes per second received (x_t + x_next + log_prob), and the CPU time both
+    processes spent per message (microseconds, libzmq's I/O threads included)."""
     total = count + WARMUP
     endpoint = _free_tcp()
     if mode == "raw":
@@ -197,6 +212,7 @@ def goodput(peer: Connection, mode: str, nbytes: int, count: int) -> float:
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.RCVHWM, OPTS.hwm)
         sock.bind(endpoint)
+        c0 = time.process_time()
         peer.send(("send", mode, endpoint, nbytes, total))
         t0 = time.perf_counter()
         for i in range(total):
@@ -204,13 +220,15 @@ def goodput(peer: Connection, mode: str, nbytes: int, count: int) -> float:
             if i == WARMUP - 1:
                 t0 = time.perf_counter()
         elapsed = time.perf_counter() - t0
+        cpu = time.process_time() - c0
         sock.close(linger=0)
         ctx.term()
     else:
-        async def run() -> float:
+        async def run() -> tuple[float, float]:
             ctx = zmq.asyncio.Context()
             with Pull(ctx, options=OPTS) as pull:
                 pull.bind(endpoint)
+                c0 = time.process_time()
                 peer.send(("send", mode, endpoint, nbytes, total))
                 t0 = time.perf_counter()
                 for i in range(total):
@@ -219,17 +237,20 @@ def goodput(peer: Connection, mode: str, nbytes: int, count: int) -> float:
                     if i == WARMUP - 1:
                         t0 = time.perf_counter()
                 elapsed = time.perf_counter() - t0
+                cpu = time.process_time() - c0
             ctx.term()
-            return elapsed
+            return elapsed, cpu
 
-        elapsed = _run(run())
+        elapsed, cpu = _run(run())
     peer.send("close")
+    cpu += peer.recv()
     assert peer.recv() == "finished"
-    return count * (2 * nbytes + 4) / elapsed
+    return count * (2 * nbytes + 4) / elapsed, cpu / total * 1e6
 
 
-def latency(peer: Connection, mode: str, pings: int) -> list[float]:
-    """Heartbeat round-trip times in microseconds (50 warm-up pings not counted)."""
+def latency(peer: Connection, mode: str, pings: int) -> tuple[list[float], float]:
+    """Heartbeat round-trip times in microseconds (50 warm-up pings not counted), and the
+    CPU time both processes spent per round trip (microseconds, I/O threads included)."""
     endpoint = _free_tcp()
     peer.send(("echo", mode, endpoint))
     assert peer.recv() == "ready"
@@ -239,28 +260,34 @@ def latency(peer: Connection, mode: str, pings: int) -> list[float]:
         sock = ctx.socket(zmq.DEALER)
         sock.connect(endpoint)
         body = dict(_heartbeat(0).__dict__)
+        c0 = time.process_time()
         for i in range(pings + 50):
             t = time.perf_counter()
             sock.send(msgpack.packb({**body, "seq": i}))
             msgpack.unpackb(sock.recv())
             if i >= 50:
                 rtts.append((time.perf_counter() - t) * 1e6)
+        cpu = time.process_time() - c0
         sock.send(msgpack.packb({**body, "state": "stopping"}))
         sock.close(linger=1000)
         ctx.term()
     else:
-        async def run() -> None:
+        async def run() -> float:
             ctx = zmq.asyncio.Context()
             with Dealer(ctx, options=OPTS) as dealer:
                 dealer.connect(endpoint)
+                c0 = time.process_time()
                 rtts.extend(await _pings(dealer, pings))
+                spent = time.process_time() - c0
                 await dealer.send(_heartbeat(0, state="stopping"))
                 await asyncio.sleep(0.1)  # let the stop leave before the linger-0 close
             ctx.term()
+            return spent
 
-        _run(run())
+        cpu = _run(run())
+    cpu += peer.recv()
     assert peer.recv() == "finished"
-    return rtts
+    return rtts, cpu / (pings + 50) * 1e6
 
 
 async def _pings(dealer: Dealer, pings: int, warmup: int = 50) -> list[float]:
@@ -454,30 +481,45 @@ def main() -> None:
     proc.start()
     try:
         rates: dict[tuple[str, str], list[float]] = {}
+        cpus: dict[tuple[str, str], list[float]] = {}
         ratios: dict[str, list[float]] = {k: [] for k in SIZES}
+        cpu_ratios: dict[str, list[float]] = {k: [] for k in SIZES}
         for rep in range(args.repeats):
             order = ("codec", "raw") if rep % 2 == 0 else ("raw", "codec")
             for key, (nbytes, count) in SIZES.items():
                 count = max(8, int(count * scale))
                 got = {m: goodput(parent, m, nbytes, count) for m in order}
-                for m, v in got.items():
-                    rates.setdefault((key, m), []).append(v / 1e6)
-                ratios[key].append(got["codec"] / got["raw"])
+                for m, (rate, cpu) in got.items():
+                    rates.setdefault((key, m), []).append(rate / 1e6)
+                    cpus.setdefault((key, m), []).append(cpu)
+                ratios[key].append(got["codec"][0] / got["raw"][0])
+                cpu_ratios[key].append(got["raw"][1] / got["codec"][1])
         for key in SIZES:
             out[f"goodput_ratio_{key}"] = statistics.median(ratios[key])
             out[f"goodput_codec_MBps_{key}"] = statistics.median(rates[key, "codec"])
             out[f"goodput_raw_MBps_{key}"] = statistics.median(rates[key, "raw"])
+            # raw CPU per message over codec CPU per message: what the goodput ratio tends
+            # to when CPU is the bottleneck and not the host's other tenants
+            out[f"cpu_ratio_{key}"] = statistics.median(cpu_ratios[key])
+            for m in ("codec", "raw"):
+                out[f"cpu_us_per_msg_{m}_{key}"] = statistics.median(cpus[key, m])
 
         pings = max(200, int(2000 * scale))
         lat: dict[str, list[float]] = {"codec": [], "raw": []}
-        rtt_ratios = []
+        rtt_ratios, rtt_cpu_ratios, rtt_cpu = [], [], {"codec": [], "raw": []}
         for rep in range(args.repeats):
             order = ("codec", "raw") if rep % 2 == 0 else ("raw", "codec")
             got_rtt = {m: latency(parent, m, pings) for m in order}
-            for m, v in got_rtt.items():
+            for m, (v, cpu) in got_rtt.items():
                 lat[m] += v
-            rtt_ratios.append(statistics.median(got_rtt["codec"]) / statistics.median(got_rtt["raw"]))
+                rtt_cpu[m].append(cpu)
+            rtt_ratios.append(statistics.median(got_rtt["codec"][0]) /
+                              statistics.median(got_rtt["raw"][0]))
+            rtt_cpu_ratios.append(got_rtt["codec"][1] / got_rtt["raw"][1])
         out["heartbeat_rtt_ratio"] = statistics.median(rtt_ratios)
+        out["heartbeat_cpu_ratio"] = statistics.median(rtt_cpu_ratios)  # codec over raw
+        for m in ("codec", "raw"):
+            out[f"heartbeat_cpu_us_{m}"] = statistics.median(rtt_cpu[m])
         for m in ("codec", "raw"):
             out[f"heartbeat_rtt_{m}_us"] = statistics.median(lat[m])
             out[f"heartbeat_rtt_{m}_p99_us"] = _p99(lat[m])
@@ -506,16 +548,20 @@ def main() -> None:
     print(f"# transport bench  python {out['python']}  pyzmq {out['pyzmq']}  libzmq "
           f"{out['libzmq']}  cpus {out['cpus']}  load {out['load_avg_1m'][0]:.1f} -> "
           f"{out['load_avg_1m'][1]:.1f}  medians of {args.repeats} interleaved repeats")
-    print("\n| tensor size | codec MB/s | raw MB/s | codec/raw |")
-    print("|---|---|---|---|")
+    print("\n| tensor size | codec MB/s | raw MB/s | codec/raw | CPU us/msg codec | raw | raw/codec |")
+    print("|---|---|---|---|---|---|---|")
     for key in SIZES:
         print(f"| {key} | {out[f'goodput_codec_MBps_{key}']:,.0f} | "
-              f"{out[f'goodput_raw_MBps_{key}']:,.0f} | {out[f'goodput_ratio_{key}']:.2f} |")
+              f"{out[f'goodput_raw_MBps_{key}']:,.0f} | {out[f'goodput_ratio_{key}']:.2f} | "
+              f"{out[f'cpu_us_per_msg_codec_{key}']:.0f} | {out[f'cpu_us_per_msg_raw_{key}']:.0f} | "
+              f"{out[f'cpu_ratio_{key}']:.2f} |")
     print("\n| Heartbeat round trip | median us | p99 us |")
     print("|---|---|---|")
     for m in ("codec", "raw"):
         print(f"| {m} | {out[f'heartbeat_rtt_{m}_us']:.0f} | {out[f'heartbeat_rtt_{m}_p99_us']:.0f} |")
     print(f"| codec/raw | {out['heartbeat_rtt_ratio']:.2f} | |")
+    print(f"| CPU us per round trip, codec / raw | {out['heartbeat_cpu_us_codec']:.0f} / "
+          f"{out['heartbeat_cpu_us_raw']:.0f} (ratio {out['heartbeat_cpu_ratio']:.2f}) | |")
     print(f"| codec, idle (bulk test) | {out['heartbeat_rtt_idle_us']:.0f} | |")
     print(f"| codec, under 16 MiB bulk | {out['heartbeat_rtt_bulk_us']:.0f} | "
           f"{out['heartbeat_rtt_bulk_p99_us']:.0f} |")
