@@ -237,7 +237,8 @@ class RuntimeConfig:
                              "(same process and weights here: near 0; GPU offload: seconds)", ge=0)
     tag_min_free_mb: int = _f(0, "TAG needs this much free GPU memory (NVML); 0 = no check", ge=0)
     byte_window_mb: float = _f(256.0, "latent bytes in flight to trainers before rollouts block", gt=0)
-    lease_s: float = _f(120.0, "a fragment not committed within this is re-assigned", gt=0)
+    lease_s: float = _f(120.0, "a fragment not committed within this of starting (reaching the head "
+                        "of its rollout's queue) is re-assigned", gt=0)
     stall_timeout_s: float = _f(
         1800.0, "no optimizer step completed for this long (heartbeats still flowing: a wedged "
         "GPU or collective) rewinds the run to its last checkpoint and restarts every node; 0 = off",

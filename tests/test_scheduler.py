@@ -193,12 +193,32 @@ def test_lost_node_fragments_are_reassigned_with_the_same_prompts_and_seeds():
 def test_expired_lease_is_revoked_and_its_slot_reassigned():
     s = make(lease_s=5.0, heartbeat_timeout=100.0)
     a, b = assigns(s.node_joined("r0", "rollout", "H100", 0.0))
-    finish(s, a, 1.0)
-    cmds = s.tick(6.0)
+    finish(s, a, 1.0)  # b, queued behind a, starts running now: its lease counts from 1.0
+    assert not [c for c in s.tick(6.0) if isinstance(c, RevokeCmd)]
+    cmds = s.tick(6.5)
     revoked = [c for c in cmds if isinstance(c, RevokeCmd)]
     assert [(r.task_id, r.reason) for r in revoked] == [(b.task_id, "lease_expired")]
     again = [c for c in assigns(cmds) if (c.step, c.fragment) == (b.step, b.fragment)]
     assert again and again[0].seeds == b.seeds and again[0].task_id != b.task_id
+
+
+def test_a_queued_fragments_lease_starts_when_the_one_ahead_of_it_leaves():
+    # a rollout holds one running and one queued fragment; each takes 4 s of a 5 s lease, so
+    # the queued one is committed 8 s after its assignment: counted from there, it would expire
+    s = make(lease_s=5.0, heartbeat_timeout=100.0)
+    a, b = assigns(s.node_joined("r0", "rollout", "H100", 0.0))
+    assert not [c for c in s.tick(4.5) if isinstance(c, RevokeCmd)]
+    finish(s, a, 4.0)
+    assert not [c for c in s.tick(8.0) if isinstance(c, RevokeCmd)]
+    finish(s, b, 8.4)
+    assert s.statistics()["discarded"] == {}
+    # the running one still expires on its own clock; the one behind it then starts afresh
+    s = make(lease_s=5.0, heartbeat_timeout=100.0)
+    c, d = assigns(s.node_joined("r0", "rollout", "H100", 0.0))
+    revoked = [x.task_id for x in s.tick(5.5) if isinstance(x, RevokeCmd)]
+    assert revoked == [c.task_id]
+    assert not [x for x in s.tick(10.4) if isinstance(x, RevokeCmd)]
+    assert d.task_id in [x.task_id for x in s.tick(10.6) if isinstance(x, RevokeCmd)]
 
 
 def test_silent_node_is_lost_on_tick_and_its_late_commit_is_a_counted_zombie():

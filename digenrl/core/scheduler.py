@@ -13,7 +13,8 @@ virtual clock, the property tests random programs::
 
 Admission is the ledger's (:mod:`digenrl.core.credits`); this module picks the node. A rollout
 node holds up to ``max_outstanding`` uncommitted fragments (one running, one queued, so
-it never idles on a round trip). Among nodes with room, a fragment goes to the one with
+it never idles on a round trip); a fragment's lease (``lease_s``) counts from when it starts
+running, at the head of its node's queue, not from its assignment. Among nodes with room, a fragment goes to the one with
 the earliest predicted completion ``now + (queued + fragment) * spt(node)``, where
 ``spt`` (seconds per trajectory) is the node's measured EWMA, or before its first commit
 ``ref / gpu_speed`` with ``ref`` calibrated on the measured nodes. A slow GPU thus
@@ -76,6 +77,7 @@ class _Node:
     last_seen: float
     spt: float | None = None  # measured seconds per generated trajectory (EWMA)
     outstanding: list[int] = field(default_factory=list)  # uncommitted task ids, oldest first
+    head_since: float = 0.0  # when outstanding[0] started running: its lease counts from here
     lost: bool = False
     lost_why: str = ""  # "no heartbeat for 5.2 s", "reported lost", ...
     assigned: int = 0
@@ -175,8 +177,9 @@ class Scheduler:
             if now - node.last_seen > self.params.heartbeat_timeout and not self._closed:
                 cmds += self._lose(node, now, f"no heartbeat for {now - node.last_seen:.1f} s")
         for attempt in self.ledger.live_attempts():
-            if not attempt.committed and now - attempt.assigned_at > self.params.lease_s:
-                cmds += self._revoke(attempt.task_id, "lease_expired")
+            start = self._lease_start(attempt.node_id, attempt.task_id, attempt.assigned_at)
+            if not attempt.committed and start is not None and now - start > self.params.lease_s:
+                cmds += self._revoke(attempt.task_id, "lease_expired", now)
         return cmds + self._after(now)
 
     # ------------------------------------------------------------------ fragment events
@@ -202,7 +205,7 @@ class Scheduler:
         if attempt is None or outcome in ("duplicate", "rejected"):
             return []
         holder = self._holder(attempt.node_id)
-        holder.outstanding.remove(task_id)
+        self._drop(holder, task_id, now)
         if outcome == "stale":
             self._tasks.pop(task_id, None)
             holder.revoked += 1
@@ -260,7 +263,7 @@ class Scheduler:
         self._c["tag_consumed"] += task.tag
         if not attempt.committed:  # the consume overtook the commit on another path
             holder = self._holder(attempt.node_id)
-            holder.outstanding.remove(task_id)
+            self._drop(holder, task_id, now)
             holder.committed += 1
         slowest = max(r[2] for r in task.reports.values())
         if slowest > 0:
@@ -328,19 +331,36 @@ class Scheduler:
             node = next(n for n in reversed(self._departed) if n.node_id == node_id)
         return node
 
-    def _revoke(self, task_id: int, reason: str) -> list[Command]:
+    def _lease_start(self, node_id: str, task_id: int, assigned_at: float) -> float | None:
+        """When the lease of ``task_id`` started: when it began running, the head of its node's
+        queue (a queued fragment waits for the one ahead of it and has no lease yet: None)."""
+        node = self._nodes.get(node_id)
+        if node is None or task_id not in node.outstanding:
+            return assigned_at
+        if node.outstanding[0] != task_id:
+            return None
+        return max(assigned_at, node.head_since)
+
+    @staticmethod
+    def _drop(node: _Node, task_id: int, now: float) -> None:
+        """``task_id`` leaves ``node``'s queue; the next one, if it was behind it, starts now."""
+        if node.outstanding and node.outstanding[0] == task_id:
+            node.head_since = now
+        node.outstanding.remove(task_id)
+
+    def _revoke(self, task_id: int, reason: str, now: float) -> list[Command]:
         attempt = self.ledger.discard(task_id, reason)
         assert attempt is not None, task_id
         self._tasks.pop(task_id, None)
         holder = self._holder(attempt.node_id)
-        holder.outstanding.remove(task_id)
+        self._drop(holder, task_id, now)
         holder.revoked += 1
         return [RevokeCmd(node_id=attempt.node_id, task_id=task_id, reason=reason)]
 
     def _lose(self, node: _Node, now: float, why: str) -> list[Command]:
         cmds: list[Command] = []
         for task_id in list(node.outstanding):
-            cmds += self._revoke(task_id, "node_lost")
+            cmds += self._revoke(task_id, "node_lost", now)
         node.lost, node.lost_why = True, why
         del self._nodes[node.node_id]
         self._departed.append(node)
@@ -357,6 +377,8 @@ class Scheduler:
                             self.params.fragments_per_step)
         prompts, seeds = self.fragment_content(attempt.step, attempt.fragment)
         self._tasks[attempt.task_id] = _Task(ranks=frozenset(owners) or frozenset({0}), tag=tag)
+        if not node.outstanding:
+            node.head_since = now  # it runs at once
         node.outstanding.append(attempt.task_id)
         node.assigned += 1
         return AssignCmd(node_id=node.node_id, task_id=attempt.task_id, step=attempt.step,

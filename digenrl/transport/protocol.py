@@ -123,7 +123,7 @@ class Assign(Message):
     seeds: list[int]  # one noise seed per trajectory (len = len(prompts) * group_size)
     group_size: int  # generations per prompt (GRPO group)
     version_floor: int  # generate with a policy version >= this
-    lease_s: float  # the task is revoked if not committed within this many seconds
+    lease_s: float  # the task is revoked if not committed within this many seconds of starting
     sde_steps: list[int]  # denoising step indices sampled stochastically (and trained)
     owners: JSONDict  # str(timestep index) -> trainer rank that trains it (TSP)
     metadata: list[str]  # each prompt's metadata record as JSON text (the rewards get it), same order
