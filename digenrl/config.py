@@ -263,6 +263,9 @@ class ClusterConfig:
     rollout_gpu: str = _f("", "GPU type the launcher's rollout nodes declare ('' = cluster.gpu)")
     trainer_gpu: str = _f("", "GPU type the launcher's trainer ranks declare ('' = cluster.gpu)")
     host: str = _f("127.0.0.1", "address the coordinator binds")
+    rendezvous: Literal["tcp", "file"] = _f(
+        "tcp", "trainer ranks' torch.distributed rendezvous: tcp = a port on cluster.host (trainer "
+        "rank 0 must run on that host); file = a file under run_dir/dist/ (shared storage, any hosts)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -124,8 +124,9 @@ def test_the_sbatch_script_starts_one_coordinator_and_every_rank_once(
     assert cfg.cluster.host == "10.0.0.1"  # its PUB socket and the trainers' rendezvous: reachable
     nodes_ = [x for _, x in launches if x["role"] != "coordinator"]
     assert sorted(x["rank"] for x in nodes_) == list(range(world))
-    # every trainer rank on the coordinator's host (their rendezvous is served there)
-    assert {task // per_node for task, x in launches if x["role"] in ("trainer", "coordinator")} == {0}
+    # trainer ranks on several hosts meet through a file in the (shared) run folder
+    trainer_hosts = {task // per_node for task, x in launches if x["role"] == "trainer"}
+    assert len(trainer_hosts) == 1 or cfg.cluster.rendezvous == "file"
     for x in nodes_:
         a = build_node_parser().parse_args(x["argv"])
         assert a.role == ("trainer" if x["rank"] < trainers else "rollout")
@@ -191,3 +192,13 @@ def test_the_kubernetes_pods_find_the_coordinator_and_the_counts_agree(
             n = build_node_parser().parse_args(x["argv"])
             assert (n.role, n.coordinator) == (role, endpoint) and n.bind.startswith("tcp://10.1.")
     assert sorted(x["env"]["CUDA_VISIBLE_DEVICES"] for x in trainers) == [str(g) for g in range(len(trainers))]
+
+
+def test_a_file_rendezvous_is_a_fresh_file_in_the_run_folder_for_every_group(tmp_path: Path) -> None:
+    from digenrl.actors.coordinator import rendezvous_endpoint
+
+    shared = load_config(None, ['cluster.rendezvous="file"'])
+    first, again = rendezvous_endpoint(shared, tmp_path), rendezvous_endpoint(shared, tmp_path)
+    assert first != again  # a restarted group never meets in the old store
+    assert first.startswith(f"file://{tmp_path.resolve() / 'dist'}/") and (tmp_path / "dist").is_dir()
+    assert rendezvous_endpoint(load_config(None, []), tmp_path).startswith("tcp://127.0.0.1:")

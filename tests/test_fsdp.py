@@ -108,9 +108,10 @@ def _run(tmp_path: Path, mode: str, fsdp: bool, extra: list[str]) -> dict[str, t
 @pytest.mark.parametrize(("mode", "extra"), [
     ("colocated", []),
     # 3 trained timesteps over 2 TSP ranks: one rank pads; LoRA with its KL reference, and
-    # activation checkpointing re-running sharded blocks in backward
+    # activation checkpointing re-running sharded blocks in backward; the ranks meet through a
+    # file in the run folder (cluster.rendezvous: what trainer ranks on several hosts use)
     ("digenrl", ["train.window_size=3", "train.window_hi=3", "model.lora_rank=4",
-                 "train.kl_beta=0.01", "model.gradient_checkpointing=true"]),
+                 "train.kl_beta=0.01", "model.gradient_checkpointing=true", 'cluster.rendezvous="file"']),
 ])
 def test_two_sharded_ranks_train_the_same_update_as_two_unsharded(tmp_path: Path, mode: str,
                                                                   extra: list[str]) -> None:

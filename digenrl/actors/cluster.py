@@ -23,7 +23,7 @@ from typing import Any
 import zmq.asyncio
 
 from digenrl.actors.base import RunFailed
-from digenrl.actors.coordinator import CoordinatorActor
+from digenrl.actors.coordinator import CoordinatorActor, rendezvous_endpoint
 from digenrl.config import CONFIG_ERROR_EXIT, Config
 from digenrl.core.scheduler import Scheduler, SchedulerParams
 from digenrl.data.prompts import load_splits
@@ -223,7 +223,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     trace_path = run_dir / "trace" / "coordinator.jsonl"
     actor = CoordinatorActor(cfg=cfg, scheduler=sched, control=control, pub=pub, prompts=prompts,
                              metadata=train_set.metadata,
-                             run_dir=run_dir, dist_endpoint=f"tcp://{host}:{free_port(host)}",
+                             run_dir=run_dir, dist_endpoint=rendezvous_endpoint(cfg, run_dir),
                              metrics=metrics, progress=Progress(cfg.run.steps),
                              expected_trainers=cfg.cluster.trainers, node_id="coordinator",
                              recorder=recorder, log=log, scheduler_factory=new_scheduler,

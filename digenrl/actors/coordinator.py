@@ -206,11 +206,7 @@ class CoordinatorActor(Actor):
         self._bound.clear()
         self.weights.reset()
         self.latest_announce = None
-        host = self.cfg.cluster.host
-        from digenrl.transport.sockets import (
-            free_port,  # a fresh rendezvous: the old store died with rank 0
-        )
-        self.dist_endpoint = f"tcp://{host}:{free_port(host)}"
+        self.dist_endpoint = rendezvous_endpoint(self.cfg, self.run_dir)  # the old store died with rank 0
         self.restart_requested.set()
 
     async def node_exited(self, node_id: str, code: int | None, why: str = "") -> None:
@@ -665,3 +661,17 @@ class CoordinatorActor(Actor):
             "stop_reason": self.stop_reason,
             "unexpected_messages": dict(self.unexpected_messages),
         }
+
+
+def rendezvous_endpoint(cfg: Config, run_dir: Path) -> str:
+    """The trainer ranks' torch.distributed ``init_method``, a fresh one for every (re)start of
+    their group. ``cluster.rendezvous = "tcp"``: a free port on ``cluster.host`` (trainer rank
+    0 serves the store there, so it must run on that host); ``"file"``: a new file under
+    ``run_dir/dist/``, which every trainer rank must see at the same path (shared storage),
+    wherever it runs."""
+    if cfg.cluster.rendezvous == "file":
+        folder = Path(run_dir).resolve() / "dist"
+        folder.mkdir(parents=True, exist_ok=True)
+        return f"file://{folder / f'store-{time.time_ns()}'}"
+    from digenrl.transport.sockets import free_port
+    return f"tcp://{cfg.cluster.host}:{free_port(cfg.cluster.host)}"
