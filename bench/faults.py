@@ -74,7 +74,7 @@ def _hostile_peer(endpoint: str) -> int:
         x = torch.zeros(2, 4)
         for i in range(20):
             for m in (StepDone(step=1000 + i, version=1001 + i, metrics={"reward_mean": 99.0}),
-                      Consumed(task_id=1 + i, step=0, fragment=0, rank=0, trained=2**63 - 1, discarded={},
+                      Consumed(task_id=1 + i, step=0, fragment=0, rank=0, trained=2**63 - 1, discarded={}, policy_version=0,
                                train_seconds=0.1),
                       VersionAnnounce(version=10**6, step=10**6, nparts=1, nbytes=1, checksum="x"),
                       Heartbeat(node_id="trainer-0", incarnation=1, policy_version=0, state="running", seq=i,
@@ -83,7 +83,7 @@ def _hostile_peer(endpoint: str) -> int:
                             data_endpoint="tcp://garbage:1", weights_endpoint=""),
                       Commit(task_id=1 + i, step=0, fragment=99, node_id="rollout-0", policy_version=0,
                              prompt_ids=[0], rewards=[0.5, 0.5], reward_terms={}, gen_seconds=0.1, cond={},
-                             images=torch.zeros(0, dtype=torch.uint8))):
+                             images=torch.zeros(0, dtype=torch.uint8), discard="")):
                 evil.send_multipart(encode(m))
                 sent += 1
         # a rollout of its own (loopback plain text admits any local process): it learns the
@@ -105,14 +105,14 @@ def _hostile_peer(endpoint: str) -> int:
                                policy_version=0, x_t=x, x_next=x, log_prob=torch.zeros(2)) if i % 2 else
                          Commit(task_id=10**9 + i, step=0, fragment=99, node_id="rollout-evil", policy_version=0,
                                 prompt_ids=[0], rewards=[0.5, 0.5], reward_terms={}, gen_seconds=0.1,
-                                cond={}, images=torch.zeros(0, dtype=torch.uint8)))
+                                cond={}, images=torch.zeros(0, dtype=torch.uint8), discard=""))
                     push.send_multipart(encode(m))
                     sent += 1
                 push.close()
         rogue.close()
         evil.close()
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)  # term() alone would wait forever on a socket an error left open
     return sent
 
 
