@@ -183,7 +183,8 @@ def one_run(i: int, rng: random.Random, root: Path, timeout: float, fault: str) 
         "slots_once": s["slots"]["consumed"] == s["slots"]["expected"],
         "metrics": rows == list(range(steps)),
     }
-    if victim and killed_at is not None and not s.get("restarts", {}).get(victim):
+    # a killed node is restarted unless the run had ended; a paused or attacked one is not
+    if fault == "kill" and victim and killed_at is not None and not s.get("restarts", {}).get(victim):
         row["victim"] = f"{victim} (after the last step)"
     row.update(ok=all(checks.values()), failed=[k for k, v in checks.items() if not v],
                lost=acc["admitted"] - acc["trained"] - disc - acc["in_flight"],
