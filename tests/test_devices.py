@@ -51,6 +51,7 @@ def test_local_children_get_one_gpu_each_trainers_first_wrapping_around():
 def test_host_copies_never_share_storage_even_on_the_cpu():
     t = torch.arange(4.0, requires_grad=True)
     h = host(t)
+    # exact: a copy holds the same stored bits (no arithmetic happens)
     assert h.device.type == "cpu" and not h.requires_grad and torch.equal(h, t.detach())
     h.add_(1)
     assert torch.equal(t.detach(), torch.arange(4.0))  # the copy is its own storage

@@ -117,6 +117,7 @@ def test_the_trainers_draws_are_stratified_shifted_and_depend_only_on_seed_and_s
         assert shift * lo / (1 + (shift - 1) * lo) <= t <= shift * hi / (1 + (shift - 1) * hi)
     t_all, eps_all = forward_draws([1, 2, 3], 2, J, shift, (2, 4, 4))
     t_one, eps_one = forward_draws([2], 2, J, shift, (2, 4, 4))
+    # exact: the same seeded generator draws, one sample's draws independent of its batch
     assert torch.equal(t_all[1:2], t_one) and torch.equal(eps_all[1:2], eps_one)
     assert not torch.equal(forward_draws([2], 1, J, shift, (2, 4, 4))[1], eps_one)
     x0 = torch.randn(3, 2, 4, 4)

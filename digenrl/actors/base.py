@@ -41,10 +41,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol, Required, TypedDict
+from typing import Any, Protocol, Required, TypedDict, TypeVar
 
 from digenrl.faults import NO_SLOWDOWN, Slowdown
 from digenrl.telemetry.trace import BusyClock, SpanRecorder
+
+T = TypeVar("T")
 
 STOP_GRACE_S = 30.0
 """How long a stopping actor's main loop may stay in a torch call before it is called wedged
@@ -147,6 +149,19 @@ class Actor:
 
     async def wait_stopped(self) -> None:
         await self._stop.wait()
+
+    async def next_unless_stopped(self, queue: asyncio.Queue[T]) -> T | None:
+        """The queue's next item, or None once a stop is requested (whichever comes first):
+        a main loop parked on its queue wakes for a stop without waiting for an item."""
+        get = asyncio.ensure_future(queue.get())
+        stop = asyncio.ensure_future(self.wait_stopped())
+        with self.recorder.span("wait"):
+            done, _ = await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if get not in done:
+            get.cancel()
+            return None
+        stop.cancel()
+        return get.result()
 
     async def main(self) -> None:
         raise NotImplementedError

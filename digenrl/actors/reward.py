@@ -75,15 +75,10 @@ class RewardActor(Actor):
 
     async def main(self) -> None:
         while not self.stopping:
-            get = asyncio.ensure_future(self.requests.get())
-            stop = asyncio.ensure_future(self.wait_stopped())
-            with self.recorder.span("wait"):
-                done, _ = await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if get not in done:
-                get.cancel()
+            first = await self.next_unless_stopped(self.requests)
+            if first is None:
                 break
-            stop.cancel()
-            batch = [get.result()]
+            batch = [first]
             n = batch[0][1].images.shape[0]
             while not self.requests.empty():
                 head: Score = self.requests._queue[0][1]  # type: ignore[attr-defined]  # a peek

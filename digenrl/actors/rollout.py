@@ -69,15 +69,9 @@ class RolloutActor(Actor):
 
     async def main(self) -> None:
         while not self.stopping:
-            get = asyncio.ensure_future(self.tasks.get())
-            stop = asyncio.ensure_future(self.wait_stopped())
-            with self.recorder.span("wait"):
-                done, _ = await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if get not in done:
-                get.cancel()
+            task = await self.next_unless_stopped(self.tasks)
+            if task is None:
                 break
-            stop.cancel()
-            task = get.result()
             if task.task_id in self.revoked:
                 continue
             # trajectory boundary: apply the newest announced version (TCSS)
