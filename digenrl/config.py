@@ -239,6 +239,9 @@ class RuntimeConfig:
     byte_window_mb: float = _f(256.0, "latent bytes in flight to trainers before rollouts block", gt=0)
     lease_s: float = _f(120.0, "a fragment not committed within this of starting (reaching the head "
                         "of its rollout's queue) is re-assigned", gt=0)
+    lease_factor: float = _f(4.0, "the lease stretches to this many times the rollout's measured "
+                             "seconds per fragment (a slow device is not re-assigned for being "
+                             "slow); 0 = always lease_s", ge=0)
     stall_timeout_s: float = _f(
         1800.0, "no optimizer step completed for this long (heartbeats still flowing: a wedged "
         "GPU or collective) rewinds the run to its last checkpoint and restarts every node; 0 = off",

@@ -619,3 +619,24 @@ def test_credits_and_scheduler_import_neither_torch_nor_asyncio_nor_zmq():
             "print(sorted(m for m in ('torch', 'asyncio', 'zmq') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_slow_rollouts_lease_stretches_to_its_measured_fragment_time():
+    # lease_s = 5 s, but r0 takes 10 s per fragment (measured on its first commit): its next
+    # running fragment keeps its lease up to lease_factor x 10 s, not 5 s
+    s = make(lease_s=5.0, heartbeat_timeout=100.0, lease_factor=2.0)
+    a, b = assigns(s.node_joined("r0", "rollout", "H100", 0.0))
+    assert [x.task_id for x in s.tick(5.5) if isinstance(x, RevokeCmd)] == [a.task_id]
+    s = make(lease_s=5.0, heartbeat_timeout=100.0, lease_factor=2.0)
+    a, b = assigns(s.node_joined("r0", "rollout", "H100", 0.0))
+    s.fragment_committed(a.task_id, "r0", s.ledger.version, 4.9, 4.9)  # 4.9 s measured
+    for t in (6.0, 9.8, 14.0):
+        assert not [x for x in s.tick(t) if isinstance(x, RevokeCmd)], t  # 2 x 4.9 = 9.8 s from 4.9
+    assert [x.task_id for x in s.tick(14.8) if isinstance(x, RevokeCmd)] == [b.task_id]
+    # lease_factor 0: always lease_s
+    s = make(lease_s=5.0, heartbeat_timeout=100.0, lease_factor=0.0)
+    a, b = assigns(s.node_joined("r0", "rollout", "H100", 0.0))
+    s.fragment_committed(a.task_id, "r0", s.ledger.version, 4.9, 4.9)
+    assert [x.task_id for x in s.tick(10.0) if isinstance(x, RevokeCmd)] == [b.task_id]
+    with pytest.raises(SchedulerError, match="lease_factor"):
+        make(lease_factor=-1.0)

@@ -178,7 +178,8 @@ class Scheduler:
                 cmds += self._lose(node, now, f"no heartbeat for {now - node.last_seen:.1f} s")
         for attempt in self.ledger.live_attempts():
             start = self._lease_start(attempt.node_id, attempt.task_id, attempt.assigned_at)
-            if not attempt.committed and start is not None and now - start > self.params.lease_s:
+            if not attempt.committed and start is not None and \
+                    now - start > self._lease_s(attempt.node_id, attempt.trajectories):
                 cmds += self._revoke(attempt.task_id, "lease_expired", now)
         return cmds + self._after(now)
 
@@ -330,6 +331,14 @@ class Scheduler:
         if node is None:  # a departed node's committed fragment being consumed
             node = next(n for n in reversed(self._departed) if n.node_id == node_id)
         return node
+
+    def _lease_s(self, node_id: str, trajectories: int) -> float:
+        """The lease of a fragment of ``trajectories`` on ``node_id``: ``lease_s``, stretched to
+        ``lease_factor`` times the node's measured time for such a fragment once it has one."""
+        node = self._nodes.get(node_id)
+        if node is None or node.spt is None:
+            return self.params.lease_s
+        return max(self.params.lease_s, self.params.lease_factor * node.spt * trajectories)
 
     def _lease_start(self, node_id: str, task_id: int, assigned_at: float) -> float | None:
         """When the lease of ``task_id`` started: when it began running, the head of its node's

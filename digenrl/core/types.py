@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -42,6 +43,9 @@ class SchedulerParams:
     switch_s: float = 1.0
     """BTS: seconds a trainer loses switching to generation and back."""
     ewma_alpha: float = 0.3
+    lease_factor: float = 4.0
+    """A lease also stretches to this many times the node's measured seconds per fragment
+    (its EWMA): a slow or large-image rollout is not re-assigned for being slow. 0 = fixed."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "fragments_per_step",
@@ -53,6 +57,8 @@ class SchedulerParams:
                 raise SchedulerError(f"{name} = {getattr(self, name)!r}: expected > 0")
         if self.tag not in ("bts", "always", "never"):
             raise SchedulerError(f"tag = {self.tag!r}: expected 'bts', 'always' or 'never'")
+        if not self.lease_factor >= 0 or math.isinf(self.lease_factor):
+            raise SchedulerError(f"lease_factor = {self.lease_factor!r}: expected finite >= 0")
         if not 0 < self.ewma_alpha <= 1 or self.switch_s < 0:
             raise SchedulerError(f"ewma_alpha = {self.ewma_alpha!r}, switch_s = {self.switch_s!r}:"
                                  " expected 0 < alpha <= 1 and switch_s >= 0")
@@ -66,7 +72,7 @@ class SchedulerParams:
         return cls(steps=cfg.run.steps, prompts_per_step=cfg.train.prompts_per_step,
                    group_size=cfg.train.group_size, fragments_per_step=rt.fragments_per_step,
                    staleness=rt.staleness, trainer_ranks=cfg.cluster.trainers, tsp=rt.tsp,
-                   tag=rt.tag, lease_s=rt.lease_s,
+                   tag=rt.tag, lease_s=rt.lease_s, lease_factor=rt.lease_factor,
                    heartbeat_timeout=rt.heartbeat_s * rt.heartbeat_misses,
                    byte_window=max(1, int(rt.byte_window_mb * 2**20)),
                    bytes_per_trajectory=bytes_per_trajectory, num_steps_T=cfg.sampler.num_steps,
