@@ -278,6 +278,9 @@ class TransportConfig:
     curve: Literal["auto", "on", "off"] = _f(
         "auto", "CurveZMQ: auto = on whenever a non-loopback address is bound")
     keys_dir: str = _f("", "folder written by `digenrl keys generate`")
+    client_key: str = _f(
+        "client", "the key pair of keys_dir this node's client sockets present; a key named "
+        "after a node id (rollout-3.key) may speak only as that node, and only it may")
     allow_plaintext: bool = _f(False, "permit plain text on a non-loopback address (warns)")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from digenrl.transport.curve import (
     load_keypair,
     load_public_key,
 )
-from digenrl.transport.protocol import Hello, Welcome
+from digenrl.transport.protocol import Heartbeat, Hello, Welcome
 from digenrl.transport.security import PlaintextRefused, node_security
 from digenrl.transport.sockets import Dealer
 from tests.conftest import SMALL as TINY_RUN
@@ -149,3 +150,61 @@ def test_auto_curve_is_on_for_a_non_loopback_bind_and_off_on_loopback(tmp_path: 
         wide.close()
         local.close()
         ctx.term()  # returns only if closing the last socket stopped the ZAP handler
+
+
+async def test_under_curve_a_node_id_is_bound_to_its_key(tmp_path: Path) -> None:
+    # issue 20: an id bound only to the routing id the node chooses lets any holder of an
+    # allowed key claim another node's id while that node is not connected. A key named after
+    # a node id speaks only as that node and that node only with it; the shared client key
+    # speaks as any other id; a later Hello of a bound id must bring the same key.
+    keys = tmp_path / "keys"
+    generate_keys(keys, names=("server", "client", "trainer-0", "rollout-5"))
+    cfg = curve_config(keys)
+    server_ctx = zmq.asyncio.Context()
+    actor = start_coordinator(server_ctx, cfg, tmp_path / "run")
+    ep = actor.control.endpoint
+    ctxs: list[zmq.asyncio.Context] = []
+
+    def dealer(key: str, identity: str) -> Dealer:
+        ctx = zmq.asyncio.Context()
+        ctxs.append(ctx)
+        return zs.connect(ctx, "dealer", ep, curve_config(keys, "on", f"transport.client_key=\"{key}\""),
+                          identity=identity.encode())
+
+    shared_as_rollout5 = dealer("client", "rollout-5")   # the shared key claiming an id with its own
+    rollout5_as_rollout6 = dealer("rollout-5", "rollout-6")  # a node's key claiming another id
+    trainer = None
+    try:
+        async with asyncio.TaskGroup() as tg:
+            run = tg.create_task(actor.run())
+            await shared_as_rollout5.send(dataclasses.replace(hello("rollout-5"), role="rollout"))
+            await wait_until_async(lambda: actor.refused.get("id_has_its_own_key") == 1, "refusal 1", 30)
+            shared_as_rollout5.close()
+            await rollout5_as_rollout6.send(dataclasses.replace(hello("rollout-6"), role="rollout"))
+            await wait_until_async(lambda: actor.refused.get("key_of_another_node") == 1, "refusal 2", 30)
+            rollout5_as_rollout6.close()
+            assert actor.nodes == {}
+            trainer = dealer("trainer-0", "trainer-0")  # its own key: welcomed
+            await trainer.send(hello("trainer-0"))
+            _, msg = await asyncio.wait_for(trainer.recv(), 30)
+            assert isinstance(msg, Welcome) and list(actor.nodes) == ["trainer-0"]
+            assert actor._keys == {"trainer-0": "trainer-0"}
+            run.cancel()
+        # what a live connection cannot reach (one connection has one key): the gate's own rules
+        later = Hello(node_id="trainer-0", role="trainer", gpu="cpu", incarnation=2, pid=1, host="h",
+                      data_endpoint="", weights_endpoint="")
+        assert actor._gate(b"trainer-0", later, "trainer-0") is None  # a restart with its key
+        actor._keys["rollout-1"] = "client"
+        assert actor._gate(b"rollout-1", dataclasses.replace(later, node_id="rollout-1", role="rollout"),
+                           None) == "hello_from_another_key"
+        beat = Heartbeat(node_id="trainer-0", incarnation=1, policy_version=0, state="running", seq=0,
+                         gpu={}, stats={})
+        assert actor._gate(b"trainer-0", beat, "client") == "key_not_bound_to_id"
+        assert actor._gate(b"trainer-0", beat, "trainer-0") is None
+    finally:
+        for s in (shared_as_rollout5, rollout5_as_rollout6, trainer, actor.control, actor.pub):
+            if s is not None:
+                s.close()
+        actor.metrics.close()
+        for c in (server_ctx, *ctxs):
+            c.term()

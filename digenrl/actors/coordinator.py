@@ -70,6 +70,7 @@ from digenrl.transport.protocol import (
     WeightsHeld,
     Welcome,
 )
+from digenrl.transport.security import CLIENT_KEY, node_security
 
 
 class CoordinatorActor(Actor):
@@ -97,6 +98,7 @@ class CoordinatorActor(Actor):
         self.nodes: dict[str, dict[str, Any]] = {}          # node_id -> {role, peer, rank, endpoint}
         self._peer_ids: dict[bytes, str] = {}              # routing id -> node id, bound at Hello
         self._bound: dict[str, int] = {}                    # node id -> incarnation of its Hello
+        self._keys: dict[str, str | None] = {}              # node id -> its CURVE key's name
         self.waiting_rollouts: list[tuple[bytes, Hello]] = []
         self.trainers: dict[int, dict[str, Any]] = {}
         self.latest_announce: VersionAnnounce | None = None
@@ -238,11 +240,13 @@ class CoordinatorActor(Actor):
 
     async def main(self) -> None:
         while not self.stopping:
-            peer, msg = await self.control.recv()
-            why = self._gate(peer, msg)
+            peer, user, msg = await self.control.recv_authenticated()
+            why = self._gate(peer, msg, user)
             if why is not None:
                 self.refuse(why, msg, peer=peer[:64])
                 continue
+            if isinstance(msg, Hello):  # the id's key, from its first admitted Hello on; kept
+                self._keys[msg.node_id] = user  # across resets (a restart has the same key)
             try:
                 await self._handle(peer, msg)
             except (SchedulerError, CreditError) as e:  # a peer sent something impossible: count, log, go on
@@ -253,16 +257,27 @@ class CoordinatorActor(Actor):
         await self._shutdown_all(self.stop_reason or "done")
 
     # ------------------------------------------------------------------ identity
-    def _gate(self, peer: bytes, msg: Any) -> str | None:
+    def _gate(self, peer: bytes, msg: Any, user: str | None = None) -> str | None:
         """Why ``msg`` from ``peer`` is dropped unseen, or None. A node's id is bound at Hello to
         its ZeroMQ routing id (the node sets it to its id; the ROUTER refuses a second
-        connection with a live routing id, handover is off): every later message must come
-        from a bound peer, claim only that id and incarnation, and be a message its role
-        sends (reports from trainer ranks, StepDone and VersionAnnounce from rank 0 only,
-        within the run's steps)."""
+        connection with a live routing id, handover is off) and, under CurveZMQ, to the name
+        of the key its connection was admitted with (``user``, ZeroMQ's User-Id): a key named
+        after a node id speaks only as that node and that node only with it, the shared
+        ``client`` key as any other id, and a restart (a newer incarnation) must come with the
+        key the id was first bound to. Every later message must come from a bound peer with
+        that key, claim only that id and incarnation, and be a message its role sends
+        (reports from trainer ranks, StepDone and VersionAnnounce from rank 0 only, within
+        the run's steps)."""
         if isinstance(msg, Hello):
             if peer != msg.node_id.encode():
                 return "hello_id_not_routing_id"
+            if user is not None:
+                if user != msg.node_id and user in self._own_keys():
+                    return "key_of_another_node"  # rollout-3's key claiming rollout-4
+                if msg.node_id in self._own_keys() and user != msg.node_id:
+                    return "id_has_its_own_key"  # the shared key claiming an id with its own
+            if msg.node_id in self._keys and self._keys[msg.node_id] != user:
+                return "hello_from_another_key"
             bound = self._bound.get(msg.node_id)
             if bound is not None and msg.incarnation <= bound:
                 return "hello_of_a_live_incarnation"  # a restart has a newer incarnation
@@ -270,6 +285,8 @@ class CoordinatorActor(Actor):
         node_id = self._peer_ids.get(peer)
         if node_id is None:
             return "before_hello"
+        if user != self._keys.get(node_id):
+            return "key_not_bound_to_id"
         claimed = getattr(msg, "node_id", None)
         if claimed is not None and claimed != node_id:
             return "claims_another_id"
@@ -295,6 +312,10 @@ class CoordinatorActor(Actor):
     def _bind(self, peer: bytes, msg: Hello) -> None:
         self._peer_ids[peer] = msg.node_id
         self._bound[msg.node_id] = msg.incarnation
+
+    def _own_keys(self) -> frozenset[str]:
+        """Client key names of the control socket's ZAP allow-list other than the shared one."""
+        return node_security(self.control.zmq_socket.context).key_names() - {CLIENT_KEY}
 
     # ------------------------------------------------------------------ messages
     async def _handle(self, peer: bytes, msg: Any) -> None:

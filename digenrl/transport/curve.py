@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,11 +126,19 @@ class Authenticator(AsyncioAuthenticator):
     :meth:`serve` keeps a task alive until cancelled, then unbinds; :meth:`close` unbinds.
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context, *, allowed: Iterable[bytes] = (),
+    def __init__(self, ctx: zmq.asyncio.Context, *,
+                 allowed: Iterable[bytes] | Mapping[str, bytes] = (),
                  domain: str = DEFAULT_DOMAIN) -> None:
         super().__init__(ctx)
         self.domain = domain
-        self.certs[domain] = {bytes(k): True for k in allowed}  # z85 public key -> allowed
+        self.certs[domain] = {}  # z85 public key -> allowed
+        self.names: dict[bytes, str] = {}  # z85 public key -> its key file's name (the User-Id)
+        if isinstance(allowed, Mapping):
+            for name, key in allowed.items():
+                self.allow_key(key, name=name)
+        else:
+            for key in allowed:
+                self.allow_key(key)
         self.accepted = 0
         self.rejected = 0
         self._peer = ("", b"")  # (address, z85 key) of the request being answered
@@ -140,13 +148,24 @@ class Authenticator(AsyncioAuthenticator):
             self.stop()
             raise TransportError(f"a ZAP handler already runs in this context: {e}") from e
 
-    def allow_key(self, public_key: bytes) -> None:
-        """Admit the client with this Z85 public key from its next handshake on."""
-        self.certs[self.domain][bytes(public_key)] = True
+    def allow_key(self, public_key: bytes, *, name: str | None = None) -> None:
+        """Admit the client with this Z85 public key from its next handshake on; its messages
+        carry ``name`` (default: the Z85 key itself) as their ZeroMQ ``User-Id``."""
+        key = bytes(public_key)
+        self.certs[self.domain][key] = True
+        if name is not None:
+            self.names[key] = name
 
     def revoke_key(self, public_key: bytes) -> None:
         """Refuse this key from its next handshake on (open connections stay)."""
         self.certs[self.domain].pop(bytes(public_key), None)
+        self.names.pop(bytes(public_key), None)
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        """The ``User-Id`` every message of an admitted connection carries: the name of the
+        client's key file (``rollout-3`` for ``rollout-3.key``), else its Z85 key."""
+        key = z85.encode(client_public_key)
+        return self.names.get(key, key.decode("ascii"))
 
     async def serve(self) -> None:
         """Keep answering until cancelled; then unbind the ZAP endpoint."""

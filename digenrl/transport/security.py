@@ -12,10 +12,14 @@ every bind and connect, so callers need not know):
 | ``off``         | plain text                         | refused unless allow_plaintext (then warns)       |
 
 Servers (coordinator ROUTER + PUB, trainer PULL + weights ROUTER) use the ``server`` key
-pair of ``keys_dir``; clients the ``client`` pair and the server's public key. Which
-clients may connect is decided by a ZAP handler (:class:`~digenrl.transport.curve.Authenticator`)
-admitting every ``*.key`` of ``keys_dir`` except ``server.key``. A client with any other
-key never completes its handshake: no byte of it reaches the node's code.
+pair of ``keys_dir``; clients the ``transport.client_key`` pair (default ``client``) and the
+server's public key. Which clients may connect is decided by a ZAP handler
+(:class:`~digenrl.transport.curve.Authenticator`) admitting every ``*.key`` of ``keys_dir``
+except ``server.key``. A client with any other key never completes its handshake: no byte
+of it reaches the node's code. Every message of an admitted connection carries its key's
+name as ZeroMQ's ``User-Id``; the coordinator binds a node id to it at ``Hello`` (a key named
+after a node id may speak only as that node, and that node only with it; the shared
+``client`` key as any node id that has no key of its own).
 
 The ZAP handler runs on its own thread with its own small event loop. Why not a task in
 the actor's TaskGroup: the coordinator's sockets are bound before any actor exists
@@ -65,17 +69,18 @@ def _keys_hint(keys_dir: str) -> str:
             f"transport.keys_dir = \"{folder}\" on every machine")
 
 
-def allowed_client_keys(keys_dir: str | Path) -> list[bytes]:
-    """Public keys of every ``*.key`` in ``keys_dir`` except the server's (the ZAP allow-list)."""
+def allowed_client_keys(keys_dir: str | Path) -> dict[str, bytes]:
+    """Name -> public key of every ``*.key`` in ``keys_dir`` except the server's (the ZAP
+    allow-list; the name is what the connection's messages carry as ``User-Id``)."""
     folder = Path(keys_dir)
-    return [load_public_key(folder, p.stem) for p in sorted(folder.glob("*.key"))
-            if p.stem != SERVER_KEY]
+    return {p.stem: load_public_key(folder, p.stem) for p in sorted(folder.glob("*.key"))
+            if p.stem != SERVER_KEY}
 
 
 class _ZapThread:
     """An :class:`Authenticator` serving on a thread; ``start`` returns once it is bound."""
 
-    def __init__(self, ctx: zmq.Context[Any], allowed: list[bytes]) -> None:
+    def __init__(self, ctx: zmq.Context[Any], allowed: dict[str, bytes]) -> None:
         self._address = ctx.underlying
         self._allowed = allowed
         self._ready = threading.Event()
@@ -186,7 +191,13 @@ class NodeSecurity:
             server_public = load_public_key(folder, SERVER_KEY)
         except CurveKeyError as e:
             raise CurveKeyError(f"{e}; {_keys_hint(folder)}") from e
-        return CurveClient(keypair=self._keypair(CLIENT_KEY), server_public=server_public)
+        return CurveClient(keypair=self._keypair(self.transport.client_key or CLIENT_KEY),
+                           server_public=server_public)
+
+    def key_names(self) -> frozenset[str]:
+        """Names of the client keys this node's ZAP handler admits (empty without CURVE)."""
+        auth = self._zap.auth if self._zap is not None else None
+        return frozenset(auth.names.values()) if auth is not None else frozenset()
 
     # ------------------------------------------------------------------ lifetime, counters
     def track(self, sock: Any) -> None:

@@ -485,6 +485,15 @@ def _send_multipart(sock: zmq.Socket[Any], frames: list[Any],
     return zmq.MessageTracker(*(t for t in trackers if t is not None and not t.done))
 
 
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The ZAP ``User-Id`` a received frame carries, or None (no ZAP on its connection)."""
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:  # EINVAL: the property is not set
+        return None
+    return user if isinstance(user, str) else None
+
+
 def _peer_name(peer: bytes | None, frames: list[zmq.Frame]) -> str:
     if peer is not None:
         return peer.hex()
@@ -542,6 +551,17 @@ class Router(Socket):
             self._after_op()
         self._count_sent(frames)
         return tracker
+
+    async def recv_authenticated(self) -> tuple[bytes, str | None, Message]:
+        """The next valid message, its sender's identity and the ``User-Id`` its connection
+        was admitted with (CurveZMQ: the client key's name, see ``transport/curve.py``; None
+        on a connection without ZAP, e.g. loopback plain text)."""
+        while True:
+            frames = await self._recv_frames()
+            peer, msg = self._accept(frames)
+            if msg is not None:
+                assert peer is not None
+                return peer, _user_id(frames[0]), msg
 
     def _split(self, frames: list[zmq.Frame]) -> tuple[bytes | None, list[zmq.Frame]]:
         return frames[0].bytes, frames[1:]
