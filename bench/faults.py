@@ -10,7 +10,8 @@ Faults, one per run, taking ``--faults`` in turn:
 * ``hostile``: a peer on loopback sends the coordinator the messages of issue 20 (spoofed
   StepDone/Consumed/VersionAnnounce/Hello, out-of-bounds Heartbeat stats, a Commit with
   fragment 99), says Hello as a rollout of its own, and sends the trainer's data socket chunks
-  and commits for slots outside the run; every one must be refused.
+  and commits for slots outside the run; every one must be refused. The messages come from
+  the catalogue the tests share, ``digenrl/transport/hostile.py``.
 
 Each run is a real ``digenrl launch`` (tiny CPU config, 6-8 steps, checkpoint every step,
 two rollouts and one trainer) in its own process group. After a random delay the bench
@@ -50,40 +51,18 @@ SETS = ["model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2
 def _hostile_peer(endpoint: str) -> int:
     """Send the coordinator and (after a Hello of its own) a trainer rank what issue 20's
     adversary sent; returns how many messages it sent."""
-    import torch
     import zmq
 
-    from digenrl.transport.protocol import (
-        Chunk,
-        Commit,
-        Consumed,
-        Heartbeat,
-        Hello,
-        StepDone,
-        VersionAnnounce,
-        Welcome,
-        decode,
-        encode,
-    )
+    from digenrl.transport import hostile
+    from digenrl.transport.protocol import Welcome, decode, encode
     ctx = zmq.Context()
     sent = 0
     try:
         evil = ctx.socket(zmq.DEALER)
         evil.setsockopt(zmq.LINGER, 0)
         evil.connect(endpoint)
-        x = torch.zeros(2, 4)
         for i in range(20):
-            for m in (StepDone(step=1000 + i, version=1001 + i, metrics={"reward_mean": 99.0}),
-                      Consumed(task_id=1 + i, step=0, fragment=0, rank=0, trained=2**63 - 1, discarded={}, policy_version=0,
-                               train_seconds=0.1),
-                      VersionAnnounce(version=10**6, step=10**6, nparts=1, nbytes=1, checksum="x"),
-                      Heartbeat(node_id="trainer-0", incarnation=1, policy_version=0, state="running", seq=i,
-                                gpu={}, stats={"busy_s": "x"}),
-                      Hello(node_id="trainer-0", role="trainer", gpu="cpu", incarnation=2**40, pid=1, host="h",
-                            data_endpoint="tcp://garbage:1", weights_endpoint=""),
-                      Commit(task_id=1 + i, step=0, fragment=99, node_id="rollout-0", policy_version=0,
-                             prompt_ids=[0], rewards=[0.5, 0.5], reward_terms={}, gen_seconds=0.1, cond={},
-                             images=torch.zeros(0, dtype=torch.uint8), discard="")):
+            for m in hostile.coordinator_attack(i):
                 evil.send_multipart(encode(m))
                 sent += 1
         # a rollout of its own (loopback plain text admits any local process): it learns the
@@ -92,8 +71,7 @@ def _hostile_peer(endpoint: str) -> int:
         rogue.setsockopt(zmq.LINGER, 0)
         rogue.setsockopt(zmq.ROUTING_ID, b"rollout-evil")
         rogue.connect(endpoint)
-        rogue.send_multipart(encode(Hello(node_id="rollout-evil", role="rollout", gpu="cpu", incarnation=1,
-                                          pid=1, host="h", data_endpoint="", weights_endpoint="")))
+        rogue.send_multipart(encode(hostile.hello("rollout-evil", "rollout")))
         if rogue.poll(30_000):
             msg = decode(rogue.recv_multipart(), max_frame_bytes=1 << 28)
             if isinstance(msg, Welcome):
@@ -101,11 +79,7 @@ def _hostile_peer(endpoint: str) -> int:
                 push.setsockopt(zmq.LINGER, 2000)
                 push.connect(str(msg.endpoints["trainer/0"]).split("|")[0])
                 for i in range(100):
-                    m = (Chunk(task_id=10**9 + i, step=10**12, fragment=0, t_index=0, sigma=0.9, sigma_next=0.8,
-                               policy_version=0, x_t=x, x_next=x, log_prob=torch.zeros(2)) if i % 2 else
-                         Commit(task_id=10**9 + i, step=0, fragment=99, node_id="rollout-evil", policy_version=0,
-                                prompt_ids=[0], rewards=[0.5, 0.5], reward_terms={}, gen_seconds=0.1,
-                                cond={}, images=torch.zeros(0, dtype=torch.uint8), discard=""))
+                    m = hostile.trainer_attack(i, "rollout-evil")
                     push.send_multipart(encode(m))
                     sent += 1
                 push.close()

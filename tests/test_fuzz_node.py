@@ -32,21 +32,11 @@ from hypothesis import strategies as st
 from digenrl.actors.coordinator import CoordinatorActor
 from digenrl.config import Config
 from digenrl.transport import factory as zs
+from digenrl.transport import hostile
 from digenrl.transport.errors import ProtocolError
-from digenrl.transport.protocol import (
-    Chunk,
-    Commit,
-    Consumed,
-    Heartbeat,
-    Hello,
-    StepDone,
-    VersionAnnounce,
-    Welcome,
-    decode,
-    encode,
-)
+from digenrl.transport.protocol import Heartbeat, Welcome, decode, encode
 from tests.conftest import wait_until_async
-from tests.test_security import config, hello, start_coordinator
+from tests.test_security import config, start_coordinator
 
 STORM = 20_000
 
@@ -55,14 +45,10 @@ def _seeds() -> list[list[bytes]]:
     """Valid messages of every shape a socket sees, as frames to mutate."""
     x = torch.arange(32, dtype=torch.float32).reshape(2, 16)
     msgs = [
-        hello("fuzz-0"),
-        Heartbeat(node_id="n", incarnation=1, policy_version=0, state="running", seq=3,
-                  gpu={"gpus": []}, stats={"busy_s": 1.0}),
-        Chunk(task_id=1, step=0, fragment=0, t_index=0, sigma=1.0, sigma_next=0.5,
-              policy_version=0, x_t=x, x_next=x + 1, log_prob=torch.zeros(2)),
-        Commit(task_id=1, step=0, fragment=0, node_id="n", policy_version=0, prompt_ids=[1],
-               rewards=[0.5, 0.25], reward_terms={"a": [1.0, 2.0]}, gen_seconds=0.1,
-               cond={"e": x}, images=torch.zeros(0, dtype=torch.uint8), discard=""),
+        hostile.hello("fuzz-0"),
+        hostile.heartbeat("n", seq=3, gpu={"gpus": []}, stats={"busy_s": 1.0}),
+        hostile.chunk(x_t=x, x_next=x + 1, sigma=1.0, sigma_next=0.5),
+        hostile.commit(node_id="n", prompt_ids=[1], reward_terms={"a": [1.0, 2.0]}, cond={"e": x}),
     ]
     return [[bytes(f) for f in encode(m)] for m in msgs]
 
@@ -213,8 +199,7 @@ async def run_storm(tmp_path: Path, n: int, cfg: Config | None = None,
             await asyncio.gather(*senders)
             seq_after_storm = actor.heartbeats["trainer-0"].seq
             # peers are still answered: a new node's Hello gets its Welcome ...
-            await probe.send(Hello(node_id="rollout-9", role="rollout", gpu="cpu", incarnation=1,
-                                   pid=1, host="probe", data_endpoint="", weights_endpoint=""))
+            await probe.send(hostile.hello("rollout-9", "rollout"))
             _, welcome = await asyncio.wait_for(probe.recv(), 30)
             # ... and the trainer keeps heartbeating
             await wait_until_async(lambda: actor.heartbeats["trainer-0"].seq > seq_after_storm + 1,
@@ -286,37 +271,30 @@ def _hostile(base: Any, fields: dict[str, st.SearchStrategy[Any]]) -> st.SearchS
 
 def _coordinator_storm() -> st.SearchStrategy[Any]:
     """Messages a node sends the coordinator, from a peer that never said a valid Hello."""
-    hb = Heartbeat(node_id="trainer-0", incarnation=1, policy_version=0, state="running", seq=1,
-                   gpu={}, stats={"busy_s": 1.0})
+    hb = hostile.heartbeat("trainer-0", seq=1, stats={"busy_s": 1.0})
     return st.one_of(
         _hostile(hb, {"stats": _bad_dict, "gpu": _bad_gpu, "incarnation": _neg, "seq": _neg}),
         # well-formed but from nobody: before any Hello (issue 20: StepDone from an unknown peer,
         # Consumed with trained = 2**63-1, a VersionAnnounce of 10**6)
-        st.builds(StepDone, step=st.integers(0, 10**6), version=st.integers(0, 10**6),
+        st.builds(hostile.step_done, step=st.integers(0, 10**6), version=st.integers(0, 10**6),
                   metrics=st.just({}) | st.just({"reward_mean": 99.0})),
-        st.builds(Consumed, task_id=st.integers(0, 10**6), step=st.integers(0, 10), fragment=st.integers(0, 99),
-                  rank=st.integers(0, 3), trained=st.just((1 << 63) - 1) | st.integers(0, 64),
-                  discarded=st.just({}), train_seconds=st.floats(0, 10)),
-        st.builds(VersionAnnounce, version=st.just(10**6) | _huge, step=st.integers(0, 10), nparts=st.just(1),
-                  nbytes=st.just(1), checksum=st.just("x")),
-        st.builds(Hello, node_id=st.just("trainer-0") | st.just("rollout-0"), role=st.just("trainer"),
-                  gpu=st.just("cpu"), incarnation=st.integers(0, 1 << 40), pid=st.just(1), host=st.just("h"),
-                  data_endpoint=st.just("tcp://garbage"), weights_endpoint=st.just("")),
-        st.builds(Commit, task_id=st.integers(1, 100), step=st.integers(0, 10**12), fragment=st.just(99),
-                  node_id=st.just("rollout-0"), policy_version=st.integers(0, 5), prompt_ids=st.just([1]),
-                  rewards=st.just([0.5, 0.5]), reward_terms=st.just({}), gen_seconds=st.just(0.1),
-                  cond=st.just({}), images=st.just(torch.zeros(0, dtype=torch.uint8)), discard=st.just("")))
+        st.builds(hostile.consumed, task_id=st.integers(0, 10**6), step=st.integers(0, 10),
+                  fragment=st.integers(0, 99), rank=st.integers(0, 3),
+                  trained=st.just(hostile.INT64_MAX) | st.integers(0, 64), train_seconds=st.floats(0, 10)),
+        st.builds(hostile.version_announce, version=st.just(10**6) | _huge, step=st.integers(0, 10)),
+        st.builds(hostile.hello, node_id=st.just("trainer-0") | st.just("rollout-0"),
+                  incarnation=st.integers(0, 1 << 40), data_endpoint=st.just("tcp://garbage"),
+                  weights_endpoint=st.just("")),
+        st.builds(hostile.commit, task_id=st.integers(1, 100), step=st.integers(0, 10**12),
+                  fragment=st.just(hostile.BAD_FRAGMENT), policy_version=st.integers(0, 5),
+                  prompt_ids=st.just([1])))
 
 
 def _trainer_storm() -> st.SearchStrategy[Any]:
     """Chunks and commits with values the trainer can tell are not work (it holds no list of
     assignments: a task id alone is not among them, see docs/deployment.md)."""
-    x = torch.zeros(2, 4)
-    chunk = Chunk(task_id=1, step=0, fragment=0, t_index=0, sigma=0.9, sigma_next=0.8, policy_version=0,
-                  x_t=x, x_next=x, log_prob=torch.zeros(2))
-    commit = Commit(task_id=1, step=0, fragment=0, node_id="rollout-0", policy_version=0, prompt_ids=[1],
-                    rewards=[0.5, 0.5], reward_terms={}, gen_seconds=0.1, cond={},
-                    images=torch.zeros(0, dtype=torch.uint8), discard="")
+    chunk = hostile.chunk()
+    commit = hostile.commit(prompt_ids=[1])
     where = {"step": st.integers(3, 1 << 40) | _neg, "fragment": st.integers(64, 1 << 19) | _neg,
              "task_id": _neg, "policy_version": _neg}
     return st.one_of(

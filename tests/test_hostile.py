@@ -21,6 +21,7 @@ from digenrl.actors.trainer import TrainerActor
 from digenrl.config import load_config, resolve_mode
 from digenrl.core.plan import plan_for_step
 from digenrl.telemetry.trace import SpanRecorder
+from digenrl.transport import hostile
 from digenrl.transport.protocol import Chunk, CleanSample, Commit
 
 
@@ -51,15 +52,11 @@ def _trainer(tmp_path: Path, *sets: str) -> tuple[TrainerActor, FakeSocket]:
 
 
 def _commit(step: int = 0, fragment: int = 0, task_id: int = 1, n: int = 4) -> Commit:
-    return Commit(task_id=task_id, step=step, fragment=fragment, node_id="rollout-0", policy_version=0,
-                  prompt_ids=[0], rewards=[0.5] * n, reward_terms={}, gen_seconds=0.1, cond={},
-                  images=torch.zeros(0, dtype=torch.uint8), discard="")
+    return hostile.commit(task_id, step, fragment, n=n)
 
 
 def _chunk(step: int = 0, fragment: int = 0, t_index: int = 0, task_id: int = 1) -> Chunk:
-    x = torch.zeros(4, 2)
-    return Chunk(task_id=task_id, step=step, fragment=fragment, t_index=t_index, sigma=1.0,
-                 sigma_next=0.5, policy_version=0, x_t=x, x_next=x, log_prob=torch.zeros(4))
+    return hostile.chunk(task_id, step, fragment, t_index, x_t=torch.zeros(4, 2), sigma=1.0, sigma_next=0.5)
 
 
 async def _feed(actor: TrainerActor, data: FakeSocket, msgs: list[Any]) -> None:
@@ -79,7 +76,7 @@ async def test_a_commit_for_a_slot_outside_the_run_never_reaches_training(tmp_pa
     actor, data = _trainer(tmp_path, "runtime.fragments_per_step=1")
     trained = plan_for_step(actor.cfg, 0)[0]
     await _feed(actor, data, [
-        _commit(fragment=99), _commit(step=10**12, task_id=7), _commit(step=-1, task_id=8),
+        _commit(fragment=hostile.BAD_FRAGMENT), _commit(step=hostile.FAR_STEP, task_id=7), _commit(step=-1, task_id=8),
         _chunk(step=3, t_index=trained[0], task_id=9),  # beyond v + K + 1
         _chunk(t_index=99, task_id=10),                 # a timestep no plan trains
         _chunk(t_index=trained[0]), _commit()])
@@ -142,17 +139,10 @@ async def test_clean_samples_are_staged_within_the_same_bounds_as_chunks(tmp_pat
 async def test_identity_is_bound_at_hello_and_spoofed_reports_are_dropped_and_counted(tmp_path: Path) -> None:
     import zmq.asyncio
 
-    from digenrl.transport.protocol import (
-        Consumed,
-        Heartbeat,
-        Hello,
-        StepDone,
-        VersionAnnounce,
-        Welcome,
-    )
+    from digenrl.transport.protocol import Heartbeat, Welcome
     from digenrl.transport.sockets import Dealer
     from tests.conftest import wait_until_async
-    from tests.test_security import config, hello, start_coordinator
+    from tests.test_security import config, start_coordinator
 
     cfg = config("runtime.heartbeat_s=0.2", "runtime.heartbeat_misses=100")
     ctx = zmq.asyncio.Context()
@@ -163,39 +153,31 @@ async def test_identity_is_bound_at_hello_and_spoofed_reports_are_dropped_and_co
         s.connect(ep)
     thief = Dealer(ctx, identity=b"trainer-0")  # the live trainer's routing id, a second connection
 
-    def beat(node_id: str, **kw: Any) -> Heartbeat:
-        args: dict[str, Any] = dict(node_id=node_id, incarnation=1, policy_version=0, state="running",
-                                    seq=0, gpu={}, stats={})
-        return Heartbeat(**{**args, **kw})
-
     try:
         async with asyncio.TaskGroup() as tg:
             run = tg.create_task(actor.run())
-            await socks["trainer-0"].send(hello("trainer-0"))
+            await socks["trainer-0"].send(hostile.hello("trainer-0"))
             _, welcome = await asyncio.wait_for(socks["trainer-0"].recv(), 30)
             assert isinstance(welcome, Welcome)
             thief.connect(ep)
             # issue 20: a routing id trainer-0 announcing version 10**6 killed the coordinator
-            await thief.send(VersionAnnounce(version=10**6, step=10**6, nparts=1, nbytes=1, checksum="x"))
-            await socks["evil"].send(beat("trainer-0"))                      # before any Hello
-            await socks["evil"].send(hello("trainer-0"))                     # another routing id
-            await socks["trainer-0"].send(hello("trainer-0"))                # the live incarnation again
-            await socks["trainer-0"].send(beat("rollout-0"))                 # claims another id
-            await socks["trainer-0"].send(beat("trainer-0", incarnation=9))  # not its incarnation
+            await thief.send(hostile.future_announce())
+            await socks["evil"].send(hostile.heartbeat("trainer-0"))                      # before any Hello
+            await socks["evil"].send(hostile.hello("trainer-0"))                          # another routing id
+            await socks["trainer-0"].send(hostile.hello("trainer-0"))                     # the live incarnation again
+            await socks["trainer-0"].send(hostile.heartbeat("rollout-0"))                 # claims another id
+            await socks["trainer-0"].send(hostile.heartbeat("trainer-0", incarnation=9))  # not its incarnation
             # issue 20: 20 StepDones for steps 1000-1019 added rows to metrics.jsonl
-            await socks["trainer-0"].send(StepDone(step=1000, version=1001, metrics={"reward_mean": 99.0}))
-            await socks["trainer-0"].send(Consumed(task_id=1, step=0, fragment=0, rank=3, policy_version=0, trained=4,
-                                                   discarded={}, train_seconds=0.1))
-            await socks["rollout-7"].send(Hello(node_id="rollout-7", role="rollout", gpu="cpu",
-                                                incarnation=1, pid=1, host="h", data_endpoint="",
-                                                weights_endpoint=""))
-            await socks["rollout-7"].send(StepDone(step=0, version=1, metrics={}))  # not a trainer
+            await socks["trainer-0"].send(hostile.future_step_done())
+            await socks["trainer-0"].send(hostile.consumed(rank=3, trained=4))
+            await socks["rollout-7"].send(hostile.hello("rollout-7", "rollout"))
+            await socks["rollout-7"].send(hostile.step_done())  # not a trainer
             # issue 20: stats.busy_s a string (refused by the schema, counted as a bad frame)
-            await socks["trainer-0"].send(beat("trainer-0", stats={"busy_s": "x"}))
+            await socks["trainer-0"].send(hostile.bad_stats_heartbeat())
             await wait_until_async(lambda: actor.refused.total() >= 8, "the refusals", 30)
             await wait_until_async(lambda: actor.control.statistics().bad_by_reason.get("invalid") == 1,
                              "the schema's refusal", 30)
-            await socks["trainer-0"].send(beat("trainer-0"))  # the real trainer is still answered
+            await socks["trainer-0"].send(hostile.heartbeat())  # the real trainer is still answered
             _, answer = await asyncio.wait_for(socks["trainer-0"].recv(), 30)
             assert isinstance(answer, Heartbeat)
             run.cancel()
@@ -264,11 +246,9 @@ async def test_staging_is_bounded_by_the_byte_window_and_attempts_per_slot(tmp_p
     actor, data = _trainer(tmp_path, "runtime.byte_window_mb=1")
     t = plan_for_step(actor.cfg, 0)[0][0]
     big = torch.zeros(4, 64, 256)  # 256 KiB a tensor: 512 KiB a chunk
-    flood = [Chunk(task_id=100 + i, step=0, fragment=0, t_index=t, sigma=1.0, sigma_next=0.5,
-                   policy_version=0, x_t=big, x_next=big, log_prob=torch.zeros(4)) for i in range(300)]
+    flood = [hostile.chunk(100 + i, t_index=t, x_t=big, sigma=1.0, sigma_next=0.5) for i in range(300)]
     trained = plan_for_step(actor.cfg, 0)[0]
-    full = [Chunk(task_id=100 + i, step=0, fragment=0, t_index=tt, sigma=1.0, sigma_next=0.5,
-                  policy_version=0, x_t=big, x_next=big, log_prob=torch.zeros(4))
+    full = [hostile.chunk(100 + i, t_index=tt, x_t=big, sigma=1.0, sigma_next=0.5)
             for i in range(2) for tt in trained]  # two whole attempts: over the 1 MiB window
     commits = [_commit(task_id=500 + i, fragment=0) for i in range(10)]
     await _feed(actor, data, [*flood, *full, *commits])
