@@ -8,6 +8,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -448,3 +449,102 @@ async def test_a_router_send_is_tracked_and_a_dropped_message_is_done_at_once(ct
     finally:
         router.close()
         dealer.close()
+
+
+# ----------------------------------------------------------------------------- cancelled receives
+# A main loop races its receive against a stop (Actor.unless_stopped) and cancels the loser:
+# a cancelled receive must neither leave a waiter that takes the next message nor lose one
+# it had already read.
+
+
+async def test_a_cancelled_parked_receive_leaves_no_waiter_that_takes_the_next_message(make) -> None:
+    router, dealer = make(Router), make(Dealer, identity=b"node")
+    dealer.connect(router.bind("tcp://127.0.0.1:*"))
+    for seq in range(3):
+        waiting = asyncio.ensure_future(router.recv_authenticated())
+        await _until(lambda: bool(router._recv_waiters))  # parked on the socket's readiness
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await dealer.send(Shutdown(reason=str(seq)))
+        peer, _, got = await asyncio.wait_for(router.recv_authenticated(), WAIT)
+        assert peer == b"node" and got == Shutdown(reason=str(seq))
+
+
+class _CancelOnDelivery(Pull):
+    """A Pull that cancels ``victim`` right after handing it a message: the cancellation
+    reaches the receive after its message did and before it could return it."""
+
+    victim: asyncio.Task[Any] | None = None
+
+    def _service(self) -> None:
+        super()._service()
+        if self.victim is not None and not self._recv_waiters:  # the victim's wait got its message
+            self.victim.cancel()
+            self.victim = None
+
+
+async def test_a_receive_cancelled_as_its_message_arrives_loses_nothing(ctx) -> None:
+    pull, push = _CancelOnDelivery(ctx, options=OPTS), Push(ctx, options=OPTS)
+    try:
+        push.connect(pull.bind("inproc://cancel-on-delivery"))
+        victim = asyncio.ensure_future(pull.recv())
+        pull.victim = victim
+        await _until(lambda: bool(pull._recv_waiters))
+        await push.send(Shutdown(reason="first"))
+        await asyncio.wait({victim}, timeout=WAIT)
+        assert victim.cancelled()
+        await push.send(Shutdown(reason="second"))
+        got = [(await asyncio.wait_for(pull.recv(), WAIT))[1] for _ in range(2)]
+        assert got == [Shutdown(reason="first"), Shutdown(reason="second")]  # held, in order
+    finally:
+        push.close()
+        pull.close()
+
+
+async def test_a_receive_cancelled_in_its_yield_after_a_direct_read_loses_nothing(make) -> None:
+    pull, push = make(Pull), make(Push)
+    pull.YIELD_EVERY = 1  # every direct read yields to the loop: a point where a cancel lands
+    push.connect(pull.bind("tcp://127.0.0.1:*"))
+    await push.send(Shutdown(reason="first"))
+    await push.send(Shutdown(reason="second"))
+    await _until(lambda: bool(pull.zmq_socket.getsockopt(zmq.EVENTS) & zmq.POLLIN))
+    reading = asyncio.ensure_future(pull.recv())
+    await asyncio.sleep(0)  # it reads "first" at once and yields
+    assert pull._rx_hot and not reading.done()
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    got = [(await asyncio.wait_for(pull.recv(), WAIT))[1] for _ in range(2)]
+    assert got == [Shutdown(reason="first"), Shutdown(reason="second")]
+
+
+async def test_a_main_loop_parked_on_a_socket_wakes_for_a_stop_and_leaves_the_message_for_later(make) -> None:
+    # the coordinator's main loop: before, it noticed a stop only at its next message or after
+    # the stop grace (30 s); here the grace is an hour, so only the wake can end the run
+    import structlog
+
+    from digenrl.actors.base import Actor
+    from digenrl.telemetry.trace import SpanRecorder
+
+    pull, push = make(Pull), make(Push)
+    push.connect(pull.bind("tcp://127.0.0.1:*"))
+
+    class Reader(Actor):
+        async def main(self) -> None:
+            while not self.stopping:
+                got = await self.unless_stopped(pull.recv())
+                if got is not None:
+                    seen.append(got[1])
+
+    seen: list[Any] = []
+    actor = Reader(node_id="coordinator", recorder=SpanRecorder("coordinator", "coordinator"),
+                   log=structlog.get_logger(), stop_grace_s=3600.0)
+    running = asyncio.ensure_future(actor.run())
+    await push.send(Shutdown(reason="before"))
+    await _until(lambda: bool(seen) and bool(pull._recv_waiters))  # handled, parked for the next
+    actor.request_stop("done")
+    await asyncio.wait_for(running, WAIT)
+    assert seen == [Shutdown(reason="before")]
+    await push.send(Shutdown(reason="after"))
+    assert (await asyncio.wait_for(pull.recv(), WAIT))[1] == Shutdown(reason="after")

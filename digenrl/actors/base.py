@@ -24,6 +24,7 @@ from a rollout or trainer actor is the :class:`~digenrl.actors.peers.PeerActor` 
 |---------------------------|-----------------------------------|---------------------------------|
 | ``wait_stopped()``        | shutdown requested                | ``request_stop()``, Shutdown msg |
 | socket ``recv()``         | a peer's message                  | peer send, or cancellation       |
+| ``unless_stopped(op)``    | ``op`` (a recv, a queue get)      | ``op`` finishing, or a stop      |
 | ``in_thread(...)``        | torch work on the compute thread  | the work finishing              |
 """
 
@@ -150,18 +151,27 @@ class Actor:
     async def wait_stopped(self) -> None:
         await self._stop.wait()
 
-    async def next_unless_stopped(self, queue: asyncio.Queue[T]) -> T | None:
-        """The queue's next item, or None once a stop is requested (whichever comes first):
-        a main loop parked on its queue wakes for a stop without waiting for an item."""
-        get = asyncio.ensure_future(queue.get())
+    async def unless_stopped(self, op: Coroutine[Any, Any, T]) -> T | None:
+        """``op``'s result, or None once a stop is requested (whichever comes first): a main
+        loop parked on a queue or a socket wakes for a stop without waiting for an item or a
+        message. The loser is cancelled, and ``op`` has finished its cancellation when this
+        returns: a queue's ``get`` or a socket's ``recv`` so cancelled loses nothing (the next
+        one returns it; ``transport/sockets.py``)."""
+        get = asyncio.ensure_future(op)
         stop = asyncio.ensure_future(self.wait_stopped())
+        try:
+            await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when the caller itself is cancelled: nothing is left waiting
+            stop.cancel()
+            get.cancel()  # a no-op once it finished
+        if not get.done():
+            await asyncio.wait({get})  # its cleanup has run before the caller reads again
+        return None if get.cancelled() else get.result()
+
+    async def next_unless_stopped(self, queue: asyncio.Queue[T]) -> T | None:
+        """The queue's next item, or None once a stop is requested (:meth:`unless_stopped`)."""
         with self.recorder.span("wait"):
-            done, _ = await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
-        if get not in done:
-            get.cancel()
-            return None
-        stop.cancel()
-        return get.result()
+            return await self.unless_stopped(queue.get())
 
     async def main(self) -> None:
         raise NotImplementedError

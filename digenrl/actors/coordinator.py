@@ -240,7 +240,10 @@ class CoordinatorActor(Actor):
 
     async def main(self) -> None:
         while not self.stopping:
-            peer, user, msg = await self.control.recv_authenticated()
+            got = await self.unless_stopped(self.control.recv_authenticated())
+            if got is None:  # a stop: noticed at once, not at the next message
+                break
+            peer, user, msg = got
             why = self._gate(peer, msg, user)
             if why is not None:
                 self.refuse(why, msg, peer=peer[:64])
