@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -38,6 +37,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # for the namespaces helper the tests share: tests/netns.py
+
+from tests import netns  # noqa: E402
+
 METHODS = ("router", "relay", "broadcast", "shard")
 SHARD_SOURCES = 4
 
@@ -53,22 +56,8 @@ def weight_set(mib: int) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- namespaces
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
 def netns_unavailable() -> str:
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "network namespaces need root"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed"
-    probe = f"dgwprobe{os.getpid()}"
-    try:
-        _ip("netns", "add", probe)
-        _ip("netns", "del", probe)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-        return f"`ip netns add` failed: {getattr(e, 'stderr', b'') or e}"
-    return ""
+    return netns.netns_unavailable("tc")
 
 
 @dataclass
@@ -80,50 +69,13 @@ class Node:
     def cmd(self) -> list[str]:
         return ["ip", "netns", "exec", self.ns] if self.ns else []
 
-    def egress(self, bridge: str) -> int:
-        out = subprocess.run(["ip", "netns", "exec", bridge, "cat", f"/sys/class/net/{self.port}/statistics/rx_bytes"],
-                             check=True, capture_output=True, text=True, timeout=30)
-        return int(out.stdout)
 
-
-class Fabric:
+class Fabric(netns.Fabric):
     """``count`` nodes, each in a namespace with one rate-limited veth on a shared bridge."""
 
     def __init__(self, count: int, link_mbit: float | None) -> None:
-        self.tag = os.getpid() % 100000
-        self.bridge = f"dgwb{self.tag}"
-        self.made: list[str] = []
-        self.nodes: list[Node] = []
-        subnet = f"10.214.{self.tag % 250}"
-        try:
-            _ip("netns", "add", self.bridge)
-            self.made.append(self.bridge)
-            _ip("-n", self.bridge, "link", "add", "br0", "type", "bridge")
-            _ip("-n", self.bridge, "link", "set", "br0", "up")
-            for i in range(count):
-                ns, port = f"dgw{self.tag}n{i}", f"q{i}x{self.tag}"
-                _ip("netns", "add", ns)
-                self.made.append(ns)
-                _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", self.bridge)
-                _ip("-n", self.bridge, "link", "set", port, "master", "br0")
-                _ip("-n", self.bridge, "link", "set", port, "up")
-                _ip("-n", ns, "addr", "add", f"{subnet}.{i + 2}/24", "dev", "eth0")
-                _ip("-n", ns, "link", "set", "eth0", "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-                if link_mbit:
-                    for where, dev in ((ns, "eth0"), (self.bridge, port)):  # upload and download
-                        subprocess.run(["ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root",
-                                        "tbf", "rate", f"{link_mbit}mbit", "burst", "256kb", "latency", "200ms"],
-                                       check=True, capture_output=True, timeout=30)
-                self.nodes.append(Node(ns=ns, addr=f"{subnet}.{i + 2}", port=port))
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        for ns in reversed(self.made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        self.made.clear()
+        super().__init__(count, name="dgw", net=214, first=2, link_mbit=link_mbit)
+        self.nodes = [Node(ns=h.ns, addr=h.addr, port=h.port) for h in self.hosts]
 
 
 # ----------------------------------------------------------------------------- workers
@@ -344,14 +296,14 @@ def run_once(method: str, n: int, mib: int, nodes: list[Node], fabric: Fabric | 
             procs += [Proc(node, ["--worker", "receiver", "--index", str(i), *common, *extra])
                       for i, node in enumerate(rcv_nodes)]
             ready = [p.read() for p in procs]
-            before = src_nodes[0].egress(fabric.bridge) if fabric else 0
+            before = fabric.egress(src_nodes[0].port) if fabric else 0
             t0 = time.time()
             for p in procs[1:]:
                 p.send(do="go", sums=ready[0]["sums"], checksum=ready[0]["checksum"])
             procs[0].send(do="go")
             held = [p.read() for p in procs[1:]]
             procs[0].read()
-            egress = src_nodes[0].egress(fabric.bridge) - before if fabric else None
+            egress = fabric.egress(src_nodes[0].port) - before if fabric else None
             return {"t_s": max(h["held"] for h in held) - t0, "egress": egress,
                     "set_bytes": held[0]["nbytes"], "form_s": max(r["form_s"] for r in ready)}
         srcs = [Proc(node, ["--worker", "source", "--index", str(k), "--of", str(sources), *common])
@@ -361,7 +313,7 @@ def run_once(method: str, n: int, mib: int, nodes: list[Node], fabric: Fabric | 
         rcvs = [Proc(node, ["--worker", "receiver", "--index", str(i), *common]) for i, node in enumerate(rcv_nodes)]
         procs += rcvs
         relays = [r.read()["relay"] for r in rcvs]
-        before = src_nodes[0].egress(fabric.bridge) if fabric else 0
+        before = fabric.egress(src_nodes[0].port) if fabric else 0
         zmq_before = _ask_bytes(srcs[0]) if not fabric else 0
         t0 = time.time()
         for i, r in enumerate(rcvs):
@@ -369,7 +321,7 @@ def run_once(method: str, n: int, mib: int, nodes: list[Node], fabric: Fabric | 
                    checksum=info[0]["checksum"], upstream=relays[i - 1] if method == "relay" and i else "")
         held = [r.read() for r in rcvs]
         t = max(h["held"] for h in held) - t0
-        egress = (src_nodes[0].egress(fabric.bridge) - before) if fabric else _ask_bytes(srcs[0]) - zmq_before
+        egress = (fabric.egress(src_nodes[0].port) - before) if fabric else _ask_bytes(srcs[0]) - zmq_before
         return {"t_s": t, "egress": egress, "set_bytes": held[0]["nbytes"],
                 "fallbacks": sum(h.get("fallbacks", 0) for h in held)}
     finally:

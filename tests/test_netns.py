@@ -1,6 +1,6 @@
 """Multi-host over real TCP: coordinator, trainer and rollout in three network namespaces.
 
-Each node gets its own namespace with one veth into a bridge that lives in a fourth
+Each node gets its own namespace (tests/netns.py) with one veth into a bridge that lives in a fourth
 namespace; the only addresses made are 10.213.N.1-3 inside those namespaces, so the host's
 own network is never touched. Nodes bind those (non-loopback) addresses, so CurveZMQ is on
 (transport.curve = "auto") with keys generated for the test. Needs root and ``ip netns``;
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ import pytest
 from digenrl.config import load_config, resolve_mode, to_toml
 from digenrl.transport.curve import generate_keys
 from tests.conftest import SMALL as TINY_RUN
+from tests.netns import Fabric, netns_unavailable
 
 pytestmark = pytest.mark.slow
 
@@ -29,54 +29,18 @@ BIN = Path(sys.executable).parent
 SMALL = [*TINY_RUN, "run.steps=2", "runtime.tag=\"never\""]
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def _netns_unavailable() -> str:
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "network namespaces need root"
-    if shutil.which("ip") is None:
-        return "iproute2 `ip` is not installed"
-    probe = f"dgprobe{os.getpid()}"
-    try:
-        ip("netns", "add", probe)
-        ip("netns", "del", probe)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-        return f"`ip netns add` failed here: {getattr(e, 'stderr', b'') or e}"
-    return ""
-
-
 @pytest.fixture
 def namespaces() -> Iterator[dict[str, tuple[str, str]]]:
     """role -> (namespace, address); all namespaces are deleted at teardown, even on failure."""
-    reason = _netns_unavailable()
+    reason = netns_unavailable()
     if reason:
         pytest.skip(reason)
-    tag = os.getpid() % 100000
-    subnet = f"10.213.{tag % 250}"
-    bridge = f"dgb{tag}"
-    made: list[str] = []
-    nodes = {role: (f"dg{role[0]}{tag}", f"{subnet}.{i}")
-             for i, role in enumerate(("coordinator", "trainer", "rollout"), start=1)}
+    roles = ("coordinator", "trainer", "rollout")
+    fabric = Fabric(len(roles), name="dg", net=213)
     try:
-        for ns in (bridge, *(n for n, _ in nodes.values())):
-            ip("netns", "add", ns)
-            made.append(ns)
-        ip("-n", bridge, "link", "add", "br0", "type", "bridge")
-        ip("-n", bridge, "link", "set", "br0", "up")
-        for i, (ns, addr) in enumerate(nodes.values()):
-            port = f"p{i}x{tag}"
-            ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", bridge)
-            ip("-n", bridge, "link", "set", port, "master", "br0")
-            ip("-n", bridge, "link", "set", port, "up")
-            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
-            ip("-n", ns, "link", "set", "eth0", "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-        yield nodes
+        yield {role: (host.ns, host.addr) for role, host in zip(roles, fabric.hosts, strict=True)}
     finally:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        fabric.close()
 
 
 def node_final(log: Path) -> dict:
