@@ -84,7 +84,7 @@ def resume_config(args: argparse.Namespace) -> tuple[Config, Path]:
     refuses (ConfigError) what a resume cannot honour, before anything starts."""
     from digenrl.rl.checkpoint import latest_checkpoint
     run_dir = Path(args.resume)
-    for flag in ("mode", "trainers", "config", "run_dir"):
+    for flag in ("mode", "config", "run_dir"):
         if getattr(args, flag, None) is not None:
             raise ConfigError(f"--resume {args.resume}: --{flag.replace('_', '-')} cannot be "
                               "changed on resume (the run continues with its own config.toml)")
@@ -112,10 +112,33 @@ def resume_config(args: argparse.Namespace) -> tuple[Config, Path]:
     if cfg.run.steps < ckpt.version:
         raise ConfigError(f"--resume {args.resume}: run.steps = {cfg.run.steps} but the checkpoint "
                           f"is at step {ckpt.version} already")
+    if cfg.cluster.trainers != saved.cluster.trainers:
+        check_trainer_count(cfg, f"--resume {args.resume}: ")
+        print(f"digenrl: resuming with {cfg.cluster.trainers} trainer rank(s) (the run had "
+              f"{saved.cluster.trainers}); {_reshard_how(ckpt.trainer.get('layout'), cfg)}",
+              flush=True)
     _check_prompts(cfg)
-    if cfg != saved:  # --steps / --rollouts / --set: the run dir records what now runs
+    if cfg != saved:  # --steps / --rollouts / --trainers / --set: the run dir records what now runs
         write_text_atomic(run_dir / "config.toml", to_toml(cfg))
     return cfg, run_dir
+
+
+def _reshard_how(layout: object, cfg: Config) -> str:
+    """How the checkpoint reaches the new trainer ranks (for the resume's one-line notice)."""
+    sharded = cfg.model.fsdp and cfg.cluster.trainers > 1
+    if layout == "dcp":
+        return ("each rank reads its part of the sharded checkpoint (torch.distributed.checkpoint "
+                "reshards it)" if sharded else "the sharded checkpoint is read whole")
+    return ("every rank reads the whole checkpoint and keeps its shard" if sharded
+            else "every rank reads the whole checkpoint")
+
+
+def check_trainer_count(cfg: Config, where: str = "") -> None:
+    """Refuse (ConfigError) a trainer rank count the run's config cannot train with."""
+    n, P = cfg.cluster.trainers, cfg.train.prompts_per_step
+    if cfg.run.mode == "colocated" and P % n:
+        raise ConfigError(f"{where}cluster.trainers = {n}: colocated ranks split "
+                          f"train.prompts_per_step = {P} evenly; use a divisor of it")
 
 
 def _child_env(cfg: Config, index: int = 0) -> dict[str, str]:
@@ -154,6 +177,7 @@ def run_colocated_ranks(cfg: Config, run_dir: Path, resume: bool = False) -> Col
 
 def check_runtime_support(cfg: Config) -> None:
     """Refuse, before any process starts, what the runtime cannot do."""
+    check_trainer_count(cfg)
     if cfg.cluster.rewards and cfg.run.mode == "colocated":
         raise ConfigError(f"cluster.rewards = {cfg.cluster.rewards}: reward workers serve rollout "
                           "nodes; colocated mode has none (use digenrl or disagg-sync, or 0)")

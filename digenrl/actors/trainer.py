@@ -135,7 +135,8 @@ class TrainerActor(Actor):
             self.log = self.log.bind(policy_version=self.policy.version)
             for why in ckpt.skipped:
                 self.log.warning("checkpoint skipped", reason=why)
-            self.log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path))
+            self.log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path),
+                          layout=ckpt.trainer.get("layout"), trainers=self.world_size)
         if self.rank == 0 or self.policy.sharded:
             await self._publish(self.policy.version)
         await self._maybe_eval(self.policy.version)
@@ -464,6 +465,7 @@ class TrainerActor(Actor):
             # checksums once per version, off the event loop (not once per request)
             parts, whole = await asyncio.to_thread(publish_parts, sd)
             self.peers.store.publish(version, parts, whole)  # the newest three are kept
+            self.log.info("weights published", version=version, checksum=whole, nparts=len(parts))
         await self.peers.control.send(VersionAnnounce(
             version=version, step=version, nparts=len(parts),
             nbytes=sum(t.numel() * t.element_size() for p, _ in parts for t in p.values()),

@@ -31,6 +31,15 @@ ledger then holds exactly the steps below v as trained, and the attempts alive a
 moment become discarded "restart" on restore (their slots are regenerated; content is a
 function of (seed, step), so nothing else needs saving). Multi-host runs need ``run_dir``
 on storage that trainer rank 0 and the coordinator share (sharded: every trainer rank).
+
+Nothing in a checkpoint depends on the trainer rank count, so a run resumes on another one
+(``digenrl launch --resume RUN_DIR --trainers N``): the scheduler's snapshot holds no task
+owners or ranks (TSP owners are a function of the step and the rank count; the attempts in
+flight, wherever they were going, become "restart" discards), a committed cut has no work
+of step v consumed, every rank restores rank 0's RNG states and counters, a ``dcp/``
+checkpoint reshards to any rank count (one unsharded trainer reads it whole), a whole one
+is read by every rank (sharded: each keeps its part), and a colocated run's per-rank
+counters are summed into the new rank 0.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import hashlib
 import json
 import random
 import shutil
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -325,15 +335,21 @@ def dedupe_metrics(run_dir: Path) -> None:
 
 def colocated_resume(run_dir: Path, policy: Any, rank: int) -> tuple[int, int, dict[str, int]]:
     """Load the checkpoint into ``policy`` (every rank); returns (first step, trained, discarded)
-    of this rank so far. CheckpointError if there is none."""
+    this rank carries on from. The run's totals are sums over ranks, so rank 0 carries every
+    saved rank's counts and the others none: right for any rank count, also another one
+    than the checkpoint's. CheckpointError if there is none."""
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise CheckpointError(f"resume {run_dir}: no checkpoint/manifest.json there")
     load_trainer_state(ckpt, policy)
-    if rank == 0:
-        trim_metrics(run_dir, below_step=ckpt.version)
-    trained, discarded = ckpt.coordinator["colocated"]["ranks"][rank]
-    return ckpt.version, int(trained), {str(k): int(v) for k, v in discarded.items()}
+    if rank != 0:
+        return ckpt.version, 0, {}
+    trim_metrics(run_dir, below_step=ckpt.version)
+    trained, discarded = 0, Counter[str]()
+    for n, d in ckpt.coordinator["colocated"]["ranks"]:
+        trained += int(n)
+        discarded.update({str(k): int(v) for k, v in d.items()})
+    return ckpt.version, trained, dict(discarded)
 
 
 def colocated_checkpoint(run_dir: Path, policy: Any, *, rank: int, world_size: int,

@@ -404,14 +404,30 @@ class Policy:
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`optimizer_state` (every rank passes the whole saved state)."""
+        """Inverse of :meth:`optimizer_state` (every rank passes the whole saved state).
+
+        Sharded, it also takes an unsharded trainer's state (keyed by parameter index: a
+        single trainer's checkpoint resumed on several sharded ranks); the indices follow
+        :attr:`params`, the same parameters in the same order sharded or not."""
         if not self.sharded:
             self.optimizer.load_state_dict(state)
             return
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
+            get_optimizer_state_dict,
             set_optimizer_state_dict,
         )
+        if any(isinstance(k, int) for k in state.get("state", {})):
+            # this optimizer's parameter names in index order (a collective: state is empty here)
+            mine: dict[str, Any] = dict(get_optimizer_state_dict(
+                self.model.transformer, self.optimizer, options=StateDictOptions(full_state_dict=True)))
+            names = [n for g in mine["param_groups"] for n in g["params"]]
+            if len(names) != sum(len(g["params"]) for g in state["param_groups"]):
+                raise ValueError(f"optimizer state of {sum(len(g['params']) for g in state['param_groups'])} "
+                                 f"parameters: this policy trains {len(names)}")
+            state = {"state": {names[i]: s for i, s in state["state"].items()},
+                     "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                      for g in state["param_groups"]]}
         set_optimizer_state_dict(self.model.transformer, self.optimizer, state,
                                  options=StateDictOptions(full_state_dict=True))
 
