@@ -14,7 +14,8 @@ alternating which goes first); a ratio is the median of the per-repeat ratios.
    against raw msgpack over blocking DEALER/ROUTER.
 3. The same Heartbeat round trip while the same two processes stream 16 MiB chunks
    (PUSH/PULL, codec) in the background, against the idle round trip (both codec): control
-   must not queue behind bulk data.
+   must not queue behind bulk data. The codec side opens its sockets as nodes do: on
+   ``node_context()`` with the chunk sockets in the bulk lane (their own libzmq I/O thread).
 4. The codec alone: encode + decode, CPU microseconds per message.
 5. ``staged_chunk_goodput``: chunks device -> pinned host -> wire -> pinned host -> device
    through :mod:`digenrl.transport.staging`, against the bare copies and raw pyzmq (on a
@@ -54,7 +55,7 @@ import zmq.asyncio
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from digenrl.transport.protocol import Chunk, Heartbeat, decode, encode
-from digenrl.transport.sockets import Dealer, Pull, Push, Router, SocketOptions
+from digenrl.transport.sockets import Dealer, Pull, Push, Router, SocketOptions, node_context
 from digenrl.transport.staging import DeviceToHost, HostToDevice
 
 OPTS = SocketOptions(max_frame_bytes=64 << 20, hwm=8)  # hwm 8: at most ~256 MiB queued at 16 MiB
@@ -115,8 +116,8 @@ def _send(conn: Connection, mode: str, endpoint: str, nbytes: int, count: int) -
         return
 
     async def run() -> None:
-        ctx = zmq.asyncio.Context()
-        with Push(ctx, options=OPTS) as push:
+        ctx = node_context()
+        with Push(ctx, options=OPTS, lane="bulk") as push:
             push.connect(endpoint)
             base = _chunk(nbytes).__dict__
             c0 = time.process_time()
@@ -148,7 +149,7 @@ def _echo(conn: Connection, mode: str, endpoint: str) -> None:
         return
 
     async def run() -> None:
-        ctx = zmq.asyncio.Context()
+        ctx = node_context()
         with Router(ctx, options=OPTS) as router:
             router.bind(endpoint)
             conn.send("ready")
@@ -170,8 +171,8 @@ async def _echo_loop(router: Router) -> None:
 
 async def _bulk_echo(conn: Connection, router_ep: str, pull_ep: str) -> None:
     """A node with a control ROUTER (echo) and a data PULL (decodes every chunk) in one loop."""
-    ctx = zmq.asyncio.Context()
-    with Router(ctx, options=OPTS) as router, Pull(ctx, options=OPTS) as pull:
+    ctx = node_context()
+    with Router(ctx, options=OPTS) as router, Pull(ctx, options=OPTS, lane="bulk") as pull:
         router.bind(router_ep)
         pull.bind(pull_ep)
         conn.send("ready")
@@ -225,8 +226,8 @@ def goodput(peer: Connection, mode: str, nbytes: int, count: int) -> tuple[float
         ctx.term()
     else:
         async def run() -> tuple[float, float]:
-            ctx = zmq.asyncio.Context()
-            with Pull(ctx, options=OPTS) as pull:
+            ctx = node_context()
+            with Pull(ctx, options=OPTS, lane="bulk") as pull:
                 pull.bind(endpoint)
                 c0 = time.process_time()
                 peer.send(("send", mode, endpoint, nbytes, total))
@@ -273,7 +274,7 @@ def latency(peer: Connection, mode: str, pings: int) -> tuple[list[float], float
         ctx.term()
     else:
         async def run() -> float:
-            ctx = zmq.asyncio.Context()
+            ctx = node_context()
             with Dealer(ctx, options=OPTS) as dealer:
                 dealer.connect(endpoint)
                 c0 = time.process_time()
@@ -310,11 +311,11 @@ def latency_under_bulk(peer: Connection, pings: int, repeats: int,
     assert peer.recv() == "ready"
 
     async def run() -> dict[str, Any]:
-        ctx = zmq.asyncio.Context()
+        ctx = node_context()
         idle: list[float] = []
         bulk: list[float] = []
         ratios = []
-        with Dealer(ctx, options=OPTS) as dealer, Push(ctx, options=OPTS) as push:
+        with Dealer(ctx, options=OPTS) as dealer, Push(ctx, options=OPTS, lane="bulk") as push:
             dealer.connect(router_ep)
             push.connect(pull_ep)
             base = _chunk(nbytes).__dict__
@@ -400,7 +401,7 @@ def _staged_once(mode: str, dev: torch.device, src: list[torch.Tensor], count: i
     """Seconds to move ``count`` chunks; sender and receiver share one thread (and, staged,
     one event loop), so the figure is the per-chunk cost of each path, GIL hand-offs aside."""
     endpoint = f"inproc://staged-{mode}-{time.monotonic_ns()}"
-    ctx = zmq.asyncio.Context()
+    ctx = node_context()
     cuda = dev.type == "cuda"
     try:
         if mode == "raw":
@@ -429,7 +430,7 @@ def _staged_once(mode: str, dev: torch.device, src: list[torch.Tensor], count: i
 
         async def run() -> float:
             d2h, h2d = DeviceToHost(dev), HostToDevice(dev)
-            with Pull(ctx, options=OPTS) as pull, Push(ctx, options=OPTS) as push:
+            with Pull(ctx, options=OPTS, lane="bulk") as pull, Push(ctx, options=OPTS, lane="bulk") as push:
                 pull.bind(endpoint)
                 push.connect(endpoint)
 

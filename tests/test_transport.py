@@ -51,6 +51,7 @@ from digenrl.transport.sockets import (
     SocketOptions,
     Sub,
     is_loopback,
+    node_context,
 )
 
 WAIT = 10.0  # bound on every wait; a healthy loopback answers in milliseconds
@@ -548,3 +549,32 @@ async def test_a_main_loop_parked_on_a_socket_wakes_for_a_stop_and_leaves_the_me
     assert seen == [Shutdown(reason="before")]
     await push.send(Shutdown(reason="after"))
     assert (await asyncio.wait_for(pull.recv(), WAIT))[1] == Shutdown(reason="after")
+
+
+async def test_a_node_context_gives_control_and_bulk_sockets_their_own_io_thread() -> None:
+    # the heartbeat-under-bulk fix (docs/benchmarks.md, Transport): control sockets on libzmq
+    # I/O thread 0, bulk sockets on thread 1; a one-thread context leaves the choice to libzmq
+    ctx = node_context()
+    plain = zmq.asyncio.Context()
+    try:
+        assert ctx.get(zmq.IO_THREADS) == 2
+        with Router(ctx) as router, Dealer(ctx, identity=b"n") as dealer, \
+                Pull(ctx, lane="bulk") as pull, Push(ctx, lane="bulk") as push, Push(plain, lane="bulk") as other:
+            assert [s.zmq_socket.getsockopt(zmq.AFFINITY) for s in (router, dealer, pull, push)] == [1, 1, 2, 2]
+            assert other.zmq_socket.getsockopt(zmq.AFFINITY) == 0
+            ep, data_ep = router.bind("tcp://127.0.0.1:*"), pull.bind("tcp://127.0.0.1:*")
+            dealer.connect(ep)
+            push.connect(data_ep)
+            x = torch.arange(1 << 16, dtype=torch.float32).reshape(4, -1)
+            await push.send(Chunk(task_id=1, step=0, fragment=0, t_index=0, sigma=1.0, sigma_next=0.5,
+                                  policy_version=0, x_t=x, x_next=x, log_prob=torch.zeros(4)))
+            await dealer.send(Heartbeat(node_id="n", incarnation=1, policy_version=0, state="running",
+                                        seq=1, gpu={}, stats={}))
+            peer, beat = await asyncio.wait_for(router.recv(), 10)
+            _, chunk = await asyncio.wait_for(pull.recv(), 10)
+            assert peer == b"n" and isinstance(beat, Heartbeat) and torch.equal(chunk.x_t, x)
+        with pytest.raises(ValueError, match="lane = 'fast'"):
+            Push(ctx, lane="fast")  # type: ignore[arg-type]
+    finally:
+        ctx.term()
+        plain.term()

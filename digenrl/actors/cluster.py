@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import zmq.asyncio
-
 from digenrl.actors.base import RunFailed
 from digenrl.actors.coordinator import CoordinatorActor, rendezvous_endpoint
 from digenrl.config import CONFIG_ERROR_EXIT, Config
@@ -34,7 +32,7 @@ from digenrl.telemetry.metrics import MetricsWriter
 from digenrl.telemetry.progress import Progress
 from digenrl.telemetry.trace import SpanRecorder
 from digenrl.transport import factory as zs
-from digenrl.transport.sockets import free_port
+from digenrl.transport.sockets import free_port, node_context
 
 
 def bytes_per_trajectory(cfg: Config, latent_numel: int) -> int:
@@ -196,7 +194,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     for sub in ("trace", "samples", "logs"):
         (run_dir / sub).mkdir(exist_ok=True)
     log = get_logger("coordinator", "coordinator")
-    ctx = zmq.asyncio.Context()
+    ctx = node_context()
     host = cfg.cluster.host
     try:
         # no ROUTER_HANDOVER: a newcomer must not take over a live node's connection (a

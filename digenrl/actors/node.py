@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
-import zmq.asyncio
 
 from digenrl.actors.base import (
     STOP_GRACE_S,
@@ -46,7 +45,7 @@ from digenrl.telemetry.trace import SpanRecorder
 from digenrl.transport import factory as zs
 from digenrl.transport.protocol import Hello, Role, Shutdown, Welcome
 from digenrl.transport.security import node_security, process_counters
-from digenrl.transport.sockets import Socket
+from digenrl.transport.sockets import Socket, node_context
 
 if TYPE_CHECKING:  # imported where they are built: a node loads only its own role's code
     from digenrl.actors.reward import RewardActor
@@ -165,7 +164,7 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
     Models (policy, reference, text encoders, VAE) go on ``device``; trainer ranks group over
     NCCL on CUDA, gloo on the CPU."""
     log = get_logger(role, node_id)
-    ctx = zmq.asyncio.Context()
+    ctx = node_context()  # one I/O thread for control, one for bulk data
     inc = incarnation()
     opened: list[Socket] = []
 
@@ -178,11 +177,11 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
         data = weights = None
         host = bind or "tcp://127.0.0.1:*"
         if role == "trainer":
-            data = track(zs.bind(ctx, "pull", host, boot))
+            data = track(zs.bind(ctx, "pull", host, boot, lane="bulk"))
         elif role == "reward":  # Score requests from rollouts and TAG helpers
-            data = track(zs.bind(ctx, "router", host, boot))
+            data = track(zs.bind(ctx, "router", host, boot, lane="bulk"))
         if role != "reward":
-            weights = track(zs.bind(ctx, "router", host, boot))  # rank 0 serves, a rollout relays
+            weights = track(zs.bind(ctx, "router", host, boot, lane="bulk"))  # rank 0 serves, a rollout relays
         await control.send(Hello(node_id=node_id, role=role, gpu=gpu, incarnation=inc,
                                  pid=os.getpid(), host=pysocket.gethostname(),
                                  data_endpoint=data.endpoint if data else "",
@@ -205,14 +204,14 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
         recorder = SpanRecorder(node_id, role)
         endpoints = dict(msg.endpoints)
         trainer_eps = {int(k.split("/")[1]): v for k, v in endpoints.items() if k.startswith("trainer/")}
-        pushes = {r: track(zs.connect(ctx, "push", ep, cfg)) for r, ep in sorted(trainer_eps.items())}
+        pushes = {r: track(zs.connect(ctx, "push", ep, cfg, lane="bulk")) for r, ep in sorted(trainer_eps.items())}
         from digenrl.actors.peers import NodePeers
         from digenrl.models import build_model
         from digenrl.rl.rewards import build_reward
         # with reward workers, only they build the reward (its models may need a GPU each)
         workers = cfg.cluster.rewards > 0 and role != "reward"
         reward_fn = None if workers else build_reward(cfg.reward.terms, device=device)
-        scorers = {k.split("/", 1)[1]: track(zs.connect(ctx, "dealer", v, cfg))
+        scorers = {k.split("/", 1)[1]: track(zs.connect(ctx, "dealer", v, cfg, lane="bulk"))
                    for k, v in sorted(endpoints.items()) if k.startswith("reward/")} if workers else {}
         sec = node_security(ctx)
         limit = cfg.runtime.stall_timeout_s
@@ -234,10 +233,10 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
             actor = RewardActor(peers=peers, cfg=cfg, router=data, reward_fn=reward_fn, **kw)
         elif role == "rollout":
             sub = track(zs.connect(ctx, "sub", endpoints["pub"], cfg))
-            wdealer = track(zs.connect(ctx, "dealer", endpoints["weights"], cfg))
+            wdealer = track(zs.connect(ctx, "dealer", endpoints["weights"], cfg, lane="bulk"))
             peers = NodePeers(node_id=node_id, incarnation=inc, cfg=cfg, control=control, sub=sub,
                               pushes=pushes, weights=wdealer, relay=weights, scorers=scorers,
-                              connect=lambda ep: track(zs.connect(ctx, "dealer", ep, cfg)))
+                              connect=lambda ep: track(zs.connect(ctx, "dealer", ep, cfg, lane="bulk")))
             model = await asyncio.to_thread(build_model, cfg.model, seed=cfg.run.seed, gpu=gpu, device=device,
                                             embedded_guidance=cfg.sampler.embedded_guidance)
             from digenrl.actors.rollout import RolloutActor

@@ -16,7 +16,17 @@ import zmq.asyncio
 
 from digenrl.config import Config
 from digenrl.transport.security import NodeSecurity, node_security
-from digenrl.transport.sockets import Dealer, Pub, Pull, Push, Router, Socket, SocketOptions, Sub
+from digenrl.transport.sockets import (
+    Dealer,
+    Lane,
+    Pub,
+    Pull,
+    Push,
+    Router,
+    Socket,
+    SocketOptions,
+    Sub,
+)
 
 
 class _Tracked:
@@ -36,9 +46,9 @@ _TRACKED: dict[str, type[Socket]] = {
 
 
 def _make(ctx: zmq.asyncio.Context, kind: str, cfg: Config, *, identity: bytes | None,
-          security: Any, name: str, sec: NodeSecurity) -> Socket:
+          security: Any, name: str, sec: NodeSecurity, lane: Lane) -> Socket:
     sock = _TRACKED[kind](ctx, options=SocketOptions.from_config(cfg), identity=identity,
-                          security=security, name=name or kind)
+                          security=security, name=name or kind, lane=lane)
     sock.node_security = sec  # type: ignore[attr-defined]
     sec.track(sock)
     return sock
@@ -46,8 +56,9 @@ def _make(ctx: zmq.asyncio.Context, kind: str, cfg: Config, *, identity: bytes |
 
 def bind(ctx: zmq.asyncio.Context, kind: str, endpoint: str, cfg: Config, *,
          identity: bytes | None = None, security: Any = None, handover: bool = False,
-         name: str = "") -> Socket:
+         name: str = "", lane: Lane = "control") -> Socket:
     """A bound socket; ``sock.endpoint`` is the resolved address (a ``*`` port filled in).
+    ``lane``: "bulk" for sockets that carry chunks, weights or images (see ``node_context``).
 
     Raises :class:`~digenrl.transport.security.PlaintextRefused` or
     :class:`~digenrl.transport.curve.CurveKeyError` (both ValueError) when the address needs
@@ -56,7 +67,7 @@ def bind(ctx: zmq.asyncio.Context, kind: str, endpoint: str, cfg: Config, *,
     sec = node_security(ctx, cfg.transport)
     if security is None:
         security = sec.for_bind(endpoint)
-    sock = _make(ctx, kind, cfg, identity=identity, security=security, name=name, sec=sec)
+    sock = _make(ctx, kind, cfg, identity=identity, security=security, name=name, sec=sec, lane=lane)
     try:
         if handover:  # a restarted node reusing its identity takes over the old connection
             sock.zmq_socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -68,12 +79,14 @@ def bind(ctx: zmq.asyncio.Context, kind: str, endpoint: str, cfg: Config, *,
 
 
 def connect(ctx: zmq.asyncio.Context, kind: str, endpoint: str, cfg: Config, *,
-            identity: bytes | None = None, security: Any = None, name: str = "") -> Socket:
-    """A connected socket (ZeroMQ connects in the background and retries)."""
+            identity: bytes | None = None, security: Any = None, name: str = "",
+            lane: Lane = "control") -> Socket:
+    """A connected socket (ZeroMQ connects in the background and retries); ``lane`` as for
+    :func:`bind`."""
     sec = node_security(ctx, cfg.transport)
     if security is None:
         security = sec.for_connect(endpoint)
-    sock = _make(ctx, kind, cfg, identity=identity, security=security, name=name, sec=sec)
+    sock = _make(ctx, kind, cfg, identity=identity, security=security, name=name, sec=sec, lane=lane)
     try:
         sock.connect(endpoint)
     except BaseException:

@@ -27,7 +27,7 @@ import dataclasses
 import socket as pysocket
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import structlog
 import zmq
@@ -59,6 +59,20 @@ log = structlog.get_logger("digenrl.transport")
 # plain ints: pyzmq's enum flags cost ~1 us an operation on the per-message path
 _EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+
+
+Lane = Literal["control", "bulk"]
+LANES: tuple[Lane, ...] = ("control", "bulk")
+"""A socket's lane picks its libzmq I/O thread in a :func:`node_context`: control messages
+(heartbeats, assignments, commits) never wait behind a bulk transfer (chunks, weights, images)
+in the I/O thread that reads and writes the TCP streams. Measured (docs/benchmarks.md,
+Transport): a heartbeat's round trip under a 16 MiB chunk stream was 7.6-11x its idle time
+with one I/O thread for both, 1.03-1.39x with one per lane."""
+
+
+def node_context() -> zmq.asyncio.Context:
+    """The ZeroMQ context of a node: one libzmq I/O thread per lane (see ``LANES``)."""
+    return zmq.asyncio.Context(io_threads=len(LANES))
 
 
 class SocketSecurity(Protocol):
@@ -163,9 +177,11 @@ class Socket:
 
     def __init__(self, ctx: zmq.asyncio.Context, *, options: SocketOptions | None = None,
                  identity: bytes | None = None, security: SocketSecurity | None = None,
-                 name: str = "") -> None:
+                 name: str = "", lane: Lane = "control") -> None:
         if not isinstance(ctx, zmq.asyncio.Context):
             raise TypeError(f"expected a zmq.asyncio.Context, got {type(ctx).__name__}")
+        if lane not in LANES:
+            raise ValueError(f"lane = {lane!r}: expected one of {', '.join(LANES)}")
         self.options = options or SocketOptions()
         self.name = name or type(self).__name__.lower()
         self.endpoint = ""  # the address of the last bind (wildcards resolved) or connect
@@ -188,6 +204,8 @@ class Socket:
         sock.setsockopt(zmq.RCVHWM, self.options.hwm)
         if identity is not None:
             sock.setsockopt(zmq.ROUTING_ID, identity)
+        if int(ctx.get(zmq.IO_THREADS)) >= len(LANES):  # see node_context
+            sock.setsockopt(zmq.AFFINITY, 1 << LANES.index(lane))
         if self.options.heartbeat_s is not None:
             ivl_ms = max(1, round(self.options.heartbeat_s * 1000))
             sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
