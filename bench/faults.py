@@ -112,7 +112,9 @@ def one_run(i: int, rng: random.Random, root: Path, timeout: float, fault: str) 
     victim, killed_at = "", None
     pid_file, metrics = run_dir / "logs" / "pids.json", run_dir / "metrics.jsonl"
     # a random moment: a quarter of the kills while nodes start up, the rest while training
-    early = rng.random() < 0.25
+    # (a hostile peer attacks as soon as the nodes exist: on an idle machine a run's steps take
+    # 0.3 s, so an attack started after step 0 could land after the last step)
+    early = rng.random() < 0.25 or fault == "hostile"
     ready = (lambda: pid_file.exists()) if early else (lambda: metrics.exists() and metrics.stat().st_size > 0)
     while not ready() and proc.poll() is None:
         time.sleep(0.1)
@@ -127,11 +129,17 @@ def one_run(i: int, rng: random.Random, root: Path, timeout: float, fault: str) 
                 os.kill(pids[victim], signal.SIGKILL)
             elif fault == "pause":
                 os.kill(pids[victim], signal.SIGSTOP)
+                killed_at = time.monotonic() - t0
                 time.sleep(3 * 0.25 * 6)  # three heartbeat timeouts
-                os.kill(pids[victim], signal.SIGCONT)
+                try:
+                    os.kill(pids[victim], signal.SIGCONT)
+                except ProcessLookupError:  # declared lost while stopped, and killed by the rewind
+                    victim += " (killed by the launcher while paused)"
             else:
+                killed_at = time.monotonic() - t0
                 victim += f" ({_hostile_peer(endpoint)} messages)"
-            killed_at = time.monotonic() - t0
+            if fault == "kill":
+                killed_at = time.monotonic() - t0
         except ProcessLookupError:
             victim += " (already gone)"
     try:

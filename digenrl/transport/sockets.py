@@ -206,7 +206,13 @@ class Socket:
             sock.setsockopt(zmq.ROUTING_ID, identity)
         if int(ctx.get(zmq.IO_THREADS)) >= len(LANES):  # see node_context
             sock.setsockopt(zmq.AFFINITY, 1 << LANES.index(lane))
-        if self.options.heartbeat_s is not None:
+        # ZMTP heartbeats on control sockets only. libzmq 4.3.5 aborts a process (assertion
+        # !_io_error, stream_engine_base.cpp:310) when a socket whose pipe is full (input
+        # stopped) loses its peer and a heartbeat timer then writes a PING: a rollout dying, or
+        # a hostile peer flooding and leaving, while a trainer's data PULL is at its high-water
+        # mark would kill the trainer. Bulk peers' liveness is the coordinator's (application
+        # heartbeats) and the weights fetch's own silence timeout.
+        if self.options.heartbeat_s is not None and lane == "control":
             ivl_ms = max(1, round(self.options.heartbeat_s * 1000))
             sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ivl_ms * self.options.heartbeat_misses)
