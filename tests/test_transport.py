@@ -575,6 +575,7 @@ async def test_a_node_context_gives_control_and_bulk_sockets_their_own_io_thread
                                         seq=1, gpu={}, stats={}))
             peer, beat = await asyncio.wait_for(router.recv(), 10)
             _, chunk = await asyncio.wait_for(pull.recv(), 10)
+            # exact on purpose: the tensor's bytes travel unchanged (same process, no arithmetic)
             assert peer == b"n" and isinstance(beat, Heartbeat) and torch.equal(chunk.x_t, x)
         with pytest.raises(ValueError, match="lane = 'fast'"):
             Push(ctx, lane="fast")  # type: ignore[arg-type]

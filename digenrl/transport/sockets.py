@@ -475,11 +475,16 @@ class Socket:
 
     async def recv(self) -> tuple[bytes | None, Message]:
         """The next valid message and its sender's identity (ROUTER only, else None)."""
+        _, peer, msg = await self._recv_valid()
+        return peer, msg
+
+    async def _recv_valid(self) -> tuple[list[zmq.Frame], bytes | None, Message]:
+        """The next message that decodes and validates, with its frames and sender."""
         while True:
             frames = await self._recv_frames()
             peer, msg = self._accept(frames)
             if msg is not None:
-                return peer, msg
+                return frames, peer, msg
 
     def _accept(self, frames: list[zmq.Frame]) -> tuple[bytes | None, Message | None]:
         """The one place where received frames become messages (or are counted and dropped).
@@ -598,12 +603,9 @@ class Router(Socket):
         """The next valid message, its sender's identity and the ``User-Id`` its connection
         was admitted with (CurveZMQ: the client key's name, see ``transport/curve.py``; None
         on a connection without ZAP, e.g. loopback plain text)."""
-        while True:
-            frames = await self._recv_frames()
-            peer, msg = self._accept(frames)
-            if msg is not None:
-                assert peer is not None
-                return peer, _user_id(frames[0]), msg
+        frames, peer, msg = await self._recv_valid()
+        assert peer is not None  # a ROUTER's first frame is its sender
+        return peer, _user_id(frames[0]), msg
 
     def _split(self, frames: list[zmq.Frame]) -> tuple[bytes | None, list[zmq.Frame]]:
         return frames[0].bytes, frames[1:]
