@@ -54,8 +54,9 @@ import zmq.asyncio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from digenrl.transport.options import SocketOptions, node_context
 from digenrl.transport.protocol import Chunk, Heartbeat, decode, encode
-from digenrl.transport.sockets import Dealer, Pull, Push, Router, SocketOptions, node_context
+from digenrl.transport.sockets import Dealer, Pull, Push, Router
 from digenrl.transport.staging import DeviceToHost, HostToDevice
 
 OPTS = SocketOptions(max_frame_bytes=64 << 20, hwm=8)  # hwm 8: at most ~256 MiB queued at 16 MiB

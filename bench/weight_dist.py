@@ -120,7 +120,8 @@ async def worker(args: Any) -> None:
     import torch
     import zmq.asyncio
 
-    from digenrl.transport.sockets import Dealer, Router, SocketOptions
+    from digenrl.transport.options import SocketOptions
+    from digenrl.transport.sockets import Dealer, Router
     from digenrl.transport.weights import WeightStore, publish_parts, serve_weights
 
     torch.set_num_threads(1)

@@ -201,10 +201,10 @@ def node_main(argv: list[str] | None = None) -> int:
             return run_from_env(args)
         from digenrl.actors.node import run_node
         if args.coordinator:  # a bad address is refused before anything is built
-            from digenrl.transport.sockets import Endpoint
+            from digenrl.transport.endpoints import Endpoint
             Endpoint.parse(args.coordinator)
         if args.bind:
-            from digenrl.transport.sockets import Endpoint
+            from digenrl.transport.endpoints import Endpoint
             Endpoint.parse(args.bind)
         return run_node(args)
     except Exception as e:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from digenrl.config import Config, ConfigError, load_config, resolve_mode, to_toml
 from digenrl.fileio import write_json_atomic, write_text_atomic
-from digenrl.transport.sockets import free_port
+from digenrl.transport.endpoints import free_port
 
 if TYPE_CHECKING:
     from digenrl.actors.colocated import ColocatedResult

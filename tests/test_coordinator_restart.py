@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from digenrl.rl.checkpoint import latest_checkpoint
-from digenrl.transport.sockets import free_port
+from digenrl.transport.endpoints import free_port
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.slow

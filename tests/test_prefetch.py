@@ -17,8 +17,9 @@ import zmq.asyncio
 from digenrl.actors.peers import NodePeers
 from digenrl.config import load_config
 from digenrl.telemetry.trace import SpanRecorder
+from digenrl.transport.options import SocketOptions
 from digenrl.transport.protocol import VersionAnnounce, WeightsPart, WeightsRequest
-from digenrl.transport.sockets import Dealer, Router, SocketOptions
+from digenrl.transport.sockets import Dealer, Router
 from digenrl.transport.weights import publish_parts
 
 OPTS = SocketOptions(max_frame_bytes=8 << 20, hwm=16)

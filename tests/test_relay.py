@@ -22,8 +22,9 @@ from digenrl.actors.peers import NodePeers, WeightsSuperseded
 from digenrl.config import load_config
 from digenrl.core.relay import RelayTree
 from digenrl.telemetry.trace import SpanRecorder
+from digenrl.transport.options import SocketOptions
 from digenrl.transport.protocol import VersionAnnounce, WeightsHeld, WeightsRoute
-from digenrl.transport.sockets import Dealer, Router, SocketOptions
+from digenrl.transport.sockets import Dealer, Router
 from digenrl.transport.weights import WeightAssembly, WeightStore, publish_parts, serve_weights
 
 OPTS = SocketOptions(max_frame_bytes=8 << 20, hwm=16)

@@ -12,8 +12,9 @@ import torch
 import zmq
 import zmq.asyncio
 
+from digenrl.transport.options import SocketOptions
 from digenrl.transport.protocol import Chunk, WeightsPart
-from digenrl.transport.sockets import Pull, Push, SocketOptions
+from digenrl.transport.sockets import Pull, Push
 from digenrl.transport.staging import DeviceToHost, HostPool, HostToDevice
 from digenrl.transport.weights import WeightAssembly, publish_parts
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from digenrl.config import load_config, resolve_mode, to_toml
-from digenrl.transport.sockets import free_port
+from digenrl.transport.endpoints import free_port
 from tests.conftest import SMALL as TINY_RUN
 from tests.conftest import wait_until
 

@@ -29,7 +29,9 @@ from digenrl.transport.curve import (
     load_keypair,
     load_public_key,
 )
+from digenrl.transport.endpoints import Endpoint, is_loopback
 from digenrl.transport.errors import Closed, EndpointError, PeerLost
+from digenrl.transport.options import SocketOptions, node_context
 from digenrl.transport.protocol import (
     PROTOCOL_VERSION,
     Chunk,
@@ -43,19 +45,7 @@ from digenrl.transport.protocol import (
     encode,
     messages_equal,
 )
-from digenrl.transport.sockets import (
-    Dealer,
-    Endpoint,
-    Pub,
-    Pull,
-    Push,
-    Router,
-    Socket,
-    SocketOptions,
-    Sub,
-    is_loopback,
-    node_context,
-)
+from digenrl.transport.sockets import Dealer, Pub, Pull, Push, Router, Socket, Sub
 
 WAIT = 10.0  # bound on every wait; a healthy loopback answers in milliseconds
 OPTS = SocketOptions(max_frame_bytes=8 << 20, hwm=16)
@@ -586,7 +576,8 @@ async def test_a_node_context_gives_control_and_bulk_sockets_their_own_io_thread
 
 FLOOD_AND_LEAVE = """
 import sys, time, zmq
-from digenrl.transport.sockets import Pull, SocketOptions, node_context
+from digenrl.transport.options import SocketOptions, node_context
+from digenrl.transport.sockets import Pull
 ctx = node_context()
 pull = Pull(ctx, options=SocketOptions(hwm=4, heartbeat_s=0.1), lane=sys.argv[1])
 sock = zmq.Socket.shadow(pull.zmq_socket.underlying)  # blocking view: this script has no loop

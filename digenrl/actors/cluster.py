@@ -32,7 +32,8 @@ from digenrl.telemetry.metrics import MetricsWriter
 from digenrl.telemetry.progress import Progress
 from digenrl.telemetry.trace import SpanRecorder
 from digenrl.transport import factory as zs
-from digenrl.transport.sockets import free_port, node_context
+from digenrl.transport.endpoints import free_port
+from digenrl.transport.options import node_context
 
 
 def bytes_per_trajectory(cfg: Config, latent_numel: int) -> int:

@@ -697,5 +697,5 @@ def rendezvous_endpoint(cfg: Config, run_dir: Path) -> str:
         folder = Path(run_dir).resolve() / "dist"
         folder.mkdir(parents=True, exist_ok=True)
         return f"file://{folder / f'store-{time.time_ns()}'}"
-    from digenrl.transport.sockets import free_port
+    from digenrl.transport.endpoints import free_port
     return f"tcp://{cfg.cluster.host}:{free_port(cfg.cluster.host)}"

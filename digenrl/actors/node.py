@@ -43,9 +43,10 @@ from digenrl.telemetry import sdnotify
 from digenrl.telemetry.logging import configure_logging, get_logger
 from digenrl.telemetry.trace import SpanRecorder
 from digenrl.transport import factory as zs
+from digenrl.transport.options import node_context
 from digenrl.transport.protocol import Hello, Role, Shutdown, Welcome
 from digenrl.transport.security import node_security, process_counters
-from digenrl.transport.sockets import Socket, node_context
+from digenrl.transport.sockets import Socket
 
 if TYPE_CHECKING:  # imported where they are built: a node loads only its own role's code
     from digenrl.actors.reward import RewardActor

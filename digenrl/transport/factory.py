@@ -15,18 +15,9 @@ import zmq
 import zmq.asyncio
 
 from digenrl.config import Config
+from digenrl.transport.options import Lane, SocketOptions
 from digenrl.transport.security import NodeSecurity, node_security
-from digenrl.transport.sockets import (
-    Dealer,
-    Lane,
-    Pub,
-    Pull,
-    Push,
-    Router,
-    Socket,
-    SocketOptions,
-    Sub,
-)
+from digenrl.transport.sockets import Dealer, Pub, Pull, Push, Router, Socket, Sub
 
 
 class _Tracked:

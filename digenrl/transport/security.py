@@ -51,7 +51,7 @@ from digenrl.transport.curve import (
     load_keypair,
     load_public_key,
 )
-from digenrl.transport.sockets import is_loopback
+from digenrl.transport.endpoints import is_loopback
 
 log = structlog.get_logger("digenrl.security")
 

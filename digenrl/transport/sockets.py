@@ -17,6 +17,9 @@ A message that does not decode is counted in :meth:`Socket.statistics`, logged w
 the peer, and dropped; ``recv`` keeps waiting for the next one, so a peer can never
 crash a node with bytes. A ROUTER also answers a peer speaking another protocol
 version with a ``Shutdown`` that says so.
+
+A socket's limits, lane and ZMTP heartbeats are :mod:`digenrl.transport.options`'; every
+bind and connect address is checked by :mod:`digenrl.transport.endpoints`.
 """
 
 from __future__ import annotations
@@ -24,24 +27,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import socket as pysocket
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar
 
 import structlog
 import zmq
 import zmq.asyncio
 
-from digenrl.transport.errors import (
-    Closed,
-    EndpointError,
-    PeerLost,
-    ProtocolError,
-    VersionMismatch,
-)
+from digenrl.transport.endpoints import Endpoint
+from digenrl.transport.errors import Closed, PeerLost, ProtocolError, VersionMismatch
+from digenrl.transport.options import LANES, Lane, SocketOptions, SocketSecurity
 from digenrl.transport.protocol import (
-    DEFAULT_MAX_FRAMES,
     INT_MAX,
     INT_MIN,
     PROTOCOL_VERSION,
@@ -51,95 +48,11 @@ from digenrl.transport.protocol import (
     encode,
 )
 
-if TYPE_CHECKING:
-    from digenrl.config import Config
-
 log = structlog.get_logger("digenrl.transport")
 
 # plain ints: pyzmq's enum flags cost ~1 us an operation on the per-message path
 _EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
-
-
-Lane = Literal["control", "bulk"]
-LANES: tuple[Lane, ...] = ("control", "bulk")
-"""A socket's lane picks its libzmq I/O thread in a :func:`node_context`: control messages
-(heartbeats, assignments, commits) never wait behind a bulk transfer (chunks, weights, images)
-in the I/O thread that reads and writes the TCP streams. Measured (docs/benchmarks.md,
-Transport): a heartbeat's round trip under a 16 MiB chunk stream was 7.6-11x its idle time
-with one I/O thread for both, 1.03-1.39x with one per lane."""
-
-
-def node_context() -> zmq.asyncio.Context:
-    """The ZeroMQ context of a node: one libzmq I/O thread per lane (see ``LANES``)."""
-    return zmq.asyncio.Context(io_threads=len(LANES))
-
-
-class SocketSecurity(Protocol):
-    """Anything that sets a socket's security options before bind/connect (see curve.py)."""
-
-    def apply(self, sock: zmq.Socket[Any]) -> None: ...
-
-
-@dataclass(frozen=True, kw_only=True)
-class SocketOptions:
-    """Limits and keepalive settings shared by every socket of a node."""
-
-    max_frame_bytes: int = 256 << 20  # ZMQ_MAXMSGSIZE: a peer sending a larger frame is cut off
-    hwm: int = 64  # send and receive high-water marks, messages
-    max_frames: int = DEFAULT_MAX_FRAMES  # frames per message the decoder accepts
-    heartbeat_s: float | None = None  # ZMTP PING interval; None leaves ZMTP heartbeats off
-    heartbeat_misses: int = 10  # the connection is dropped after this many silent intervals
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> SocketOptions:
-        """Options from ``cfg.transport`` (limits) and ``cfg.runtime`` (heartbeat interval)."""
-        return cls(max_frame_bytes=cfg.transport.max_frame_bytes, hwm=cfg.transport.hwm,
-                   heartbeat_s=cfg.runtime.heartbeat_s,
-                   heartbeat_misses=cfg.runtime.heartbeat_misses)
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """A parsed ZeroMQ address: ``scheme`` (tcp, ipc, inproc) and ``address`` after ``://``."""
-
-    scheme: str
-    address: str
-
-    @classmethod
-    def parse(cls, text: str) -> Endpoint:
-        """Split ``text``; raises EndpointError naming it if it is not tcp/ipc/inproc."""
-        scheme, sep, address = text.partition("://")
-        if not sep or scheme not in ("tcp", "ipc", "inproc") or not address:
-            raise EndpointError(f"endpoint {text!r}: expected tcp://host:port, ipc://path or "
-                                "inproc://name")
-        if scheme == "tcp" and ":" not in address:
-            raise EndpointError(f"endpoint {text!r}: tcp needs host:port")
-        return cls(scheme, address)
-
-    @property
-    def host(self) -> str:
-        """The tcp host (brackets of an IPv6 literal removed); '' for ipc and inproc."""
-        if self.scheme != "tcp":
-            return ""
-        dest = self.address.rsplit(";", 1)[-1]  # "source;destination" form of connect
-        return dest.rsplit(":", 1)[0].strip("[]")
-
-    @property
-    def is_loopback(self) -> bool:
-        """True when traffic cannot leave the machine (ipc, inproc, tcp to 127/8, ::1, localhost)."""
-        if self.scheme != "tcp":
-            return True
-        host = self.host
-        return host.startswith("127.") or host in ("::1", "localhost")
-
-    def __str__(self) -> str:
-        return f"{self.scheme}://{self.address}"
-
-
-def is_loopback(endpoint: str) -> bool:
-    """Whether ``endpoint`` stays on this machine; binding ``tcp://*`` is not loopback."""
-    return Endpoint.parse(endpoint).is_loopback
 
 
 @dataclass
@@ -198,25 +111,7 @@ class Socket:
         self._service_soon = False
         self._rx_hot = False  # the last read found a message: read again before asking EVENTS
         self._unyielded = 0  # operations since the last yield to the loop
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_frame_bytes)
-        sock.setsockopt(zmq.SNDHWM, self.options.hwm)
-        sock.setsockopt(zmq.RCVHWM, self.options.hwm)
-        if identity is not None:
-            sock.setsockopt(zmq.ROUTING_ID, identity)
-        if int(ctx.get(zmq.IO_THREADS)) >= len(LANES):  # see node_context
-            sock.setsockopt(zmq.AFFINITY, 1 << LANES.index(lane))
-        # ZMTP heartbeats on control sockets only. libzmq 4.3.5 aborts a process (assertion
-        # !_io_error, stream_engine_base.cpp:310) when a socket whose pipe is full (input
-        # stopped) loses its peer and a heartbeat timer then writes a PING: a rollout dying, or
-        # a hostile peer flooding and leaving, while a trainer's data PULL is at its high-water
-        # mark would kill the trainer. Bulk peers' liveness is the coordinator's (application
-        # heartbeats) and the weights fetch's own silence timeout.
-        if self.options.heartbeat_s is not None and lane == "control":
-            ivl_ms = max(1, round(self.options.heartbeat_s * 1000))
-            sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ivl_ms * self.options.heartbeat_misses)
-            sock.setsockopt(zmq.HEARTBEAT_TTL, ivl_ms * self.options.heartbeat_misses)
+        self.options.apply(sock, ctx, identity=identity, lane=lane)
         if security is not None:
             security.apply(sock)
         self._configure(sock)
@@ -696,9 +591,3 @@ class Sub(Socket):
                    track: bool = False) -> zmq.MessageTracker | None:
         raise TypeError("a Sub socket cannot send")
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (for rendezvous addresses)."""
-    with pysocket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
