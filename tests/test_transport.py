@@ -45,7 +45,8 @@ from digenrl.transport.protocol import (
     encode,
     messages_equal,
 )
-from digenrl.transport.sockets import Dealer, Pub, Pull, Push, Router, Socket, Sub
+from digenrl.transport.socketio import Socket
+from digenrl.transport.sockets import Dealer, Pub, Pull, Push, Router, Sub
 
 WAIT = 10.0  # bound on every wait; a healthy loopback answers in milliseconds
 OPTS = SocketOptions(max_frame_bytes=8 << 20, hwm=16)

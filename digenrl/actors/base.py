@@ -156,7 +156,7 @@ class Actor:
         loop parked on a queue or a socket wakes for a stop without waiting for an item or a
         message. The loser is cancelled, and ``op`` has finished its cancellation when this
         returns: a queue's ``get`` or a socket's ``recv`` so cancelled loses nothing (the next
-        one returns it; ``transport/sockets.py``)."""
+        one returns it; ``transport/socketio.py``)."""
         get = asyncio.ensure_future(op)
         stop = asyncio.ensure_future(self.wait_stopped())
         try:

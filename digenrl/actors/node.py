@@ -46,7 +46,7 @@ from digenrl.transport import factory as zs
 from digenrl.transport.options import node_context
 from digenrl.transport.protocol import Hello, Role, Shutdown, Welcome
 from digenrl.transport.security import node_security, process_counters
-from digenrl.transport.sockets import Socket
+from digenrl.transport.socketio import Socket
 
 if TYPE_CHECKING:  # imported where they are built: a node loads only its own role's code
     from digenrl.actors.reward import RewardActor

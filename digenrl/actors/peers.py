@@ -72,7 +72,7 @@ from digenrl.transport.protocol import (
     WeightsRequest,
     WeightsRoute,
 )
-from digenrl.transport.sockets import Socket
+from digenrl.transport.socketio import Socket
 from digenrl.transport.staging import DeviceToHost, Staged
 from digenrl.transport.weights import WeightAssembly, WeightStore, serve_weights
 

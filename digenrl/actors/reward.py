@@ -31,7 +31,7 @@ from digenrl.actors.peers import NodePeers
 from digenrl.config import Config
 from digenrl.rl.rewards import Reward, RewardError
 from digenrl.transport.protocol import Heartbeat, Score, Scored, Shutdown
-from digenrl.transport.sockets import Socket
+from digenrl.transport.socketio import Socket
 
 
 class RewardActor(Actor):

@@ -1,5 +1,5 @@
-"""ZeroMQ transport: codec (codec.py, frames.py), sockets (sockets.py, options.py,
-endpoints.py), CurveZMQ (curve.py).
+"""ZeroMQ transport: codec (codec.py, frames.py), sockets (sockets.py,
+socketio.py, options.py, endpoints.py), CurveZMQ (curve.py).
 
 Import the submodules directly; this package imports nothing so that
 :mod:`digenrl.transport.protocol` can build on ``codec`` without an import cycle.

@@ -3,7 +3,7 @@
 Key files are the ``zmq.auth`` format (``NAME.key`` public, ``NAME.key_secret`` both),
 written by :func:`generate_keys` (``digenrl keys generate``). A server socket takes
 :class:`CurveServer`, a client :class:`CurveClient`; both are passed to a
-:class:`~digenrl.transport.sockets.Socket` as ``security=``.
+:class:`~digenrl.transport.socketio.Socket` as ``security=``.
 
 Which clients may talk is decided by :class:`Authenticator`, a ZAP handler (ZeroMQ RFC
 27) on the context's inproc ZAP endpoint: pyzmq's asyncio authenticator with an allow-list of

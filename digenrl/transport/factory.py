@@ -17,7 +17,8 @@ import zmq.asyncio
 from digenrl.config import Config
 from digenrl.transport.options import Lane, SocketOptions
 from digenrl.transport.security import NodeSecurity, node_security
-from digenrl.transport.sockets import Dealer, Pub, Pull, Push, Router, Socket, Sub
+from digenrl.transport.socketio import Socket
+from digenrl.transport.sockets import Dealer, Pub, Pull, Push, Router, Sub
 
 
 class _Tracked:
