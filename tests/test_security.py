@@ -188,13 +188,13 @@ async def test_under_curve_a_node_id_is_bound_to_its_key(tmp_path: Path) -> None
             await trainer.send(hello("trainer-0"))
             _, msg = await asyncio.wait_for(trainer.recv(), 30)
             assert isinstance(msg, Welcome) and list(actor.nodes) == ["trainer-0"]
-            assert actor._keys == {"trainer-0": "trainer-0"}
+            assert actor.gate.keys == {"trainer-0": "trainer-0"}
             run.cancel()
         # what a live connection cannot reach (one connection has one key): the gate's own rules
         later = Hello(node_id="trainer-0", role="trainer", gpu="cpu", incarnation=2, pid=1, host="h",
                       data_endpoint="", weights_endpoint="")
         assert actor._gate(b"trainer-0", later, "trainer-0") is None  # a restart with its key
-        actor._keys["rollout-1"] = "client"
+        actor.gate.keys["rollout-1"] = "client"
         assert actor._gate(b"rollout-1", dataclasses.replace(later, node_id="rollout-1", role="rollout"),
                            None) == "hello_from_another_key"
         beat = Heartbeat(node_id="trainer-0", incarnation=1, policy_version=0, state="running", seq=0,

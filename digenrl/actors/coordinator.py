@@ -56,6 +56,7 @@ from digenrl.rl.checkpoint import (
 from digenrl.telemetry.metrics import StepMetrics
 from digenrl.telemetry.trace import busy_share
 from digenrl.transport.errors import PeerLost
+from digenrl.transport.identity import IdentityGate
 from digenrl.transport.protocol import (
     Assign,
     Commit,
@@ -70,7 +71,6 @@ from digenrl.transport.protocol import (
     WeightsHeld,
     Welcome,
 )
-from digenrl.transport.security import CLIENT_KEY, node_security
 
 
 class CoordinatorActor(Actor):
@@ -96,9 +96,7 @@ class CoordinatorActor(Actor):
         self.progress = progress
         self.expected_trainers = expected_trainers
         self.nodes: dict[str, dict[str, Any]] = {}          # node_id -> {role, peer, rank, endpoint}
-        self._peer_ids: dict[bytes, str] = {}              # routing id -> node id, bound at Hello
-        self._bound: dict[str, int] = {}                    # node id -> incarnation of its Hello
-        self._keys: dict[str, str | None] = {}              # node id -> its CURVE key's name
+        self.gate = IdentityGate(control)                   # node id <-> routing id, incarnation, key
         self.waiting_rollouts: list[tuple[bytes, Hello]] = []
         self.trainers: dict[int, dict[str, Any]] = {}
         self.latest_announce: VersionAnnounce | None = None
@@ -204,8 +202,7 @@ class CoordinatorActor(Actor):
         self.rewards.clear()
         self.trainers_welcomed = False
         self.waiting_rollouts.clear()
-        self._peer_ids.clear()  # every node restarts and binds anew; late messages are dropped
-        self._bound.clear()
+        self.gate.unbind_all()  # every node restarts and binds anew; late messages are dropped
         self.weights.reset()
         self.latest_announce = None
         self.dist_endpoint = rendezvous_endpoint(self.cfg, self.run_dir)  # the old store died with rank 0
@@ -248,8 +245,8 @@ class CoordinatorActor(Actor):
             if why is not None:
                 self.refuse(why, msg, peer=peer[:64])
                 continue
-            if isinstance(msg, Hello):  # the id's key, from its first admitted Hello on; kept
-                self._keys[msg.node_id] = user  # across resets (a restart has the same key)
+            if isinstance(msg, Hello):  # the id's key, from its first admitted Hello on
+                self.gate.admitted(msg, user)
             try:
                 await self._handle(peer, msg)
             except (SchedulerError, CreditError) as e:  # a peer sent something impossible: count, log, go on
@@ -261,64 +258,9 @@ class CoordinatorActor(Actor):
 
     # ------------------------------------------------------------------ identity
     def _gate(self, peer: bytes, msg: Any, user: str | None = None) -> str | None:
-        """Why ``msg`` from ``peer`` is dropped unseen, or None. A node's id is bound at Hello to
-        its ZeroMQ routing id (the node sets it to its id; the ROUTER refuses a second
-        connection with a live routing id, handover is off) and, under CurveZMQ, to the name
-        of the key its connection was admitted with (``user``, ZeroMQ's User-Id): a key named
-        after a node id speaks only as that node and that node only with it, the shared
-        ``client`` key as any other id, and a restart (a newer incarnation) must come with the
-        key the id was first bound to. Every later message must come from a bound peer with
-        that key, claim only that id and incarnation, and be a message its role sends
-        (reports from trainer ranks, StepDone and VersionAnnounce from rank 0 only, within
-        the run's steps)."""
-        if isinstance(msg, Hello):
-            if peer != msg.node_id.encode():
-                return "hello_id_not_routing_id"
-            if user is not None:
-                if user != msg.node_id and user in self._own_keys():
-                    return "key_of_another_node"  # rollout-3's key claiming rollout-4
-                if msg.node_id in self._own_keys() and user != msg.node_id:
-                    return "id_has_its_own_key"  # the shared key claiming an id with its own
-            if msg.node_id in self._keys and self._keys[msg.node_id] != user:
-                return "hello_from_another_key"
-            bound = self._bound.get(msg.node_id)
-            if bound is not None and msg.incarnation <= bound:
-                return "hello_of_a_live_incarnation"  # a restart has a newer incarnation
-            return None
-        node_id = self._peer_ids.get(peer)
-        if node_id is None:
-            return "before_hello"
-        if user != self._keys.get(node_id):
-            return "key_not_bound_to_id"
-        claimed = getattr(msg, "node_id", None)
-        if claimed is not None and claimed != node_id:
-            return "claims_another_id"
-        if isinstance(msg, Heartbeat) and msg.incarnation != self._bound.get(node_id):
-            return "another_incarnation"
-        node = self.nodes.get(node_id, {})
-        if isinstance(msg, Consumed | StepDone | VersionAnnounce | TagOffer):
-            if node.get("role") != "trainer":
-                return "not_a_trainer"
-            if isinstance(msg, Consumed | TagOffer) and msg.rank != node.get("rank"):
-                return "not_its_rank"
-            if isinstance(msg, StepDone | VersionAnnounce) and node.get("rank") != 0:
-                return "not_rank_0"
-        steps, version = self.cfg.run.steps, self.sched.ledger.version
-        if isinstance(msg, StepDone) and not (msg.step == version < steps and msg.version == msg.step + 1):
-            return "step_outside_the_run"
-        if isinstance(msg, VersionAnnounce) and not msg.version <= steps:
-            return "version_outside_the_run"
-        if isinstance(msg, Consumed | Commit) and not msg.step < steps:
-            return "step_outside_the_run"
-        return None
-
-    def _bind(self, peer: bytes, msg: Hello) -> None:
-        self._peer_ids[peer] = msg.node_id
-        self._bound[msg.node_id] = msg.incarnation
-
-    def _own_keys(self) -> frozenset[str]:
-        """Client key names of the control socket's ZAP allow-list other than the shared one."""
-        return node_security(self.control.zmq_socket.context).key_names() - {CLIENT_KEY}
+        """Why ``msg`` from ``peer`` is dropped unseen, or None (:mod:`digenrl.transport.identity`)."""
+        return self.gate.check(peer, msg, user, nodes=self.nodes, steps=self.cfg.run.steps,
+                               version=self.sched.ledger.version)
 
     # ------------------------------------------------------------------ messages
     async def _handle(self, peer: bytes, msg: Any) -> None:
@@ -414,7 +356,7 @@ class CoordinatorActor(Actor):
             # welcomed at once (it needs no peer); the others wait until every worker is known,
             # since rollouts and TAG helpers connect to all of them (a restarted worker binds
             # its old address again: the launcher gives each worker a fixed one)
-            self._bind(peer, msg)
+            self.gate.bind(peer, msg)
             self.rewards[msg.node_id] = {"peer": peer, "endpoint": msg.data_endpoint}
             self.nodes[msg.node_id] = {"role": "reward", "peer": peer, "gpu": msg.gpu}
             await self._send(self._welcome(msg.node_id, sorted(self.rewards).index(msg.node_id),
@@ -427,7 +369,7 @@ class CoordinatorActor(Actor):
                 await self.reset(f"{msg.node_id} said Hello again (restarted)")
                 if self.stopping:
                     return
-            self._bind(peer, msg)  # after a reset, which forgets every binding
+            self.gate.bind(peer, msg)  # after a reset, which forgets every binding
             rank = len(self.trainers)
             self.trainers[rank] = {"peer": peer, "node_id": msg.node_id, "gpu": msg.gpu,
                                    "data_endpoint": msg.data_endpoint,
@@ -435,7 +377,7 @@ class CoordinatorActor(Actor):
             self.nodes[msg.node_id] = {"role": "trainer", "peer": peer, "rank": rank, "gpu": msg.gpu}
             await self._release(now)
         else:  # a rollout (the codec admits no other role)
-            self._bind(peer, msg)
+            self.gate.bind(peer, msg)
             if not self.trainers_welcomed:
                 self.waiting_rollouts.append((peer, msg))
                 return
