@@ -53,8 +53,7 @@ from digenrl.rl.checkpoint import (
     latest_checkpoint,
     trainer_part_ready,
 )
-from digenrl.telemetry.metrics import StepMetrics
-from digenrl.telemetry.trace import busy_share
+from digenrl.telemetry.steprows import StepRows
 from digenrl.transport.errors import PeerLost
 from digenrl.transport.identity import IdentityGate
 from digenrl.transport.protocol import (
@@ -93,19 +92,14 @@ class CoordinatorActor(Actor):
         self.run_dir = run_dir
         self.dist_endpoint = dist_endpoint
         self.metrics = metrics
-        self.progress = progress
+        self.rows = StepRows(metrics, progress)  # metrics.jsonl's step rows, in step order
         self.expected_trainers = expected_trainers
         self.nodes: dict[str, dict[str, Any]] = {}          # node_id -> {role, peer, rank, endpoint}
         self.gate = IdentityGate(control)                   # node id <-> routing id, incarnation, key
         self.waiting_rollouts: list[tuple[bytes, Hello]] = []
         self.trainers: dict[int, dict[str, Any]] = {}
         self.latest_announce: VersionAnnounce | None = None
-        self.busy_last: dict[str, tuple[float, float]] = {}
-        self.busy_step: dict[str, float] = {}
-        self.busy_total: dict[str, tuple[float, float]] = {}
-        self.net_total: dict[str, tuple[float, float]] = {}  # node -> (messages, bytes) sent
         self.staleness_hist: dict[str, int] = {}
-        self.rows_waiting: dict[int, dict[str, Any]] = {}  # step -> metrics row not yet written
         self.t0 = time.perf_counter()
         self.step_samples = 0
         self.rejected = 0
@@ -268,7 +262,7 @@ class CoordinatorActor(Actor):
         if isinstance(msg, Hello):
             await self._hello(peer, msg, now)
         elif isinstance(msg, Heartbeat):
-            self._record_busy(msg)
+            self.rows.node_stats(msg.node_id, msg.stats)
             if await self._ensure_joined(msg.node_id, now):
                 await self._run(self.sched.heartbeat(msg.node_id, now))
             la = self.latest_announce
@@ -534,39 +528,18 @@ class CoordinatorActor(Actor):
                 await self.control.send(Shutdown(reason=reason), to=node["peer"])
 
     # ------------------------------------------------------------------ metrics
-    def _record_busy(self, hb: Heartbeat) -> None:
-        busy, wall = float(hb.stats.get("busy_s", 0.0)), float(hb.stats.get("wall_s", 0.0))
-        self.busy_total[hb.node_id] = (busy, wall)
-        self.net_total[hb.node_id] = (float(hb.stats.get("net_messages", 0.0)),
-                                      float(hb.stats.get("net_bytes", 0.0)))
-
     def traffic(self) -> tuple[float, float]:
         """(messages, frame bytes) the whole cluster sent so far: this actor's sockets now,
         each node's as of its latest heartbeat."""
         own = [s.statistics() for s in (self.control, self.pub) if hasattr(s, "statistics")]
-        return (sum(m for m, _ in self.net_total.values()) + sum(st.sent for st in own),
-                sum(b for _, b in self.net_total.values()) + sum(st.bytes_sent for st in own))
+        return self.rows.traffic((st.sent, st.bytes_sent) for st in own)
 
     def _step_done(self, msg: StepDone) -> None:
         now = time.perf_counter()
         self.t_last_step = now
         self.t_progress = time.monotonic()
-        metrics = dict(msg.metrics)
-        evaluated = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith("eval/")]}
-        if evaluated:  # an evaluation (rl/evaluate.py) rode on this StepDone: its own row
-            version = int(evaluated.pop("eval/policy_version"))
-            self.metrics.write_eval(version, now - self.t0, evaluated)
-        messages, nbytes = self.traffic()
-        # the ledger's count of what the step trained, by staleness, replaces rank 0's own view
-        row: dict[str, Any] = {"step": msg.step, "policy_version": msg.version,
-                               **{k: v for k, v in metrics.items() if not k.startswith("staleness/")},
-                               "wall_time": now - self.t0, "net_messages": messages, "net_bytes": nbytes}
-        for node, (busy, wall) in self.busy_total.items():
-            b0, w0 = self.busy_last.get(node, (0.0, 0.0))
-            if wall > w0:
-                row[f"busy/{node}"] = busy_share(busy - b0, wall - w0)
-            self.busy_last[node] = (busy, wall)
-        self.rows_waiting[msg.step] = row
+        self.rows.step_done(msg.step, msg.version, msg.metrics, wall_time=now - self.t0,
+                            traffic=self.traffic())
         self._flush_rows()
 
     def flush_metrics(self) -> None:
@@ -574,20 +547,7 @@ class CoordinatorActor(Actor):
         self._flush_rows(final=True)
 
     def _flush_rows(self, *, final: bool = False) -> None:
-        """Write finished steps' rows in order, each once the ledger has every one of its
-        fragments consumed (another rank's Consumed may arrive after rank 0's StepDone), so
-        ``staleness/<k>`` counts every trained trajectory of the step. ``final``: write the
-        rest as they are (the run is over)."""
-        ledger, F = self.sched.ledger, self.cfg.runtime.fragments_per_step
-        while self.rows_waiting:
-            step = min(self.rows_waiting)
-            if not final and ledger.step_consumed(step) < F:
-                return
-            row = self.rows_waiting.pop(step)
-            row.update({f"staleness/{k}": n for k, n in sorted(ledger.pop_trained_staleness(step).items())})
-            self.metrics.write(StepMetrics.from_record(row))
-            if self.progress is not None:
-                self.progress.update(row)
+        self.rows.flush(self.sched.ledger, self.cfg.runtime.fragments_per_step, final=final)
 
     def summary(self, *, wall_s: float, started_at: float,
                 restarts: Mapping[str, int]) -> dict[str, Any]:
@@ -620,7 +580,7 @@ class CoordinatorActor(Actor):
             "scheduler": {k: v for k, v in stats.items() if k not in ("nodes",)},
             "nodes": stats["nodes"],
             "staleness_hist": self.staleness_hist,
-            "busy": {n: busy_share(b, w) for n, (b, w) in self.busy_total.items()},
+            "busy": self.rows.busy(),
             "traffic": dict(zip(("messages", "bytes"), self.traffic(), strict=True)),
             "weights": self.weights.summary(self.latest_announce.version if self.latest_announce else 0),
             "restarts": dict(restarts),
