@@ -46,7 +46,7 @@ def _join(actor: CoordinatorActor, role: str, *ids: int) -> None:
 
 async def test_no_step_within_the_timeout_with_the_cluster_whole_resets_the_run(tmp_path: Path) -> None:
     actor, resets = _coordinator(tmp_path, timeout=10)
-    actor.t_progress = 100.0
+    actor.watchdog.t_progress = 100.0
     await actor._check_stall(109.0)
     assert resets == []  # within the timeout
     await actor._check_stall(111.0)
@@ -57,37 +57,37 @@ async def test_no_step_within_the_timeout_with_the_cluster_whole_resets_the_run(
 async def test_waiting_for_nodes_to_rejoin_is_not_a_stall(tmp_path: Path) -> None:
     actor, resets = _coordinator(tmp_path, timeout=10, trainers=2, whole=False)
     _join(actor, "trainer", 0)  # rank 1 not (yet) there, and no rollout (a rebooting machine)
-    actor.t_progress = 100.0
+    actor.watchdog.t_progress = 100.0
     await actor._check_stall(500.0)
-    assert resets == [] and actor.t_progress == 500.0  # the clock restarts when they are back
+    assert resets == [] and actor.watchdog.t_progress == 500.0  # the clock restarts when they are back
     _join(actor, "rollout", 0)
     await actor._check_stall(900.0)
-    assert resets == [] and actor.t_progress == 900.0  # still a trainer rank short
+    assert resets == [] and actor.watchdog.t_progress == 900.0  # still a trainer rank short
     _join(actor, "trainer", 1)
     await actor._check_stall(909.0)
     assert resets == []
     await actor._check_stall(911.0)
     assert len(resets) == 1
     actor.sched.node_lost("rollout-0", 912.0)  # lost by heartbeat timeout, not by the launcher
-    actor.t_progress = 912.0
+    actor.watchdog.t_progress = 912.0
     await actor._check_stall(1000.0)
-    assert len(resets) == 1 and actor.t_progress == 1000.0
+    assert len(resets) == 1 and actor.watchdog.t_progress == 1000.0
 
 
 async def test_the_watchdog_is_off_at_zero_and_before_any_work(tmp_path: Path) -> None:
     off, resets_off = _coordinator(tmp_path, timeout=0)
-    off.t_progress = 0.0
+    off.watchdog.t_progress = 0.0
     await off._check_stall(1e9)
     idle, resets_idle = _coordinator(tmp_path, timeout=10)
     await idle._check_stall(1e9)  # no work handed out yet (nodes still loading models)
-    assert resets_off == [] and resets_idle == [] and idle.t_progress is None
+    assert resets_off == [] and resets_idle == [] and idle.watchdog.t_progress is None
 
 
 async def test_every_rollout_lost_for_longer_than_the_timeout_resets_the_run(tmp_path: Path) -> None:
     # issue 20: a rollout paused past the heartbeat timeout was dropped by the scheduler and the
     # watchdog skipped for good (no live rollout), so the run never finished
     actor, resets = _coordinator(tmp_path, timeout=10)
-    actor.t_progress = 100.0
+    actor.watchdog.t_progress = 100.0
     actor.sched.node_lost("rollout-0", 101.0)
     await actor._check_stall(102.0)
     await actor._check_stall(111.0)

@@ -44,6 +44,7 @@ from digenrl.actors.weightsync import WeightSync
 from digenrl.config import Config, to_toml
 from digenrl.core.credits import CreditError
 from digenrl.core.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerError, ShutdownCmd
+from digenrl.core.watchdog import StallWatchdog
 from digenrl.faults import crash_point
 from digenrl.rl.checkpoint import (
     Checkpoint,
@@ -106,8 +107,7 @@ class CoordinatorActor(Actor):
         self.tag_offers_early = 0
         self.t_first_assign: float | None = None
         self.t_last_step: float | None = None
-        self.t_progress: float | None = None  # monotonic: work assigned or a step done (stall watchdog)
-        self.t_no_rollout: float | None = None  # monotonic: since when no rollout is live
+        self.watchdog = StallWatchdog(cfg.runtime.stall_timeout_s)  # monotonic clock
         self.scheduler_factory = scheduler_factory
         self.max_resets = max_resets
         self.expect_version: int | None = None  # the version restored trainers must announce
@@ -162,8 +162,7 @@ class CoordinatorActor(Actor):
             self.request_stop(f"failed: {reason} (no recovery left)")
             return
         self.recovery["trainer_resets"] += 1
-        self.t_progress = None  # restarted nodes load their models first: start counting at new work
-        self.t_no_rollout = None
+        self.watchdog.restart()  # restarted nodes load their models first: count from new work
         self.log.error("trainer lost: rewinding to the last checkpoint", reason=reason)
         await self._shutdown_all(f"restart: {reason}")
         self.flush_metrics()  # rows of the old schedule, as far as its ledger counted them
@@ -419,8 +418,7 @@ class CoordinatorActor(Actor):
             if isinstance(cmd, AssignCmd):
                 if self.t_first_assign is None:
                     self.t_first_assign = time.perf_counter()
-                if self.t_progress is None:  # the watchdog starts with the first work (again after a reset)
-                    self.t_progress = time.monotonic()
+                self.watchdog.work_assigned(time.monotonic())
                 node = self.nodes.get(cmd.node_id)
                 if node is None:
                     continue
@@ -491,35 +489,15 @@ class CoordinatorActor(Actor):
                 self.log.warning("node silent: lost, will re-join on its next message", node=node_id)
 
     async def _check_stall(self, now: float) -> None:
-        """Heartbeats prove a process lives, not that it progresses: a GPU or a collective that
-        hangs leaves the node's event loop beating while its compute thread never returns. No
-        optimizer step within ``runtime.stall_timeout_s`` of the last one (or of the first
-        work) is treated like a lost trainer: rewind to the checkpoint, restart every node."""
-        limit = self.cfg.runtime.stall_timeout_s
-        if limit <= 0 or self.t_progress is None or self.stopping:
+        """A live run that no longer progresses is rewound like a lost trainer (core/watchdog.py)."""
+        if self.stopping:
             return
-        if self.sched.live_count("rollout") == 0:
-            # every rollout lost (paused, partitioned, wedged while its process lives on): a
-            # reboot ends by itself, but past the timeout a reset restarts them
-            if self.t_no_rollout is None:
-                self.t_no_rollout = now
-            if now - self.t_no_rollout > limit:
-                self.recovery["stalls"] += 1
-                await self.reset(f"no rollout live for {now - self.t_no_rollout:.0f} s "
-                                 f"(runtime.stall_timeout_s = {limit:g})")
-                return
-        else:
-            self.t_no_rollout = None
-        if self.sched.live_count("rollout") == 0 or self.sched.live_count("trainer") < self.expected_trainers:
-            # waiting for nodes to (re)join (a rebooting machine) is not a wedge yet: count
-            # progress from the moment the cluster is whole again
-            self.t_progress = now
-            return
-        if now - self.t_progress <= limit:
-            return
-        self.recovery["stalls"] += 1
-        await self.reset(f"no optimizer step completed in {now - self.t_progress:.0f} s "
-                         f"(runtime.stall_timeout_s = {limit:g}): a node is wedged")
+        why = self.watchdog.check(now, rollouts_live=self.sched.live_count("rollout"),
+                                  trainers_live=self.sched.live_count("trainer"),
+                                  trainers_expected=self.expected_trainers)
+        if why is not None:
+            self.recovery["stalls"] += 1
+            await self.reset(why)
 
     async def _shutdown_all(self, reason: str) -> None:
         await self.pub.send(Shutdown(reason=reason))
@@ -537,7 +515,7 @@ class CoordinatorActor(Actor):
     def _step_done(self, msg: StepDone) -> None:
         now = time.perf_counter()
         self.t_last_step = now
-        self.t_progress = time.monotonic()
+        self.watchdog.step_done(time.monotonic())
         self.rows.step_done(msg.step, msg.version, msg.metrics, wall_time=now - self.t0,
                             traffic=self.traffic())
         self._flush_rows()
