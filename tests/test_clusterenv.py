@@ -195,7 +195,7 @@ def test_the_kubernetes_pods_find_the_coordinator_and_the_counts_agree(
 
 
 def test_a_file_rendezvous_is_a_fresh_file_in_the_run_folder_for_every_group(tmp_path: Path) -> None:
-    from digenrl.actors.coordinator import rendezvous_endpoint
+    from digenrl.transport.endpoints import rendezvous_endpoint
 
     shared = load_config(None, ['cluster.rendezvous="file"'])
     first, again = rendezvous_endpoint(shared, tmp_path), rendezvous_endpoint(shared, tmp_path)

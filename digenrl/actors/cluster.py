@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from digenrl.actors.base import RunFailed
-from digenrl.actors.coordinator import CoordinatorActor, rendezvous_endpoint
+from digenrl.actors.coordinator import CoordinatorActor
 from digenrl.config import CONFIG_ERROR_EXIT, Config
 from digenrl.core.scheduler import Scheduler, SchedulerParams
 from digenrl.data.prompts import load_splits
@@ -32,7 +32,7 @@ from digenrl.telemetry.metrics import MetricsWriter
 from digenrl.telemetry.progress import Progress
 from digenrl.telemetry.trace import SpanRecorder
 from digenrl.transport import factory as zs
-from digenrl.transport.endpoints import free_port
+from digenrl.transport.endpoints import free_port, rendezvous_endpoint
 from digenrl.transport.options import node_context
 
 

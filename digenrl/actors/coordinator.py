@@ -55,6 +55,7 @@ from digenrl.rl.checkpoint import (
     trainer_part_ready,
 )
 from digenrl.telemetry.steprows import StepRows
+from digenrl.transport.endpoints import rendezvous_endpoint
 from digenrl.transport.errors import PeerLost
 from digenrl.transport.identity import IdentityGate
 from digenrl.transport.protocol import (
@@ -566,16 +567,3 @@ class CoordinatorActor(Actor):
             "unexpected_messages": dict(self.unexpected_messages),
         }
 
-
-def rendezvous_endpoint(cfg: Config, run_dir: Path) -> str:
-    """The trainer ranks' torch.distributed ``init_method``, a fresh one for every (re)start of
-    their group. ``cluster.rendezvous = "tcp"``: a free port on ``cluster.host`` (trainer rank
-    0 serves the store there, so it must run on that host); ``"file"``: a new file under
-    ``run_dir/dist/``, which every trainer rank must see at the same path (shared storage),
-    wherever it runs."""
-    if cfg.cluster.rendezvous == "file":
-        folder = Path(run_dir).resolve() / "dist"
-        folder.mkdir(parents=True, exist_ok=True)
-        return f"file://{folder / f'store-{time.time_ns()}'}"
-    from digenrl.transport.endpoints import free_port
-    return f"tcp://{cfg.cluster.host}:{free_port(cfg.cluster.host)}"

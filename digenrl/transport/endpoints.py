@@ -1,4 +1,4 @@
-"""Addresses: ZeroMQ endpoints parsed and checked, free ports.
+"""Addresses: ZeroMQ endpoints parsed and checked, free ports, the trainers' rendezvous.
 
 :class:`Endpoint` is the one parser of ``tcp://host:port``, ``ipc://path`` and
 ``inproc://name`` (sockets check every bind and connect with it; the CLI checks
@@ -10,9 +10,15 @@ whether traffic stays on this machine, which picks CurveZMQ or plain text
 from __future__ import annotations
 
 import socket as pysocket
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from digenrl.transport.errors import EndpointError
+
+if TYPE_CHECKING:
+    from digenrl.config import Config
 
 
 @dataclass(frozen=True)
@@ -64,3 +70,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
+
+def rendezvous_endpoint(cfg: Config, run_dir: Path) -> str:
+    """The trainer ranks' torch.distributed ``init_method``, a fresh one for every (re)start of
+    their group. ``cluster.rendezvous = "tcp"``: a free port on ``cluster.host`` (trainer rank
+    0 serves the store there, so it must run on that host); ``"file"``: a new file under
+    ``run_dir/dist/``, which every trainer rank must see at the same path (shared storage),
+    wherever it runs."""
+    if cfg.cluster.rendezvous == "file":
+        folder = Path(run_dir).resolve() / "dist"
+        folder.mkdir(parents=True, exist_ok=True)
+        return f"file://{folder / f'store-{time.time_ns()}'}"
+    return f"tcp://{cfg.cluster.host}:{free_port(cfg.cluster.host)}"
