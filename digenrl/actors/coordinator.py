@@ -26,6 +26,10 @@ Failures (every one logged and counted in ``recovery``, reported in summary.json
   the same checkpoint and re-announce its version, which is checked.
 * the version announcement of a checkpointed version completes the checkpoint
   (:mod:`digenrl.rl.checkpoint`): the scheduler snapshot is taken right there, at the cut.
+
+Pieces that need no actor live apart: the identity gate every control message passes
+(:mod:`digenrl.transport.identity`), metrics.jsonl's step rows
+(:mod:`digenrl.telemetry.steprows`) and the stall watchdog (:mod:`digenrl.core.watchdog`).
 """
 
 from __future__ import annotations
