@@ -1,5 +1,6 @@
 """Reward functions on hand-made images, the weighted sum, plug-ins and every error path."""
 
+import math
 import random
 
 import pytest
@@ -63,6 +64,17 @@ def test_colourfulness_of_two_colour_image_exceeds_flat_one():
     two = two_colour((220, 30, 30), (35, 70, 220))
     c = BUILTIN["colourfulness"](torch.cat([flat((35, 70, 220)), two]), ["", ""])
     assert c[1] > c[0]
+
+
+def test_pixel_std_is_zero_on_a_flat_field_and_a_bernoulli_std_on_black_and_white():
+    block = two_colour((0, 0, 0), (255, 255, 255))  # a black square on white
+    share = (block[0, 0] == 255).float().mean().item()  # the fraction of white values
+    s = BUILTIN["pixel_std"](torch.cat([flat((40, 90, 200)), block]), ["", ""])
+    assert s[0].item() == 0.0
+    # all values are 0 or 1 (after / 255): the std of a Bernoulli(share) sample, unbiased
+    n = block[0, 0].numel()  # values per channel
+    expected = math.sqrt(share * (1 - share) * n / (n - 1))
+    assert s[1].item() == pytest.approx(expected, rel=1e-5)
 
 
 def test_prompt_colours_are_found_in_order():

@@ -27,6 +27,9 @@ Cheap built-ins (offline, no model weights; :mod:`digenrl.rl.rewards.stats`):
 ``colourfulness``         Hasler & Suesstrunk (2003) M = sigma_rgyb + 0.3 mu_rgyb, divided by
                           100 (about 0-1.5 for natural images).
 ``redness``               mean ``(R - (G + B) / 2) / 255``, in [-0.5, 1].
+``pixel_std``             spatial standard deviation of each channel / 255, averaged over R, G,
+                          B, in [0, 0.5]:
+                          0 for a flat colour field (an evaluation term that shows collapse)
 ``prompt_colour_match``   how well the pixels show the colours the prompt names (shapes
                           world): see :func:`prompt_colour_match`. In [0, 1].
 ========================  ==================================================================

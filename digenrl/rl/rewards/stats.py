@@ -71,6 +71,16 @@ def redness(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
     return (r - 0.5 * (g + b)).mean(dim=(1, 2))
 
 
+def pixel_std(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+    """Spatial standard deviation of each image's values / 255 (per channel, averaged over R, G,
+    B), in [0, 0.5].
+
+    Not a reward to train on: an evaluation term that shows collapse (an image erased to a flat
+    colour field scores 0), e.g. ``[eval] terms = [..., { name = "pixel_std" }]``.
+    """
+    return images.float().flatten(2).std(dim=2).mean(dim=1) / 255.0
+
+
 _COLOUR_OF_WORD = {**{c: c for c in COLOURS}, **{w: c for c, w in BACKGROUND_WORDS.items()}}
 _COLOUR_WORD = re.compile(r"\b(" + "|".join(_COLOUR_OF_WORD) + r")\b")
 _MAX_RGB_DIST = math.sqrt(3) * 255.0
@@ -126,5 +136,6 @@ STATS = {
     "saturation": saturation,
     "colourfulness": colourfulness,
     "redness": redness,
+    "pixel_std": pixel_std,
     "prompt_colour_match": prompt_colour_match,
 }
