@@ -1,16 +1,31 @@
-"""Learning evidence: does the default config's reward rise, on every seed?
+"""Learning evidence: does the default config learn, on every seed, within 5 minutes?
 
-    python bench/learning.py [--mode colocated] [--seeds 0 1 2] [--steps 30] [--out docs/learning.png]
+    python bench/learning.py [--mode digenrl] [--seeds 0 1 2] [--steps N] [--out docs/learning.png] [--json]
 
-Runs the default config once per seed and applies the criterion of the algorithm issue: the
-mean reward of the last 5 steps beats that of the first 2 steps by at least 3 standard
-errors (per-trajectory rewards of those steps, from metrics.jsonl means and stds). Prints a
-table, saves the curves as a PNG, exits non-zero if any seed fails.
+Runs the default config once per seed (each launch must finish within 300 s) and applies two
+criteria:
+
+* **training reward** (per seed): the mean reward of the last 5 steps beats that of the first
+  2 steps by at least 3 standard errors (per-trajectory rewards of those steps, from
+  metrics.jsonl means and stds);
+* **held-out evaluation** (when the config evaluates, ``run.eval_every``): the first and the
+  last evaluation of each run (``eval/v<n>.jsonl``: the same test prompts and noise seeds at
+  every version) give, for every 0/1 value whose name ends in ``all`` (the all-attributes-correct
+  rate), the change end - start per seed with its standard error. The criterion is on the
+  change *pooled over the seeds* (their mean; its SE is ``sqrt(sum SE_i^2) / seeds``): >= 3 SE.
+  Two SEs are reported: ``unpaired`` treats the two evaluations as independent binomial samples
+  (conservative), ``paired`` is the SE of the per-sample differences (same prompt and noise, so
+  it removes the between-sample variance); the criterion uses the unpaired one. And no
+  collapse: ``pixel_std`` (when evaluated) at the end is >= 0.5x its value at the start, per seed.
+
+Prints a table (``--json``: one object), saves the training-reward curves as a PNG, exits
+non-zero if any criterion fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import tempfile
@@ -35,6 +50,52 @@ def criterion(rows: list[dict], batch: int) -> tuple[float, float, float]:
     return m0, m1, (m1 - m0) / math.sqrt(v0 + v1 + 1e-18)
 
 
+def eval_change(run_dir: Path) -> dict | None:
+    """Start and end of a run's held-out evaluation (``eval/v<n>.jsonl``), or None if it has none.
+
+    Per 0/1 value ending in ``all``: start and end rates, the change, its unpaired and paired
+    standard errors; per ``pixel_std`` value: start, end, ratio. ``n`` samples each.
+    """
+    files = sorted((run_dir / "eval").glob("v*.jsonl"))
+    if len(files) < 2:
+        return None
+    first, last = ([json.loads(x) for x in f.read_text().splitlines() if x] for f in (files[0], files[-1]))
+    key = lambda r: (r["prompt_index"], r["seed"])  # noqa: E731
+    end = {key(r): r for r in last}
+    pairs = [(r, end[key(r)]) for r in first if key(r) in end]
+    out: dict = {"start_version": first[0]["version"], "end_version": last[0]["version"], "n": len(pairs),
+                 "rates": {}, "pixel_std": {}}
+    n = len(pairs)
+    for name in pairs[0][0]:
+        if name.endswith("all"):
+            a = [p[0][name] for p in pairs]
+            b = [p[1][name] for p in pairs]
+            p0, p1 = sum(a) / n, sum(b) / n
+            d = [y - x for x, y in zip(a, b)]
+            dm = sum(d) / n
+            paired = math.sqrt(sum((x - dm) ** 2 for x in d) / (n - 1) / n) if n > 1 else float("nan")
+            unpaired = math.sqrt((p0 * (1 - p0) + p1 * (1 - p1)) / n)
+            out["rates"][name] = {"start": p0, "end": p1, "change": p1 - p0,
+                                  "se_unpaired": unpaired, "se_paired": paired}
+        elif name.endswith("pixel_std"):
+            s0 = sum(p[0][name] for p in pairs) / n
+            s1 = sum(p[1][name] for p in pairs) / n
+            out["pixel_std"][name] = {"start": s0, "end": s1, "ratio": s1 / s0 if s0 else float("nan")}
+    return out
+
+
+def pooled_change(per_seed: list[dict], name: str) -> dict:
+    """The seeds' mean change of rate ``name`` with its pooled SEs and the gap in (unpaired) SEs."""
+    rates = [e["rates"][name] for e in per_seed]
+    k = len(rates)
+    change = sum(r["change"] for r in rates) / k
+    se_u = math.sqrt(sum(r["se_unpaired"] ** 2 for r in rates)) / k
+    se_p = math.sqrt(sum(r["se_paired"] ** 2 for r in rates)) / k
+    return {"change": change, "se_unpaired": se_u, "se_paired": se_p,
+            "gap_se_unpaired": change / se_u if se_u else float("nan"),
+            "gap_se_paired": change / se_p if se_p else float("nan")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--mode", default="colocated")
@@ -43,9 +104,14 @@ def main() -> int:
     ap.add_argument("--config", default=None)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--out", default="docs/learning.png")
+    ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    ap.add_argument("--keep", default="", help="keep the run dirs under this folder")
     args = ap.parse_args()
     curves, ok = {}, True
-    with tempfile.TemporaryDirectory() as tmp:
+    report: dict = {"mode": args.mode, "seeds": {}}
+    evals: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = args.keep or tmp_dir
         for seed in args.seeds:
             ov = [*args.overrides, f"run.seed={seed}"]
             if args.steps:
@@ -60,8 +126,36 @@ def main() -> int:
             passed = z >= 3.0 and wall <= 300
             ok &= passed
             curves[seed] = [(r["step"], r["reward_mean"], r["reward_std"]) for r in rows]
-            print(f"seed {seed}: first-2 {m0:.4f}  last-5 {m1:.4f}  gap {z:.1f} SE  wall {wall:.0f}s  "
+            print(f"seed {seed}: reward first-2 {m0:.4f}  last-5 {m1:.4f}  gap {z:.1f} SE  wall {wall:.0f}s  "
                   f"{'PASS' if passed else 'FAIL'}", flush=True)
+            entry: dict = {"reward_first2": m0, "reward_last5": m1, "reward_gap_se": z, "wall_s": wall,
+                           "reward_pass": passed}
+            ev = eval_change(run_dir)
+            if ev is not None:
+                evals.append(ev)
+                entry["eval"] = ev
+                for name, r in ev["rates"].items():
+                    print(f"        eval {name} v{ev['start_version']} {r['start']:.4f} -> "
+                          f"v{ev['end_version']} {r['end']:.4f}  change {r['change']:+.4f} "
+                          f"(SE unpaired {r['se_unpaired']:.4f}, paired {r['se_paired']:.4f}; n {ev['n']})",
+                          flush=True)
+                for name, r in ev["pixel_std"].items():
+                    collapsed = not r["ratio"] >= 0.5
+                    ok &= not collapsed
+                    print(f"        eval {name} {r['start']:.4f} -> {r['end']:.4f}  ratio {r['ratio']:.2f}  "
+                          f"{'COLLAPSED' if collapsed else 'kept'}", flush=True)
+            report["seeds"][seed] = entry
+        if evals and all(e["rates"] for e in evals):
+            report["eval_pooled"] = {}
+            for name in evals[0]["rates"]:
+                pc = pooled_change(evals, name)
+                passed = pc["gap_se_unpaired"] >= 3.0
+                ok &= passed
+                report["eval_pooled"][name] = {**pc, "pass": passed}
+                print(f"pooled over {len(evals)} seeds: eval {name} change {pc['change']:+.4f}  "
+                      f"SE unpaired {pc['se_unpaired']:.4f} ({pc['gap_se_unpaired']:.1f} SE), paired "
+                      f"{pc['se_paired']:.4f} ({pc['gap_se_paired']:.1f} SE)  {'PASS' if passed else 'FAIL'}",
+                      flush=True)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -78,6 +172,9 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)
     print(f"curves: {args.out}")
+    report["pass"] = ok
+    if args.json:
+        print(json.dumps(report))
     return 0 if ok else 1
 
 
