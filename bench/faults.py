@@ -45,7 +45,8 @@ from digenrl.telemetry.metrics import read_metrics
 
 SETS = ["model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
         "runtime.fragments_per_step=2", "sampler.num_steps=4", "run.checkpoint_every=1",
-        "runtime.heartbeat_s=0.25", "runtime.heartbeat_misses=6"]
+        "runtime.heartbeat_s=0.25", "runtime.heartbeat_misses=6",
+        "run.eval_every=0"]  # faults, not the default's held-out evaluation
 
 
 def _hostile_peer(endpoint: str) -> int:

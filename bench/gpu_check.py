@@ -16,7 +16,8 @@ Sections (each records its own figures and ``ok``; the script exits 1 if any is 
                  SD3.5-medium (2.5B) and FLUX.1-dev (12B) transformer at 512 and 1024 px, bf16,
                  batch 2: seconds and peak GPU memory; also the first ratio of the trained
                  step, which must be exactly 1 (the same instance recomputes its own sample).
-``default_run``  ``digenrl launch`` with the embedded default config (digenrl mode, 60 steps)
+``default_run``  ``digenrl launch`` with the embedded default config (digenrl mode, 500 steps
+                 of a LoRA on the shapes judge, 640-sample evaluations at the start and the end)
                  on the GPU: wall, samples/s, accounting, each node's device.
 
 ``--cpu`` runs every section that can run without a GPU, at tiny sizes (the transformers
@@ -132,7 +133,8 @@ def k0_bf16(work: Path, steps: int) -> dict[str, Any]:
     run_dir = work / "k0"
     proc = _launch(["--mode", "disagg-sync", "--steps", str(steps), "--set", f'model.path="{folder}"',
                     "--set", 'model.dtype="bfloat16"', "--set", f"model.max_text_tokens={MAX_TEXT_TOKENS}",
-                    "--set", "train.prompts_per_step=2", "--set", "train.group_size=4"], run_dir, 600)
+                    "--set", "train.prompts_per_step=2", "--set", "train.group_size=4",
+                    "--set", "run.eval_every=0"], run_dir, 600)  # the ratios, not the evaluation
     report = _run_report(proc, run_dir)
     devs = report["ratio_max_dev"]
     report["ok"] = report["ok"] and report["steps"] == steps and set(devs) == {0.0}
@@ -157,7 +159,8 @@ def transformer_steps(device: torch.device, real: bool) -> dict[str, Any]:
     from digenrl.config import load_config
     from digenrl.models import families
 
-    cfg = load_config(None, ["train.lr=1e-5", 'train.timesteps="all"', "sampler.num_steps=4"])
+    cfg = load_config(None, ["train.lr=1e-5", 'train.timesteps="all"', "sampler.num_steps=4",
+                             "sampler.base_tail=0"])  # every step trained: none left to the base
     cases = {"sd3": (diffusers.SD3Transformer2DModel, SD35_MEDIUM if real else families.TINY_CONFIGS["sd3"],
                      (333, 4096, 2048) if real else (16, 32, 32)),
              "flux": (diffusers.FluxTransformer2DModel, FLUX_DEV if real else families.TINY_CONFIGS["flux"],

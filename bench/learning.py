@@ -5,9 +5,9 @@
 Runs the default config once per seed (each launch must finish within 300 s) and applies two
 criteria:
 
-* **training reward** (per seed): the mean reward of the last 5 steps beats that of the first
-  2 steps by at least 3 standard errors (per-trajectory rewards of those steps, from
-  metrics.jsonl means and stds);
+* **training reward** (per seed): the mean reward of the last tenth of the steps beats that of
+  the first tenth (runs under 100 steps: the last 5 and the first 2) by at least 3 standard errors
+  (per-trajectory rewards of those steps, from metrics.jsonl means and stds);
 * **held-out evaluation** (when the config evaluates, ``run.eval_every``): the first and the
   last evaluation of each run (``eval/v<n>.jsonl``: the same test prompts and noise seeds at
   every version) give, for every 0/1 value whose name ends in ``all`` (the all-attributes-correct
@@ -37,16 +37,24 @@ from digenrl.launch import launch, make_run_dir
 from digenrl.telemetry.metrics import read_metrics
 
 
+def windows(n: int) -> tuple[int, int]:
+    """Steps compared by the training-reward criterion: a run of 100 steps or more compares its
+    first and last tenth, a shorter one its first 2 and last 5 steps (bench/algorithms.py's
+    60-step runs)."""
+    return (n // 10, n // 10) if n >= 100 else (2, 5)
+
+
 def criterion(rows: list[dict], batch: int) -> tuple[float, float, float]:
-    """(first-2 mean, last-5 mean, gap in standard errors)."""
+    """(first-window mean, last-window mean, gap in standard errors); see :func:`windows`."""
     def pooled(sel: list[dict]) -> tuple[float, float]:
         n = batch * len(sel)
         mean = sum(r["reward_mean"] for r in sel) / len(sel)
         # pooled variance of per-trajectory rewards: within-step variance + between-step spread
         var = sum(batch * (r["reward_std"] ** 2 + (r["reward_mean"] - mean) ** 2) for r in sel) / n
         return mean, var / n
-    m0, v0 = pooled(rows[:2])
-    m1, v1 = pooled(rows[-5:])
+    first, last = windows(len(rows))
+    m0, v0 = pooled(rows[:first])
+    m1, v1 = pooled(rows[-last:])
     return m0, m1, (m1 - m0) / math.sqrt(v0 + v1 + 1e-18)
 
 
@@ -96,54 +104,94 @@ def pooled_change(per_seed: list[dict], name: str) -> dict:
             "gap_se_paired": change / se_p if se_p else float("nan")}
 
 
+def score_run(seed: int, run_dir: Path, batch: int, wall: float) -> tuple[dict, bool]:
+    """One run's entry of the report (training-reward criterion, evaluation change, collapse)
+    and whether it passed; prints its lines."""
+    rows = read_metrics(run_dir)  # train rows (evaluation rows apart)
+    m0, m1, z = criterion(rows, batch)
+    first, last = windows(len(rows))
+    passed = z >= 3.0 and wall <= 300
+    print(f"seed {seed}: reward first-{first} {m0:.4f}  last-{last} {m1:.4f}  gap {z:.1f} SE  "
+          f"wall {wall:.0f}s  {'PASS' if passed else 'FAIL'}", flush=True)
+    entry: dict = {"reward_first": m0, "reward_last": m1, "reward_windows": [first, last],
+                   "reward_gap_se": z, "wall_s": wall, "reward_pass": passed,
+                   "curve": [(r["step"], r["reward_mean"], r["reward_std"]) for r in rows]}
+    ev = eval_change(run_dir)
+    if ev is not None:
+        entry["eval"] = ev
+        for name, r in ev["rates"].items():
+            print(f"        eval {name} v{ev['start_version']} {r['start']:.4f} -> "
+                  f"v{ev['end_version']} {r['end']:.4f}  change {r['change']:+.4f} "
+                  f"(SE unpaired {r['se_unpaired']:.4f}, paired {r['se_paired']:.4f}; n {ev['n']})",
+                  flush=True)
+        for name, r in ev["pixel_std"].items():
+            collapsed = not r["ratio"] >= 0.5
+            passed &= not collapsed
+            print(f"        eval {name} {r['start']:.4f} -> {r['end']:.4f}  ratio {r['ratio']:.2f}  "
+                  f"{'COLLAPSED' if collapsed else 'kept'}", flush=True)
+    return entry, passed
+
+
+def plot(curves: dict[int, list], title: str, out: str) -> None:
+    """Training-reward curves: the batch means (thin) and their 25-step running mean."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for seed, pts in curves.items():
+        s, m, _ = zip(*pts)
+        k = 25 if len(m) > 100 else 1
+        run = [sum(m[max(0, i - k + 1):i + 1]) / len(m[max(0, i - k + 1):i + 1]) for i in range(len(m))]
+        line, = ax.plot(s, run, label=f"seed {seed}" + (f" ({k}-step mean)" if k > 1 else ""))
+        if k > 1:
+            ax.plot(s, m, color=line.get_color(), alpha=0.2, linewidth=0.6)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training reward (batch mean)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"curves: {out}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--mode", default="colocated")
+    ap.add_argument("--mode", default="digenrl")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--config", default=None)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--out", default="docs/learning.png")
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    ap.add_argument("--keep", default="", help="keep the run dirs under this folder")
+    ap.add_argument("--keep", default="", help="keep the run dirs under this folder (seed<N>/)")
+    ap.add_argument("--rescore", default="", help="launch nothing: score the runs a --keep left here "
+                    "(wall times from their summary.json)")
     args = ap.parse_args()
     curves, ok = {}, True
     report: dict = {"mode": args.mode, "seeds": {}}
     evals: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp_dir:
-        tmp = args.keep or tmp_dir
+        tmp = args.rescore or args.keep or tmp_dir
         for seed in args.seeds:
             ov = [*args.overrides, f"run.seed={seed}"]
             if args.steps:
                 ov.append(f"run.steps={args.steps}")
-            cfg = resolve_mode(load_config(args.config, ov), args.mode)
-            run_dir = make_run_dir(cfg, str(Path(tmp) / f"seed{seed}"))
-            t0 = time.perf_counter()
-            launch(cfg, run_dir)
-            wall = time.perf_counter() - t0
-            rows = read_metrics(run_dir)  # train rows (evaluation rows apart)
-            m0, m1, z = criterion(rows, cfg.batch_size)
-            passed = z >= 3.0 and wall <= 300
+            if args.rescore:
+                run_dir = Path(tmp) / f"seed{seed}"
+                cfg = load_config(run_dir / "config.toml")
+                wall = json.loads((run_dir / "summary.json").read_text())["wall_s"]
+            else:
+                cfg = resolve_mode(load_config(args.config, ov), args.mode)
+                run_dir = make_run_dir(cfg, str(Path(tmp) / f"seed{seed}"))
+                t0 = time.perf_counter()
+                launch(cfg, run_dir)
+                wall = time.perf_counter() - t0
+            entry, passed = score_run(seed, run_dir, cfg.batch_size, wall)
             ok &= passed
-            curves[seed] = [(r["step"], r["reward_mean"], r["reward_std"]) for r in rows]
-            print(f"seed {seed}: reward first-2 {m0:.4f}  last-5 {m1:.4f}  gap {z:.1f} SE  wall {wall:.0f}s  "
-                  f"{'PASS' if passed else 'FAIL'}", flush=True)
-            entry: dict = {"reward_first2": m0, "reward_last5": m1, "reward_gap_se": z, "wall_s": wall,
-                           "reward_pass": passed}
-            ev = eval_change(run_dir)
-            if ev is not None:
-                evals.append(ev)
-                entry["eval"] = ev
-                for name, r in ev["rates"].items():
-                    print(f"        eval {name} v{ev['start_version']} {r['start']:.4f} -> "
-                          f"v{ev['end_version']} {r['end']:.4f}  change {r['change']:+.4f} "
-                          f"(SE unpaired {r['se_unpaired']:.4f}, paired {r['se_paired']:.4f}; n {ev['n']})",
-                          flush=True)
-                for name, r in ev["pixel_std"].items():
-                    collapsed = not r["ratio"] >= 0.5
-                    ok &= not collapsed
-                    print(f"        eval {name} {r['start']:.4f} -> {r['end']:.4f}  ratio {r['ratio']:.2f}  "
-                          f"{'COLLAPSED' if collapsed else 'kept'}", flush=True)
+            curves[seed] = entry.pop("curve")
+            if "eval" in entry:
+                evals.append(entry["eval"])
             report["seeds"][seed] = entry
         if evals and all(e["rates"] for e in evals):
             report["eval_pooled"] = {}
@@ -156,22 +204,7 @@ def main() -> int:
                       f"SE unpaired {pc['se_unpaired']:.4f} ({pc['gap_se_unpaired']:.1f} SE), paired "
                       f"{pc['se_paired']:.4f} ({pc['gap_se_paired']:.1f} SE)  {'PASS' if passed else 'FAIL'}",
                       flush=True)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for seed, pts in curves.items():
-        s, m, sd = zip(*pts)
-        ax.plot(s, m, label=f"seed {seed}")
-        ax.fill_between(s, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)], alpha=0.15)
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward (mean ± std over the batch)")
-    ax.set_title(f"Default config, {args.mode} mode")
-    ax.legend()
-    fig.tight_layout()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=110)
-    print(f"curves: {args.out}")
+    plot(curves, f"Default config, {args.mode} mode", args.out)
     report["pass"] = ok
     if args.json:
         print(json.dumps(report))

@@ -70,7 +70,7 @@ def load_run_model(run_dir: Path):
 def sample(model, prompts: list[str], sampler: SamplerConfig, *, batch: int = 80) -> torch.Tensor:
     """uint8 ODE samples (N, 3, H, W), prompt i with seed ``SEED0 + i`` whatever the batching."""
     cfg = SamplerConfig(num_steps=sampler.num_steps, sde_type="ode", shift=sampler.shift,
-                        guidance_scale=1.0)
+                        guidance_scale=1.0, base_tail=sampler.base_tail)
     out = []
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]

@@ -64,7 +64,7 @@ def checksums(args: argparse.Namespace) -> int:
     from digenrl.rl.policy import build_policy  # here: --fanout's worker processes need no model
 
     torch.set_num_threads(1)
-    tiny = build_policy(load_config(None, [])).model.sync_state_dict()
+    tiny = build_policy(load_config(None, ["model.lora_rank=0", "sampler.base_tail=0"])).model.sync_state_dict()
     g = torch.Generator().manual_seed(0)
     big = {f"w{i}": torch.randn(1 << 20, generator=g) for i in range(args.mib // 4)}  # 4 MiB each
     sets = {"tiny model (full weights)": tiny, f"synthetic {args.mib} MiB": big}

@@ -128,6 +128,11 @@ class SamplerConfig:
     ode_compress: float = _f(
         1.0, "share of the ODE steps after the last SDE step that are taken (MixGRPO-Flash: 0.4); "
         "the rest of the schedule is covered by fewer, longer steps. 1 = every step", gt=0, le=1)
+    base_tail: int = _f(
+        0, "the last N denoising steps are taken by the base model (the LoRA adapter off), in "
+        "training rollouts and in evaluation alike: the fine detail the untrained last steps draw "
+        "stays the base's instead of drifting (docs/base-model.md). LoRA only; no trained step "
+        "may fall in the tail", ge=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -403,6 +408,30 @@ def _build(cls: Any, table: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def _check_base_tail(cfg: Config) -> None:
+    t, s = cfg.train, cfg.sampler
+    if s.base_tail >= s.num_steps:
+        raise ConfigError(f"sampler.base_tail = {s.base_tail}: expected fewer than sampler.num_steps "
+                          f"= {s.num_steps} (the policy must take at least one step)")
+    if cfg.model.lora_rank == 0:
+        raise ConfigError(f"sampler.base_tail = {s.base_tail} with model.lora_rank = 0: the base is "
+                          "the policy with its LoRA adapter off; a full fine-tune has no adapter")
+    if 0 < cfg.eval.num_steps <= s.base_tail:
+        raise ConfigError(f"eval.num_steps = {cfg.eval.num_steps}: evaluation would sample every "
+                          f"step with the base model (sampler.base_tail = {s.base_tail})")
+    if t.algorithm != "grpo":
+        return  # the forward-process losses train on clean samples, not on sampled steps
+    tail_from = s.num_steps - s.base_tail
+    if t.timesteps in ("all", "fraction"):
+        raise ConfigError(f"sampler.base_tail = {s.base_tail} with train.timesteps = "
+                          f"{t.timesteps!r}: trained steps would fall in the base model's tail; "
+                          f"use 'window' or 'mix' with train.window_hi <= {tail_from}")
+    hi = t.window_hi or s.num_steps // 2 or 1
+    if hi > tail_from:
+        raise ConfigError(f"train.window_hi = {hi}: the trained window must end before the base "
+                          f"model's tail, at step {tail_from} (sampler.base_tail = {s.base_tail})")
+
+
 def _check_consistency(cfg: Config) -> None:
     t, s = cfg.train, cfg.sampler
     if t.timesteps == "window":
@@ -419,6 +448,8 @@ def _check_consistency(cfg: Config) -> None:
                 f"train.window_size = {t.window_size}: the MixGRPO window must fit in "
                 f"[train.window_lo = {t.window_lo}, train.window_hi = {hi}) and sampler.num_steps = "
                 f"{s.num_steps}")
+    if s.base_tail:
+        _check_base_tail(cfg)
     if t.algorithm != "grpo":
         if t.forward_timesteps > s.num_steps:
             raise ConfigError(f"train.forward_timesteps = {t.forward_timesteps}: expected at most "

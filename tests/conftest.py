@@ -33,18 +33,38 @@ import torch
 from digenrl.faults import CRASH_ENV, HANG_ENV
 
 #: torch intra-op threads for the whole suite: in this process (an autouse fixture) and in
-#: every run it launches (:data:`THREAD_SETS`). CPU kernels may round differently at another
+#: every run it launches (:data:`SUITE_SETS`). CPU kernels may round differently at another
 #: thread count, so the suite is run once at 1 and once at 2 before a change of tolerances
 #: lands: ``DIGENRL_TEST_THREADS=2 ./dev.sh test``.
 TEST_THREADS = int(os.environ.get("DIGENRL_TEST_THREADS", "1"))
 
-#: ``--set`` overrides that give a launched run the suite's thread count.
-THREAD_SETS = [f"run.threads={TEST_THREADS}"]
+#: The suite's departures from the embedded default config, for every run it loads or
+#: launches (later overrides win, so a test that wants one of these sets it itself): the
+#: suite's thread count; the old default's 60 steps; no held-out evaluation (the default evaluates 640 samples at the start
+#: and the end, its 5-minute demo that bench/learning.py measures: it would add half a minute
+#: or more to each of the suite's launches); a full fine-tune without the base model's tail
+#: (the mechanisms' tests compare whole weight sets, and LoRA has tests of its own); and the
+#: prompt-agnostic JPEG reward (tests feed prompts outside the shapes grammar, which the
+#: default's judge refuses). The autouse fixture :func:`_suite_default` gives the same to
+#: ``load_config(None, ...)`` in this process. tests/test_config.py checks the shipped default
+#: and tests/test_evaluate.py launches it.
+SUITE_SETS = [f"run.threads={TEST_THREADS}", "run.steps=60", "run.eval_every=0", "model.lora_rank=0",
+              "sampler.base_tail=0", 'reward.terms=[{ name = "jpeg_compressibility", weight = 1.0 }]']
 
 #: The small run most launch tests start from (later overrides win): the tiny random model,
 #: 2 prompts x 2 generations cut into 2 fragments, 4 denoising steps, the suite's threads.
-SMALL = [*THREAD_SETS, 'model.path="random"', "train.prompts_per_step=2", "train.group_size=2",
+SMALL = [*SUITE_SETS, 'model.path="random"', "train.prompts_per_step=2", "train.group_size=2",
          "runtime.fragments_per_step=2", "sampler.num_steps=4"]
+
+
+@pytest.fixture(autouse=True)
+def _suite_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load_config(None, ...)`` in this process starts from the default with
+    :data:`SUITE_SETS` applied; a test's own overrides still come after."""
+    import digenrl.config as config
+
+    text = config.to_toml(config.load_config(None, SUITE_SETS))
+    monkeypatch.setattr(config, "default_config_text", lambda: text)
 
 
 @pytest.fixture(autouse=True)
@@ -106,7 +126,7 @@ def set_args(sets: Sequence[str]) -> list[str]:
 
 def launch_command(*args: str, sets: Sequence[str] = ()) -> list[str]:
     """``python -m digenrl.cli launch ARGS`` with the suite's thread count and ``sets``."""
-    return [sys.executable, "-m", "digenrl.cli", "launch", *args, *set_args([*THREAD_SETS, *sets])]
+    return [sys.executable, "-m", "digenrl.cli", "launch", *args, *set_args([*SUITE_SETS, *sets])]
 
 
 def launch_env(*, crash: str = "", hang: str = "") -> dict[str, str]:

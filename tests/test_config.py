@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,29 @@ RUN_CONFIGS = [p for p in SHIPPED if "clusters" not in p.parts]
 
 def test_the_embedded_default_is_configs_tiny_cpu() -> None:
     assert (ROOT / "configs" / "tiny-cpu.toml").read_text() == default_config_text()
+
+
+def test_the_default_trains_on_one_judge_and_evaluates_with_the_other_at_start_and_end() -> None:
+    # the real default (by path: the suite's fixture only changes load_config(None, ...))
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.toml")
+    assert [t.name for t in cfg.reward.terms] == ["shapes_judge"]
+    assert [t.name for t in cfg.eval.terms] == ["shapes_attributes", "pixel_std"]
+    assert cfg.prompts.test_file == "builtin:prompts-test.txt"
+    # evaluated at version 0 and at the end only (eval_due: 0, multiples of eval_every, the last)
+    assert cfg.run.eval_every >= cfg.run.steps
+    assert cfg.eval.samples_per_prompt * 40 >= 640  # enough samples for the 3-SE criterion
+
+
+@pytest.mark.parametrize("sets, named", [
+    (["sampler.base_tail=2", "model.lora_rank=0"], "model.lora_rank = 0"),
+    (["sampler.base_tail=8"], "expected fewer than sampler.num_steps = 8"),
+    (["sampler.base_tail=2", 'train.timesteps="all"'], "train.timesteps = 'all'"),
+    (["sampler.base_tail=2", "train.window_hi=8"], "train.window_hi = 8"),
+    (["sampler.base_tail=2", "eval.num_steps=2"], "eval.num_steps = 2"),
+])
+def test_a_base_tail_that_would_swallow_trained_or_all_steps_is_refused(sets: list[str], named: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_config(None, ["model.lora_rank=8", *sets])
 
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from digenrl.rl.checkpoint import latest_checkpoint
-from tests.conftest import THREAD_SETS
+from tests.conftest import SUITE_SETS
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +68,7 @@ def test_a_full_disk_fails_the_run_with_one_line_and_leaves_nothing_behind(tmp_p
         run_dir = disk / "run"
         env = dict(os.environ, OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "digenrl.cli", "launch", "--mode", "digenrl", "--steps", "8",
-               "--run-dir", str(run_dir), *[a for s in (*THREAD_SETS, *SETS) for a in ("--set", s)]]
+               "--run-dir", str(run_dir), *[a for s in (*SUITE_SETS, *SETS) for a in ("--set", s)]]
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
         try:

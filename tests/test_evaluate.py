@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +18,9 @@ from digenrl.launch import evaluate_run, launch, make_run_dir
 from digenrl.models import build_model
 from digenrl.rl.evaluate import build_eval_reward, eval_due, eval_samples, evaluate, generate
 from digenrl.telemetry.metrics import documented_keys, is_documented, read_metrics
-from tests.conftest import THREAD_SETS
+from tests.conftest import SUITE_SETS, TEST_THREADS, launch_env
 
-TINY = [*THREAD_SETS, 'model.path="random"', "train.prompts_per_step=2", "train.group_size=2",
+TINY = [*SUITE_SETS, 'model.path="random"', "train.prompts_per_step=2", "train.group_size=2",
         "runtime.fragments_per_step=1", "sampler.num_steps=4", "prompts.test_fraction=0.1",
         "eval.prompts=3", "eval.samples_per_prompt=2", "eval.batch_size=4",
         'eval.terms=[{ name = "brightness" }, { name = "reward_plugins:attributes", label = "judge" }]']
@@ -116,3 +118,24 @@ def test_digenrl_mode_evaluates_on_trainer_rank_0_at_start_and_end(tmp_path, mon
     # rank 0 evaluated the very weights it saved: `digenrl eval` of final/ agrees
     again = evaluate_run(run_dir, out_dir=tmp_path / "again")
     assert again["eval/brightness"] == pytest.approx(rows[-1]["eval/brightness"], abs=1e-6)
+
+
+def test_the_shipped_default_trains_a_lora_on_the_judge_and_evaluates_at_start_and_end(tmp_path):
+    """The real default (not the suite's, tests/conftest.py): the shipped base, LoRA, the base
+    model's tail, the shapes judge as reward, the other judge and pixel_std as evaluation. Only
+    its length is cut: 3 steps, and 1 of the 16 evaluation seeds per test prompt."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "digenrl.cli", "launch", "--steps", "3", "--run-dir", str(run_dir),
+         "--set", f"run.threads={TEST_THREADS}", "--set", "eval.samples_per_prompt=1"],
+        env=launch_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train = read_metrics(run_dir)
+    assert len(train) == 3 and all("reward/shapes_judge" in r for r in train)
+    assert all(r["reward/shapes_judge"] <= 0 for r in train)  # a sum of log-probabilities
+    evals = read_metrics(run_dir, "eval")
+    assert [r["step"] for r in evals] == [0, 3]
+    for r in evals:
+        assert r["eval/samples"] == 40
+        assert 0 <= r["eval/shapes_attributes/all"] <= 1 and 0 < r["eval/pixel_std"] <= 0.5
+    assert (run_dir / "final" / "pytorch_lora_weights.safetensors").is_file()

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TEST_THREADS, assert_close_across_instances, assert_same_weights
+from tests.conftest import SUITE_SETS, assert_close_across_instances, assert_same_weights
 from tests.pipelines import MAX_TEXT_TOKENS, SMALL, write_pipeline_folder
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def test_a_pipeline_folder_trains_end_to_end_and_its_final_loads_into_diffusers(
         small_run = ["train.prompts_per_step=2", "train.group_size=2", "sampler.num_steps=4"]
     sets = [f'model.path="{folder}"', f'model.family="{family}"', "model.lora_rank=4",
             f"model.max_text_tokens={MAX_TEXT_TOKENS}", *[f"model.{k}={v}" for k, v in sizes.items()],
-            *small_run, f"run.threads={TEST_THREADS}"]
+            *small_run, *SUITE_SETS]
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "digenrl.cli", "launch", "--steps", "3", "--run-dir", str(run_dir),

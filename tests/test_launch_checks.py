@@ -9,9 +9,9 @@ import pytest
 
 from digenrl.config import ConfigError, load_config, resolve_mode
 from digenrl.launch import launch, make_run_dir
-from tests.conftest import THREAD_SETS
+from tests.conftest import SUITE_SETS
 
-SMALL = [*THREAD_SETS, "run.steps=2", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
+SMALL = [*SUITE_SETS, "run.steps=2", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
          "runtime.fragments_per_step=1", "sampler.num_steps=2", "train.timesteps=\"all\""]
 
 

@@ -116,12 +116,12 @@ def test_a_launch_scored_by_a_flow_grpo_server_logs_the_servers_scores(tmp_path)
     from digenrl.config import load_config, resolve_mode
     from digenrl.launch import launch, make_run_dir
     from digenrl.telemetry.metrics import read_metrics
-    from tests.conftest import THREAD_SETS
+    from tests.conftest import SUITE_SETS
 
     with flow_grpo_server() as server:
         term = f'reward.terms=[{{ name = "http", label = "geneval", args = {{ url = "{server.url}" }} }}]'
         cfg = resolve_mode(load_config(None, [
-            *THREAD_SETS, "run.steps=3", 'model.path="random"', "train.prompts_per_step=2",
+            *SUITE_SETS, "run.steps=3", 'model.path="random"', "train.prompts_per_step=2",
             "train.group_size=2", "runtime.fragments_per_step=1", "sampler.num_steps=4",
             'runtime.tag="never"', term]), "digenrl")
         summary = launch(cfg, make_run_dir(cfg, str(tmp_path / "run")))

@@ -102,7 +102,7 @@ def test_a_launch_with_a_reward_worker_trains_scored_fragments_and_discards_fail
     from digenrl.launch import launch, make_run_dir
     from digenrl.telemetry.metrics import read_metrics
     from digenrl.telemetry.trace import read_trace
-    from tests.conftest import THREAD_SETS
+    from tests.conftest import SUITE_SETS
 
     tests_dir = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
@@ -111,7 +111,7 @@ def test_a_launch_with_a_reward_worker_trains_scored_fragments_and_discards_fail
         ("a red circle on a blue background", False), ("a green square on a black background", True),
         ("a white cross on a red background", False), ("a blue triangle on a yellow background", True)]))
     cfg = resolve_mode(load_config(None, [
-        *THREAD_SETS, "run.steps=2", 'model.path="random"', "train.prompts_per_step=2", "train.group_size=2",
+        *SUITE_SETS, "run.steps=2", 'model.path="random"', "train.prompts_per_step=2", "train.group_size=2",
         "runtime.fragments_per_step=2", "sampler.num_steps=4", 'runtime.tag="never"', "cluster.rewards=1",
         f'prompts.file="{prompts}"', 'reward.terms=[{ name = "reward_plugins:fails_when_flagged", label = "px" }]']),
         "digenrl")

@@ -264,3 +264,58 @@ def test_mixgrpo_flash_rollout_keeps_the_window_steps_and_compresses_after_it():
     assert [r.sde for r in recs][:3] == [False, True, True]
     assert len(recs) == 3 + math.ceil(0.4 * 5) and recs[-1].sigma_next == 0.0
     assert all(a.x_next is b.x_t for a, b in itertools.pairwise(recs))
+
+
+def _lora_model_with_a_trained_adapter():
+    """The tiny SD3 with a rank-4 adapter whose B matrices are non-zero (a freshly added
+    adapter is the identity: B = 0), so adapter on and off give different velocities."""
+    from digenrl.config import ModelConfig
+    from digenrl.models import build_model
+
+    model = build_model(ModelConfig(family="sd3", path="random", lora_rank=4), seed=0)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def test_base_tail_takes_the_last_steps_with_the_adapter_off_and_leaves_it_on():
+    from digenrl.config import SamplerConfig
+    from digenrl.rl.sampler import rollout, seeded_generators
+
+    model = _lora_model_with_a_trained_adapter()
+    cond = model.encode_prompts(["a red circle on a bluish background"] * 2)
+    cfg = SamplerConfig(num_steps=6, sde_type="ode", shift=3.0)
+    tail = list(rollout(model, cond, generator=seeded_generators([1, 2]),
+                        sampler_cfg=SamplerConfig(num_steps=6, sde_type="ode", shift=3.0, base_tail=2)))
+    full = list(rollout(model, cond, generator=seeded_generators([1, 2]), sampler_cfg=cfg))
+    # same process, same model, same inputs: the steps before the tail are bit-identical
+    for a, b in zip(tail[:4], full[:4]):
+        assert torch.equal(a.x_next, b.x_next)
+    # the tail written out: Euler steps of the adapter-free velocity from the same state
+    x = tail[3].x_next
+    with torch.no_grad(), model.adapter_disabled():
+        for rec in tail[4:]:
+            v = model.velocity(x, rec.sigma, cond)
+            x = sde_step("ode", x, v, rec.sigma, rec.sigma_next).x_next
+    assert torch.equal(x, tail[-1].x_next)
+    assert not torch.allclose(tail[-1].x_next, full[-1].x_next)  # the adapter mattered there
+    # and the adapter is on again afterwards: the policy's velocity, not the base's
+    with torch.no_grad():
+        v_after = model.velocity(full[0].x_t, full[0].sigma, cond)
+        with model.adapter_disabled():
+            v_base = model.velocity(full[0].x_t, full[0].sigma, cond)
+    assert not torch.allclose(v_after, v_base)
+
+
+def test_base_tail_refuses_an_sde_step_inside_it():
+    from digenrl.config import SamplerConfig
+    from digenrl.rl.sampler import rollout, seeded_generators
+
+    model = _lora_model_with_a_trained_adapter()
+    cfg = SamplerConfig(num_steps=6, sde_type="sde", shift=3.0, base_tail=2)
+    with pytest.raises(ValueError, match=r"SDE steps \[5\] fall in the base model's tail"):
+        list(rollout(model, model.encode_prompts(["a"]), generator=seeded_generators([1]),
+                     sampler_cfg=cfg, sde_steps={1, 5}))

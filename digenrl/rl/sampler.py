@@ -18,6 +18,7 @@ model's own batch-size rounding, ~1e-7 in float32).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -141,6 +142,8 @@ def rollout(
     the last SDE step, ``sampler_cfg.ode_compress < 1`` takes only that share of the remaining
     steps, spaced over the same sigmas (their records keep the index of the grid step they
     start at, so indices stay distinct but skip; nothing after the last SDE step is trained).
+    The steps from ``num_steps - sampler_cfg.base_tail`` on are taken with the model's adapter
+    off (the base model; LoRA models only, and none of them may be an SDE step).
     """
     wdtype = resolve_wire_dtype(wire_dtype if wire_dtype is not None else sampler_cfg.wire_dtype)
     b = next(iter(cond.values())).shape[0] if cond else None
@@ -159,12 +162,22 @@ def rollout(
             uncond = model.encode_prompts([""])
     noisy_steps = (set(range(sampler_cfg.num_steps)) if sde_steps is None else set(sde_steps)) \
         if sampler_cfg.sde_type != "ode" else set()
+    tail_from = sampler_cfg.num_steps - sampler_cfg.base_tail
+    if sampler_cfg.base_tail and not hasattr(model, "adapter_disabled"):
+        raise ValueError(f"sampler.base_tail = {sampler_cfg.base_tail}: {type(model).__name__} has "
+                         "no LoRA adapter to turn off")
+    if any(i >= tail_from for i in noisy_steps):
+        raise ValueError(f"sampler.base_tail = {sampler_cfg.base_tail}: SDE steps "
+                         f"{sorted(i for i in noisy_steps if i >= tail_from)} fall in the base model's tail")
     prev: tuple[float, torch.Tensor] | None = None  # the last evaluation's (sigma, x0 prediction)
     for i, i_next in step_grid(sampler_cfg.num_steps, noisy_steps, sampler_cfg.ode_compress):
         noisy = i in noisy_steps
         sigma, sigma_next = sigmas[i], sigmas[i_next]
-        # no_grad only around the work: a generator's `with` would leak into the caller's code
-        with torch.no_grad():
+        # no_grad only around the work: a generator's `with` would leak into the caller's code;
+        # the base model's tail turns the adapter off for this one evaluation only, so a
+        # caller that stops iterating never leaves the model without its adapter
+        with torch.no_grad(), (model.adapter_disabled() if i >= tail_from  # type: ignore[attr-defined]
+                               else contextlib.nullcontext()):
             v = guided_velocity(model, x, sigma, cond,
                                 guidance_scale=sampler_cfg.guidance_scale, uncond=uncond)
             if noisy or sampler_cfg.ode_solver == "euler":
