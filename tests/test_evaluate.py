@@ -120,6 +120,7 @@ def test_digenrl_mode_evaluates_on_trainer_rank_0_at_start_and_end(tmp_path, mon
     assert again["eval/brightness"] == pytest.approx(rows[-1]["eval/brightness"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_the_shipped_default_trains_a_lora_on_the_judge_and_evaluates_at_start_and_end(tmp_path):
     """The real default (not the suite's, tests/conftest.py): the shipped base, LoRA, the base
     model's tail, the shapes judge as reward, the other judge and pixel_std as evaluation. Only
