@@ -40,7 +40,8 @@ TEST_THREADS = int(os.environ.get("DIGENRL_TEST_THREADS", "1"))
 
 #: The suite's departures from the embedded default config, for every run it loads or
 #: launches (later overrides win, so a test that wants one of these sets it itself): the
-#: suite's thread count; the old default's 60 steps; no held-out evaluation (the default evaluates 640 samples at the start
+#: suite's thread count (:data:`THREAD_SETS`, all a ``--resume`` gets: the run's config.toml
+#: holds the rest); the old default's 60 steps; no held-out evaluation nor test split (the default evaluates 640 samples at the start
 #: and the end, its 5-minute demo that bench/learning.py measures: it would add half a minute
 #: or more to each of the suite's launches); a full fine-tune without the base model's tail
 #: (the mechanisms' tests compare whole weight sets, and LoRA has tests of its own); and the
@@ -48,7 +49,8 @@ TEST_THREADS = int(os.environ.get("DIGENRL_TEST_THREADS", "1"))
 #: default's judge refuses). The autouse fixture :func:`_suite_default` gives the same to
 #: ``load_config(None, ...)`` in this process. tests/test_config.py checks the shipped default
 #: and tests/test_evaluate.py launches it.
-SUITE_SETS = [f"run.threads={TEST_THREADS}", "run.steps=60", "run.eval_every=0", "model.lora_rank=0",
+THREAD_SETS = [f"run.threads={TEST_THREADS}"]
+SUITE_SETS = [*THREAD_SETS, "run.steps=60", "run.eval_every=0", 'prompts.test_file=""', "model.lora_rank=0",
               "sampler.base_tail=0", 'reward.terms=[{ name = "jpeg_compressibility", weight = 1.0 }]']
 
 #: The small run most launch tests start from (later overrides win): the tiny random model,
@@ -125,8 +127,11 @@ def set_args(sets: Sequence[str]) -> list[str]:
 
 
 def launch_command(*args: str, sets: Sequence[str] = ()) -> list[str]:
-    """``python -m digenrl.cli launch ARGS`` with the suite's thread count and ``sets``."""
-    return [sys.executable, "-m", "digenrl.cli", "launch", *args, *set_args([*SUITE_SETS, *sets])]
+    """``python -m digenrl.cli launch ARGS`` with :data:`SUITE_SETS` (a resume: the thread count
+    only) and ``sets``."""
+    base = THREAD_SETS if "--resume" in args else SUITE_SETS
+    # the suite's sets first: a --set among ARGS must win over them
+    return [sys.executable, "-m", "digenrl.cli", "launch", *set_args(base), *args, *set_args(sets)]
 
 
 def launch_env(*, crash: str = "", hang: str = "") -> dict[str, str]:

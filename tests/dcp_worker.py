@@ -31,8 +31,10 @@ from digenrl.rl.checkpoint import (
     save_trainer_state,
 )
 from digenrl.rl.policy import Policy, build_policy
+from tests.conftest import SUITE_SETS
 
-CFG = ["model.path=\"random\"", "train.group_size=2"]
+# the suite's default (tests/conftest.py: a full fine-tune, no tail), in this child process too
+CFG = [*SUITE_SETS, "model.path=\"random\"", "train.group_size=2"]
 
 
 def whole_state(policy: Policy) -> dict[str, Any]:

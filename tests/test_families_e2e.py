@@ -51,9 +51,9 @@ def test_a_pipeline_folder_trains_end_to_end_and_its_final_loads_into_diffusers(
         folder = write_pipeline_folder(family, tmp_path / family)
         sizes = {k: v for k, v in SMALL.items() if k != "num_frames" or video}
         small_run = ["train.prompts_per_step=2", "train.group_size=2", "sampler.num_steps=4"]
-    sets = [f'model.path="{folder}"', f'model.family="{family}"', "model.lora_rank=4",
+    sets = [*SUITE_SETS, f'model.path="{folder}"', f'model.family="{family}"', "model.lora_rank=4",
             f"model.max_text_tokens={MAX_TEXT_TOKENS}", *[f"model.{k}={v}" for k, v in sizes.items()],
-            *small_run, *SUITE_SETS]
+            *small_run]
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "digenrl.cli", "launch", "--steps", "3", "--run-dir", str(run_dir),
