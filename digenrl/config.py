@@ -131,7 +131,7 @@ class SamplerConfig:
     base_tail: int = _f(
         0, "the last N denoising steps are taken by the base model (the LoRA adapter off), in "
         "training rollouts and in evaluation alike: the fine detail the untrained last steps draw "
-        "stays the base's instead of drifting (docs/base-model.md). LoRA only; no trained step "
+        "stays the base's instead of drifting (docs/judge.md). LoRA only; no trained step "
         "may fall in the tail", ge=0)
 
 
