@@ -20,6 +20,7 @@ same data. So:
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import subprocess
 import sys
@@ -65,8 +66,17 @@ def _suite_default(monkeypatch: pytest.MonkeyPatch) -> None:
     :data:`SUITE_SETS` applied; a test's own overrides still come after."""
     import digenrl.config as config
 
-    text = config.to_toml(config.load_config(None, SUITE_SETS))
-    monkeypatch.setattr(config, "default_config_text", lambda: text)
+    monkeypatch.setattr(config, "default_config_text", _suite_default_text)
+
+
+@functools.cache
+def _suite_default_text() -> str:
+    """The default config with :data:`SUITE_SETS` as TOML, built once for the whole session
+    (from the repository's copy of the embedded default, which tests/test_config.py checks is
+    the same file: load_config(None) would read the patched text)."""
+    from digenrl.config import load_config, to_toml
+
+    return to_toml(load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml", SUITE_SETS))
 
 
 @pytest.fixture(autouse=True)

@@ -301,6 +301,7 @@ def test_base_tail_takes_the_last_steps_with_the_adapter_off_and_leaves_it_on():
             v = model.velocity(x, rec.sigma, cond)
             x = sde_step("ode", x, v, rec.sigma, rec.sigma_next, noise_level=0.7, eta=0.3,
                          sigma_max=rec.sigma).x_next  # the ODE step uses none of the three
+    # exact on purpose: the same instance, process and inputs run the same float32 ops
     assert torch.equal(x, tail[-1].x_next)
     assert not torch.allclose(tail[-1].x_next, full[-1].x_next)  # the adapter mattered there
     # and the adapter is on again afterwards: the policy's velocity, not the base's
