@@ -139,9 +139,23 @@ def _manifest() -> list[dict]:
     return [d for d in yaml.safe_load_all((ROOT / "ops" / "kubernetes" / "digenrl.yaml").read_text()) if d]
 
 
+@pytest.mark.parametrize("k8s", ["1.30.0", "1.37.0"])
+def test_the_kubernetes_manifest_validates_against_the_kubernetes_schema(k8s: str) -> None:
+    """Every document against Kubernetes' own JSON schema (strict: an unknown or misspelt field
+    fails too), bundled by kubernetes-validate, so offline; an old and the newest release."""
+    import kubernetes_validate
+
+    for d in _manifest():
+        assert kubernetes_validate.validate(d, k8s, strict=True) == k8s[:-2]
+    bad = _manifest()[1]
+    bad["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy"] = 3  # the check can fail
+    with pytest.raises(kubernetes_validate.ValidationError, match="imagePullPolicy"):
+        kubernetes_validate.validate(bad, k8s, strict=True)
+
+
 def test_the_kubernetes_manifest_is_well_formed() -> None:
-    """Checked here by hand (no schema is available offline): kinds and API groups, names,
-    selectors that match their pod templates, and every container command a valid digenrl-node."""
+    """What the schema does not say: kinds and API groups, names, selectors that match their
+    pod templates, and every container command a valid digenrl-node."""
     kinds = {("v1", "Service"), ("apps/v1", "StatefulSet")}
     docs = _manifest()
     assert {(d["apiVersion"], d["kind"]) for d in docs} == kinds
