@@ -12,7 +12,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from digenrl.transport.options import SocketOptions
+from digenrl.transport.options import COPY_BELOW, SocketOptions
 from digenrl.transport.protocol import Chunk, WeightsPart
 from digenrl.transport.sockets import Pull, Push
 from digenrl.transport.staging import DeviceToHost, HostPool, HostToDevice
@@ -20,7 +20,7 @@ from digenrl.transport.weights import WeightAssembly, publish_parts
 
 WAIT = 10.0
 OPTS = SocketOptions(max_frame_bytes=8 << 20, hwm=16)
-N = 32 << 10  # float32 elements: 128 KiB, above pyzmq's 64 KiB zero-copy threshold
+N = COPY_BELOW // 4  # float32 elements: the smallest frame that goes zero-copy
 
 
 @pytest.fixture
@@ -83,6 +83,22 @@ async def test_a_chunk_staged_from_a_device_arrives_bit_identical(link) -> None:
     # exact: bytes copied, never computed on
     assert torch.equal(landed[0], x_t) and torch.equal(landed[1].view(torch.int16),
                                                        x_next.view(torch.int16))
+
+
+async def test_frames_below_the_copy_threshold_are_copied_and_larger_ones_are_not(link) -> None:
+    """Small frames are cheaper copied (options.COPY_BELOW): their send is done at once and
+    the receiver gets its own bytes; from the threshold up the receiver reads the sender's
+    memory (inproc hands over the message itself) until it lets go."""
+    push, pull = link
+    for n, zero_copy in ((N - 1, False), (N, True)):
+        x = torch.arange(n, dtype=torch.float32).reshape(1, n)  # one frame of 4n bytes
+        tracker = await push.send(_chunk(x, x + 1), track=True)
+        assert tracker is not None and tracker.done is not zero_copy
+        _, got = await asyncio.wait_for(pull.recv(), WAIT)
+        assert isinstance(got, Chunk) and torch.equal(got.x_t, x)
+        assert (got.x_t.data_ptr() == x.data_ptr()) is zero_copy
+        del got
+        assert await asyncio.to_thread(tracker.wait, WAIT) is None and tracker.done
 
 
 def test_a_pool_buffer_waits_for_every_fence() -> None:

@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from digenrl.transport.endpoints import Endpoint
 from digenrl.transport.errors import Closed, PeerLost, ProtocolError
-from digenrl.transport.options import LANES, Lane, SocketOptions, SocketSecurity
+from digenrl.transport.options import COPY_BELOW, LANES, Lane, SocketOptions, SocketSecurity
 from digenrl.transport.protocol import Message, decode, encode
 
 log = structlog.get_logger("digenrl.transport")
@@ -35,6 +35,7 @@ log = structlog.get_logger("digenrl.transport")
 # plain ints: pyzmq's enum flags cost ~1 us an operation on the per-message path
 _EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+_MORE = _NOBLOCK | _SNDMORE
 
 
 @dataclass
@@ -86,6 +87,7 @@ class Socket:
         self._sock: zmq.asyncio.Socket = sock  # for options and monitors only (zmq_socket)
         # every send and recv goes through this blocking-API view of the same socket
         self._sync: zmq.Socket[Any] = zmq.Socket.shadow(sock.underlying)
+        self._sync.copy_threshold = COPY_BELOW  # smaller frames are copied: see options.py
         self._loop: asyncio.AbstractEventLoop | None = None
         self._recv_waiters: deque[asyncio.Future[list[zmq.Frame]]] = deque()
         self._send_waiters: deque[tuple[list[Any], bool, asyncio.Future[Any]]] = deque()
@@ -340,7 +342,8 @@ class Socket:
 
     async def send(self, msg: Message, *, to: bytes | None = None,
                    track: bool = False) -> zmq.MessageTracker | None:
-        """Send ``msg``; tensor frames go zero-copy: do not modify them in place until sent.
+        """Send ``msg``; tensor frames of ``COPY_BELOW`` bytes and more go zero-copy (smaller
+        ones are copied now): do not modify the tensors in place until sent.
 
         With ``track=True`` the result is a ``zmq.MessageTracker`` whose ``done`` says when
         ZeroMQ has let go of the tensors' memory (a pooled buffer may be reused then; see
@@ -395,16 +398,22 @@ class Socket:
 
 def send_multipart(sock: zmq.Socket[Any], frames: list[Any],
                     track: bool) -> zmq.MessageTracker | None:
-    """Send ``frames`` zero-copy without blocking (zmq.Again if ZeroMQ cannot take the first).
+    """Send ``frames`` without blocking (zmq.Again if ZeroMQ cannot take the first); frames
+    of :data:`~digenrl.transport.options.COPY_BELOW` bytes and more go zero-copy.
 
-    With ``track``, one tracker over *every* frame: pyzmq's ``send_multipart`` returns the
-    last frame's only, which for a chunk is the 4-byte log-prob, copied and done at once.
+    Frame by frame with int flags: pyzmq's ``send_multipart`` ORs enum flags per frame
+    (~3 us each). Once ZeroMQ took the first frame it takes the rest (a multipart message is
+    atomic). With ``track``, one tracker over *every* zero-copy frame: pyzmq's
+    ``send_multipart`` returns the last frame's only, which for a chunk is the 4-byte
+    log-prob, copied and done at once.
     """
-    if not track:
-        sock.send_multipart(frames, flags=_NOBLOCK, copy=False)
-        return None
     last = len(frames) - 1
-    trackers = [sock.send(f, _NOBLOCK | (_SNDMORE if i < last else 0), copy=False, track=True)
+    send = sock.send
+    if not track:
+        for i, f in enumerate(frames):
+            send(f, _MORE if i < last else _NOBLOCK, copy=False)
+        return None
+    trackers = [send(f, _MORE if i < last else _NOBLOCK, copy=False, track=True)
                 for i, f in enumerate(frames)]
     return zmq.MessageTracker(*(t for t in trackers if t is not None and not t.done))
 

@@ -3,7 +3,8 @@
     rollout:  sampler stream --(wait_stream)--> copy stream: device-to-host into a pooled
               pinned buffer, event recorded --> event loop: ``await staged.wait_ready()``,
               ``Push.send(..., track=True)`` zero-copy --> ``staged.release(tracker)``: the
-              buffer is reused only once ZeroMQ has let go of it (``tracker.done``).
+              buffer is reused only once ZeroMQ has let go of it (``tracker.done``; at
+              once for frames under ``options.COPY_BELOW``, which ZeroMQ copies).
     trainer:  received frames --memcpy--> pooled pinned buffer --copy stream: host-to-device,
               event recorded--> ``landed.wait()`` on the training thread: its stream waits on
               the event (a GPU-side wait; the host never blocks); the pinned buffer is reused
