@@ -263,10 +263,14 @@ class Proc:
                                   stdout=subprocess.PIPE, env=env, text=True)
 
     def read(self, timeout: float = 600.0) -> dict[str, Any]:
-        line = self.p.stdout.readline() if self.p.stdout else ""
-        if not line:
-            raise RuntimeError(f"worker on {self.node.addr} exited with {self.p.wait(timeout)}")
-        return json.loads(line)
+        while True:
+            line = self.p.stdout.readline() if self.p.stdout else ""
+            if not line:
+                raise RuntimeError(f"worker on {self.node.addr} exited with {self.p.wait(timeout)}")
+            if line.startswith("{"):
+                return json.loads(line)
+            # a log line of the runtime's own (structlog prints to stdout): pass it on
+            print(f"# {self.node.addr}: {line.rstrip()}", file=sys.stderr, flush=True)
 
     def send(self, **kw: Any) -> None:
         assert self.p.stdin is not None
