@@ -84,8 +84,8 @@ any_message = st.sampled_from(sorted(message_types().items())).flatmap(lambda kv
 def test_the_message_set_is_registered() -> None:
     assert set(message_types()) == {
         "hello", "welcome", "heartbeat", "assign", "chunk", "clean_sample", "commit", "consumed",
-        "version_announce", "weights_request", "weights_part", "weights_missing", "weights_route",
-        "weights_held", "step_done",
+        "version_announce", "weights_request", "weights_part", "weights_missing", "weights_pending",
+        "weights_route", "weights_held", "step_done",
         "tag_offer", "revoke", "shutdown", "score", "scored"}
 
 
@@ -139,11 +139,11 @@ def test_encode_rejects_unsupported_dtypes_and_wrong_types() -> None:
 
 
 def test_a_different_protocol_version_is_refused_with_a_clear_message() -> None:
-    header = msgpack.packb({"t": "revoke", "v": 7, "task_id": 1, "reason": "x", "_tensors": []})
+    header = msgpack.packb({"t": "revoke", "v": 99, "task_id": 1, "reason": "x", "_tensors": []})
     with pytest.raises(VersionMismatch) as err:
         decode([header], max_frame_bytes=LIMIT)
-    assert str(err.value) == f"peer speaks protocol version 7, this node speaks {PROTOCOL_VERSION}"
-    assert err.value.peer_version == 7 and isinstance(err.value, ProtocolError)
+    assert str(err.value) == f"peer speaks protocol version 99, this node speaks {PROTOCOL_VERSION}"
+    assert err.value.peer_version == 99 and isinstance(err.value, ProtocolError)
 
 
 def test_a_shutdown_reads_in_any_protocol_version_and_nothing_else_does() -> None:
@@ -321,4 +321,4 @@ def test_weights_part_with_slashes_in_names_and_messages_equal_is_strict() -> No
     assert isinstance(got, WeightsPart) and tensor_checksum(got.tensors) == part.checksum
     assert not messages_equal(Shutdown(reason="a"), Shutdown(reason="b"))
     assert not messages_equal(_chunk(), _chunk(x_t=torch.zeros(2, 3, 4)))
-    assert protocol.PROTOCOL_VERSION == 6
+    assert protocol.PROTOCOL_VERSION == 7

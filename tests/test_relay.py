@@ -208,6 +208,45 @@ async def test_an_upstream_silent_for_the_liveness_timeout_is_bypassed_for_rank_
     assert all(torch.equal(held[k], sd[k]) for k in sd) and c.peers[0].relay_fallbacks == 1
 
 
+def _landing_upstream(c: _Cluster, ann: VersionAnnounce, sd: dict[str, torch.Tensor]) -> tuple[Any, list[Any]]:
+    """Rollout 0 as a relay still receiving ``ann`` (its parts land when the test says) and
+    rollout 1 fetching from it."""
+    parts, _ = publish_parts(sd, part_bytes=300_000)  # the same split rank 0 published
+    asm = WeightAssembly(ann.version, ann.nparts, ann.checksum)
+    c.peers[0].store.begin(asm)
+    c.peers[1].on_route(WeightsRoute(upstream=c.relay_eps[0], upstream_node="rollout-0"))
+    return asm, parts
+
+
+async def test_a_rollout_deep_in_a_chain_waits_for_parts_still_on_their_way(cluster: Any) -> None:
+    """The upstream holds nothing for six liveness timeouts (as a relay 16 hops down a slow
+    link does) but says WeightsPending meanwhile: the rollout waits instead of bypassing."""
+    c = cluster(2, heartbeat_s=0.05, heartbeat_misses=2)  # silent after 0.1 s
+    ann, sd = c.publish(1)
+    asm, parts = _landing_upstream(c, ann, sd)
+    fetch = asyncio.ensure_future(c.peers[1]._fetch(c.actors[1], ann, "weight_prefetch"))
+    await asyncio.sleep(0.6)
+    assert not fetch.done()
+    for i, (tensors, checksum) in enumerate(parts):
+        asm.add(i, tensors, checksum)
+        c.peers[0].store.landed()
+        await asyncio.sleep(0.05)
+    held = await asyncio.wait_for(fetch, WAIT)
+    assert all(torch.equal(held[k], sd[k]) for k in sd)
+    assert c.peers[1].relay_fallbacks == 0 and c.rank0.statistics().bytes_sent == 0
+
+
+async def test_an_upstream_that_only_ever_says_pending_is_bypassed_for_rank_0(cluster: Any) -> None:
+    from digenrl.actors.peers import STALL_SILENCES
+    c = cluster(2, heartbeat_s=0.05, heartbeat_misses=2)
+    ann, sd = c.publish(1)
+    _landing_upstream(c, ann, sd)  # whose parts never land
+    t0 = asyncio.get_running_loop().time()
+    held = await asyncio.wait_for(c.peers[1]._fetch(c.actors[1], ann, "weight_prefetch"), WAIT)
+    assert all(torch.equal(held[k], sd[k]) for k in sd) and c.peers[1].relay_fallbacks == 1
+    assert asyncio.get_running_loop().time() - t0 >= STALL_SILENCES * 0.1  # it waited the stall limit
+
+
 async def test_a_version_the_upstream_moved_past_ends_the_fetch_as_superseded(cluster: Any) -> None:
     c = cluster(2)
     c.chain()

@@ -175,14 +175,14 @@ async def test_a_peer_speaking_another_version_is_refused_with_a_clear_shutdown(
     router = make(Router)
     raw = _raw(ctx, zmq.DEALER, router.bind("tcp://127.0.0.1:*"))
     try:
-        await raw.send_multipart([msgpack.packb({"t": "hello", "v": 7, "_tensors": []})])
+        await raw.send_multipart([msgpack.packb({"t": "hello", "v": 99, "_tensors": []})])
         await raw.send_multipart(encode(Shutdown(reason="after")))
-        _, got = await asyncio.wait_for(router.recv(), WAIT)  # the v7 one was dropped first
+        _, got = await asyncio.wait_for(router.recv(), WAIT)  # the v99 one was dropped first
         reply = decode(await asyncio.wait_for(raw.recv_multipart(), WAIT), max_frame_bytes=1 << 20)
     finally:
         raw.close(linger=0)
     assert got == Shutdown(reason="after")
-    assert reply == Shutdown(reason="protocol version mismatch: peer speaks protocol version 7, "
+    assert reply == Shutdown(reason="protocol version mismatch: peer speaks protocol version 99, "
                                     f"this node speaks {PROTOCOL_VERSION}")
     assert router.statistics().bad_by_reason == {"version": 1}
 

@@ -14,7 +14,11 @@ keeping ``WEIGHTS_WINDOW`` part requests in flight, and serves every part it has
 its own downstream as the part lands. A route change mid-fetch re-asks the parts in flight
 from the new upstream (parts already verified are kept); an upstream silent for the
 liveness timeout (``heartbeat_s x heartbeat_misses``) is bypassed for rank 0 for the rest
-of that version; ``WeightsMissing`` (the upstream moved on to a newer version) ends the
+of that version. Liveness is per hop: an upstream still receiving a part says so with
+``WeightsPending`` every ``heartbeat_s``, so a rollout deep in a chain waits for parts that
+are on their way instead of bypassing (its upstream's own timeout guards the hop above); an
+upstream that keeps saying so while no part lands for ``STALL_SILENCES`` timeouts is
+bypassed too; ``WeightsMissing`` (the upstream moved on to a newer version) ends the
 fetch, and the node fetches the newest announced version instead.
 
 The actor <-> peers contract, both ways typed:
@@ -69,6 +73,7 @@ from digenrl.transport.protocol import (
     WeightsHeld,
     WeightsMissing,
     WeightsPart,
+    WeightsPending,
     WeightsRequest,
     WeightsRoute,
 )
@@ -78,6 +83,9 @@ from digenrl.transport.weights import WeightAssembly, WeightStore, serve_weights
 
 _EMPTY_IMAGES = torch.zeros(0, dtype=torch.uint8)
 WEIGHTS_WINDOW = 2
+STALL_SILENCES = 12
+"""An upstream that answers only ``WeightsPending`` for this many liveness timeouts in a row
+(no part landing) is bypassed like a silent one: alive is not enough, it must deliver."""
 """Part requests a fetch keeps in flight: one landing while the next is on the wire."""
 
 
@@ -172,6 +180,13 @@ class NodePeers:
         self._rerouted = asyncio.Event()
         self.relay_fallbacks = 0  # fetches that bypassed a silent upstream for rank 0
         self._superseded = -1  # newest version the upstream said it will never hold
+
+    @property
+    def keepalive_s(self) -> float:
+        """How often this node's weights ROUTER tells a requester its part is still on its
+        way: every heartbeat, and at least twice per liveness timeout."""
+        rt = self.cfg.runtime
+        return rt.heartbeat_s * rt.heartbeat_misses / max(2, rt.heartbeat_misses)
 
     # ------------------------------------------------------------------ heartbeats
     def heartbeat_loop(self, actor: PeerActor) -> Loop:
@@ -322,7 +337,8 @@ class NodePeers:
         """The background loop serving this node's held versions on its weights ROUTER."""
         async def relay() -> None:
             if self.relay is not None:
-                await serve_weights(self.relay, self.store, actor.unexpected)
+                await serve_weights(self.relay, self.store, actor.unexpected,
+                                    keepalive_s=self.keepalive_s)
         return relay
 
     async def _fetch(self, actor: PeerActor, ann: VersionAnnounce, span: str) -> dict[str, torch.Tensor]:
@@ -346,6 +362,7 @@ class NodePeers:
         silent_s = rt.heartbeat_s * rt.heartbeat_misses
         in_flight: set[int] = set()
         bypass = False  # the upstream went silent: rank 0 serves the rest of this version
+        delivered_at = time.monotonic()  # the last part landed (or the fetch began)
         while missing := asm.missing():
             sock = self.weights if bypass or self._upstream is None else self._upstream
             if sock is None:
@@ -372,6 +389,16 @@ class NodePeers:
             msg = exchange.result()
             if self._rerouted.is_set():  # answered just as the route changed: keep the part,
                 in_flight.clear()        # and ask the new upstream for the rest
+            if isinstance(msg, WeightsPending) and msg.version == asm.version:
+                # alive and still receiving: wait on, unless it has delivered nothing for long
+                stalled = time.monotonic() - delivered_at
+                if stalled > STALL_SILENCES * silent_s and sock is not self.weights:
+                    bypass, in_flight = True, set()
+                    self.relay_fallbacks += 1
+                    actor.log.warning("weights upstream stalled; fetching from trainer rank 0",
+                                      version=asm.version, upstream=self.upstream_endpoint,
+                                      stalled_s=round(stalled, 1), landed_there=msg.landed)
+                continue
             if isinstance(msg, WeightsMissing) and msg.version == asm.version:
                 raise WeightsSuperseded(asm.version, msg.newest)
             if not isinstance(msg, WeightsPart | WeightsMissing):
@@ -383,6 +410,7 @@ class NodePeers:
                 if msg.part not in asm.parts:  # the same part twice (asked again): once is enough
                     await asyncio.to_thread(asm.add, msg.part, dict(msg.tensors), msg.checksum)
                     self.store.landed()
+                    delivered_at = time.monotonic()
 
     @staticmethod
     async def _exchange(sock: Socket, version: int, due: list[int], in_flight: set[int]) -> Any:

@@ -301,7 +301,8 @@ class TrainerActor(Actor):
         """Rank 0 serves the published versions (the first rollout of the relay, or all of
         them with runtime.weights_fanout = 0); a version no longer kept is answered missing."""
         assert self.peers.weights is not None
-        await serve_weights(self.peers.weights, self.peers.store, self.unexpected)
+        await serve_weights(self.peers.weights, self.peers.store, self.unexpected,
+                            keepalive_s=self.peers.keepalive_s)
 
     # ---------------------------------------------------------------- training
     async def _consume(self, commit: Commit) -> None:

@@ -39,7 +39,9 @@ from digenrl.transport.frames import as_buffer, frame_to_tensor, tensor_to_frame
 # Commit.discard names a fragment discarded untrained (a reward worker's failure).
 # 6: CleanSample (forward-process fragments: final latents instead of per-step chunks) and
 # Consumed.policy_version (the trained trajectories' generating version, for the ledger).
-PROTOCOL_VERSION = 6
+# 7: WeightsPending (a relay tells a requester the part is still on its way: hop-by-hop
+# liveness, so a deep chain is not mistaken for a silent upstream).
+PROTOCOL_VERSION = 7
 
 FROZEN_TAGS = frozenset({"shutdown"})
 """Messages whose layout never changes (``{"t": "shutdown", "v": N, "reason": str,

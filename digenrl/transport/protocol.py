@@ -19,7 +19,9 @@ any message it has no branch for: ``Actor.unexpected``)::
     coordinator -> rollouts (PUB -> SUB)             VersionAnnounce, Shutdown
     rollout/TAG trainer -> trainer rank (PUSH->PULL) Chunk, Commit
     rollout -> its weights upstream (DEALER->ROUTER) WeightsRequest; answered by WeightsPart or
-                                                     WeightsMissing. The upstream is trainer
+                                                     WeightsMissing, and by WeightsPending now
+                                                     and then while the part is still on its
+                                                     way to the upstream. The upstream is trainer
                                                      rank 0 or, relaying, another rollout
                                                      (core/relay.py; coordinator: WeightsRoute)
     coordinator -> rollout (ROUTER -> DEALER)        WeightsRoute (where to fetch from)
@@ -63,7 +65,7 @@ __all__ = [
     "PROTOCOL_VERSION", "Assign", "Chunk", "CleanSample", "Commit", "Consumed", "Heartbeat", "Hello",
     "JSONDict", "Message", "NodeState", "ProtocolError", "Revoke", "Role", "Score", "Scored", "Shutdown",
     "StepDone", "TagOffer", "VersionAnnounce", "VersionMismatch", "WeightsHeld", "WeightsMissing",
-    "WeightsPart", "WeightsRequest", "WeightsRoute", "Welcome", "decode", "encode", "message", "message_types",
+    "WeightsPart", "WeightsPending", "WeightsRequest", "WeightsRoute", "Welcome", "decode", "encode", "message", "message_types",
     "messages_equal", "tensor_checksum",
 ]
 
@@ -250,6 +252,17 @@ class WeightsMissing(Message):
     version: int
     part: int
     newest: int  # the newest version the server holds or is fetching (-1: none)
+
+
+@message("weights_pending")
+class WeightsPending(Message):
+    """The upstream is alive and still receiving this part (a relay deep in a chain): sent
+    every keep-alive interval while a request waits, so the requester's silence timeout
+    measures this hop, not the whole chain above it."""
+
+    version: int
+    part: int
+    landed: int  # parts of the version the upstream holds verified so far
 
 
 @message("weights_route")

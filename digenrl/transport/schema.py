@@ -245,6 +245,8 @@ RULES: dict[str, dict[str, Rule]] = {
                      "checksum": (_text(128), "a short checksum")},
     "weights_missing": {"version": _NONNEG, "part": (_small(1 << 20), "a part index"),
                         "newest": ((lambda v: -1 <= v < I62), "a version >= -1 (-1: none)")},
+    "weights_pending": {"version": _NONNEG, "part": (_small(1 << 20), "a part index"),
+                        "landed": (_small(1 << 20), "a part count")},
     "weights_route": {"upstream": _TEXT, "upstream_node": (_text(MAX_NAME), "a node id or ''")},
     "weights_held": {"node_id": _NAME, "version": _NONNEG},
     "step_done": {"step": _NONNEG, "version": _NONNEG, "metrics": _NUMBERS},

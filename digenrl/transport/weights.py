@@ -9,8 +9,8 @@ Serving (:func:`serve_weights`, a ROUTER answering ``WeightsRequest``) works fro
 :class:`WeightStore`: trainer rank 0 publishes complete versions into it, and a rollout
 puts in the version it is fetching, so it can serve each part to the rollouts downstream of
 it the moment that part has landed and been verified (the pipelined relay; who serves whom
-is :mod:`digenrl.core.relay`). A request for a part that has not landed yet waits for it; a
-request for a version the server will never hold (superseded: it moved to a newer one, or
+is :mod:`digenrl.core.relay`). A request for a part that has not landed yet waits for it
+(the requester hears ``WeightsPending`` every keep-alive interval meanwhile); a request for a version the server will never hold (superseded: it moved to a newer one, or
 dropped) is answered with ``WeightsMissing``.
 """
 
@@ -25,7 +25,13 @@ from typing import Any
 import torch
 
 from digenrl.transport.errors import Closed, PeerLost
-from digenrl.transport.protocol import WeightsMissing, WeightsPart, WeightsRequest, tensor_checksum
+from digenrl.transport.protocol import (
+    WeightsMissing,
+    WeightsPart,
+    WeightsPending,
+    WeightsRequest,
+    tensor_checksum,
+)
 
 PART_BYTES = 4 << 20
 
@@ -160,20 +166,36 @@ make it hold unbounded state)."""
 
 
 async def serve_weights(router: Any, store: WeightStore,
-                        unexpected: Callable[[str, object], None] | None = None) -> None:
+                        unexpected: Callable[[str, object], None] | None = None,
+                        keepalive_s: float | None = None) -> None:
     """Answer ``WeightsRequest`` on ``router`` from ``store`` until cancelled; each request
-    waits for its part on its own, so one not yet landed never holds the others up."""
+    waits for its part on its own, so one not yet landed never holds the others up. While a
+    request waits, a ``WeightsPending`` goes to its peer every ``keepalive_s`` (None: never),
+    so a requester deep in a relay chain hears that this hop is alive and still receiving."""
     waiting: set[asyncio.Task[None]] = set()
 
+    async def send(peer: bytes, reply: Any) -> None:
+        with contextlib.suppress(PeerLost, Closed):  # it left (or we are closing): nobody to tell
+            await router.send(reply, to=peer)
+
     async def answer(peer: bytes, req: WeightsRequest) -> None:
-        asm = None if len(waiting) > MAX_WAITING_REQUESTS else await store.part(req.version, req.part)
+        asm = None
+        if len(waiting) <= MAX_WAITING_REQUESTS:
+            landing = asyncio.ensure_future(store.part(req.version, req.part))
+            try:
+                while not (await asyncio.wait({landing}, timeout=keepalive_s))[0]:
+                    held = store.get(req.version)
+                    await send(peer, WeightsPending(version=req.version, part=req.part,
+                                                    landed=0 if held is None else len(held.parts)))
+            finally:
+                landing.cancel()
+            asm = landing.result()
         if asm is None:
             reply: Any = WeightsMissing(version=req.version, part=req.part, newest=store.newest)
         else:
             reply = WeightsPart(version=req.version, part=req.part, nparts=asm.nparts,
                                 checksum=asm.sums[req.part], tensors=asm.parts[req.part])
-        with contextlib.suppress(PeerLost, Closed):  # it left (or we are closing): nobody to tell
-            await router.send(reply, to=peer)
+        await send(peer, reply)
 
     try:
         while True:
