@@ -1,6 +1,7 @@
 """Transport benchmark: the project's codec + sockets against raw pyzmq, side by side in one run.
 
     .venv/bin/python bench/transport.py [--repeats 5] [--quick] [--json]
+    .venv/bin/python bench/transport.py --sweep [--repeats 5] [--json]
 
 Every figure is the median of interleaved repeats (codec and raw measured back to back,
 alternating which goes first); a ratio is the median of the per-repeat ratios.
@@ -10,7 +11,7 @@ alternating which goes first); a ratio is the median of the per-repeat ratios.
    *codec* = ``Push.send(Chunk)`` (encode) -> ``Pull.recv()`` (decode to tensors) under uvloop;
    *raw* = the same frames through blocking pyzmq ``send_multipart(copy=False)`` /
    ``recv_multipart(copy=False)``; *raw_copy* = raw with the codec's copy threshold
-   (frames under 512 KiB copied into libzmq, ``transport/options.py: COPY_BELOW``), so the
+   (frames under 256 KiB copied into libzmq, ``transport/options.py: COPY_BELOW``), so the
    codec's own tuning is not what beats raw (``goodput_ratio_best_raw_*``: codec over the
    better raw). Goodput counts tensor bytes, first message to last.
 2. Round trip of a ``Heartbeat``: ``Dealer`` -> ``Router`` echo (another process) -> back,
@@ -29,6 +30,10 @@ libzmq's I/O threads included, ``time.process_time``): on a host shared with oth
 wall clock mostly measures the scheduler, while the CPU a message costs is what decides the
 wall-clock ratios once the machine is quiet (``cpu_ratio_*``: raw over codec CPU per chunk;
 ``heartbeat_cpu_ratio``: codec over raw CPU per round trip).
+
+``--sweep`` measures only raw pyzmq with every frame copied against zero-copy at chunk sizes
+64 KiB to 2 MiB (key ``copy_sweep``): where copying stops paying, i.e. the codec's copy
+threshold.
 
 ``--json`` prints one JSON object instead of tables (keys: ``goodput_ratio_64k``,
 ``goodput_ratio_1m``, ``goodput_ratio_16m``, ``heartbeat_rtt_ratio``,
@@ -103,12 +108,17 @@ def _peer(conn: Connection) -> None:
         conn.send("finished")
 
 
+RAW_THRESHOLDS = {"raw": None, "raw_copy": COPY_BELOW, "raw_copy_all": (1 << 31) - 1}
+"""Raw pyzmq's modes by copy threshold: pyzmq's default (frames under 64 KiB copied), the
+codec's (options.COPY_BELOW), and every frame copied (``--sweep``'s other side)."""
+
+
 def _send(conn: Connection, mode: str, endpoint: str, nbytes: int, count: int) -> None:
-    if mode in ("raw", "raw_copy"):
+    if mode in RAW_THRESHOLDS:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PUSH)
-        if mode == "raw_copy":  # the codec's copy threshold (options.COPY_BELOW)
-            sock.copy_threshold = COPY_BELOW
+        if RAW_THRESHOLDS[mode] is not None:
+            sock.copy_threshold = RAW_THRESHOLDS[mode]
         sock.setsockopt(zmq.SNDHWM, OPTS.hwm)
         sock.connect(endpoint)
         frames = encode(_chunk(nbytes))
@@ -214,7 +224,7 @@ def goodput(peer: Connection, mode: str, nbytes: int, count: int) -> tuple[float
     processes spent per message (microseconds, libzmq's I/O threads included)."""
     total = count + WARMUP
     endpoint = _free_tcp()
-    if mode in ("raw", "raw_copy"):
+    if mode in RAW_THRESHOLDS:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.RCVHWM, OPTS.hwm)
@@ -468,6 +478,37 @@ def _staged_once(mode: str, dev: torch.device, src: list[torch.Tensor], count: i
         ctx.term()
 
 
+# ------------------------------------------------------------------ the copy threshold
+
+
+SWEEP = {"64k": (64 << 10, 3000), "128k": (128 << 10, 2000), "256k": (256 << 10, 1200),
+         "512k": (512 << 10, 800), "1m": (1 << 20, 400), "2m": (2 << 20, 200)}
+
+
+def copy_sweep(peer: Connection, repeats: int, scale: float) -> dict[str, Any]:
+    """Raw pyzmq with every frame copied into libzmq against zero-copy, per chunk size,
+    interleaved: the evidence for ``transport/options.py: COPY_BELOW``. Both send the same
+    frames (a 2-tensor Chunk's) over PUSH/PULL tcp loopback; zero-copy here is pyzmq's
+    default (frames under its own 64 KiB threshold are still copied)."""
+    cells: dict[str, dict[str, list[float]]] = {}
+    for rep in range(repeats):
+        order = ("raw", "raw_copy_all") if rep % 2 == 0 else ("raw_copy_all", "raw")
+        for key, (nbytes, count) in SWEEP.items():
+            cell = cells.setdefault(key, {})
+            for m in order:
+                rate, cpu = goodput(peer, m, nbytes, max(8, int(count * scale)))
+                cell.setdefault(f"{m}_MBps", []).append(rate / 1e6)
+                cell.setdefault(f"{m}_cpu_us", []).append(cpu)
+    out = {}
+    for key, cell in cells.items():
+        med = {k: statistics.median(v) for k, v in cell.items()}
+        out[key] = {"zero_copy_MBps": med["raw_MBps"], "copy_MBps": med["raw_copy_all_MBps"],
+                    "cpu_us_per_msg_zero_copy": med["raw_cpu_us"],
+                    "cpu_us_per_msg_copy": med["raw_copy_all_cpu_us"],
+                    "copy_over_zero_copy_cpu": med["raw_copy_all_cpu_us"] / med["raw_cpu_us"]}
+    return out
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -476,6 +517,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per cell (median)")
     ap.add_argument("--quick", action="store_true", help="fewer messages (smoke test)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    ap.add_argument("--sweep", action="store_true",
+                    help="only raw copy against raw zero-copy per chunk size, 64 KiB-2 MiB "
+                         "(the copy threshold's evidence)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     scale = 0.1 if args.quick else 1.0
@@ -486,6 +530,26 @@ def main() -> None:
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(target=_peer, args=(child,), daemon=True)
     proc.start()
+    if args.sweep:
+        try:
+            out["copy_sweep"] = copy_sweep(parent, args.repeats, scale)
+        finally:
+            parent.send(None)
+            proc.join(timeout=30)
+        out["load_avg_1m"] = [load_before[0], os.getloadavg()[0]]
+        if args.json:
+            print(json.dumps(out, indent=1, sort_keys=True))
+            return
+        print(f"# copy threshold sweep, raw pyzmq, medians of {args.repeats} interleaved repeats, "
+              f"load {out['load_avg_1m'][0]:.1f} -> {out['load_avg_1m'][1]:.1f}; "
+              f"COPY_BELOW = {COPY_BELOW >> 10} KiB")
+        print("\n| tensor size | zero-copy MB/s | copy MB/s | CPU us/msg zero-copy | copy | copy/zero-copy CPU |")
+        print("|---|---|---|---|---|---|")
+        for key, c in out["copy_sweep"].items():
+            print(f"| {key} | {c['zero_copy_MBps']:,.0f} | {c['copy_MBps']:,.0f} | "
+                  f"{c['cpu_us_per_msg_zero_copy']:.0f} | {c['cpu_us_per_msg_copy']:.0f} | "
+                  f"{c['copy_over_zero_copy_cpu']:.2f} |")
+        return
     try:
         rates: dict[tuple[str, str], list[float]] = {}
         cpus: dict[tuple[str, str], list[float]] = {}

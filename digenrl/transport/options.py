@@ -28,13 +28,14 @@ Transport): a heartbeat's round trip under a 16 MiB chunk stream was 7.6-11x its
 with one I/O thread for both, 1.03-1.39x with one per lane."""
 
 
-COPY_BELOW = 512 << 10
+COPY_BELOW = 256 << 10
 """Frames smaller than this are copied into libzmq at send, larger ones go zero-copy (pyzmq's
 ``copy_threshold``, 64 KiB by default). A zero-copy send costs pyzmq a ``Frame``, a tracking
 entry and, when libzmq lets go, a release message to its garbage-collector thread; below
-this size a memcpy is cheaper. Sender CPU per 2-frame chunk on the 2-core machine
-(docs/benchmarks.md, Transport), zero-copy against copy: 64 KiB 78 vs 64 us, 256 KiB 179 vs
-134, 512 KiB 264 vs 258, 1 MiB 353 vs 469."""
+this size a memcpy is cheaper. CPU per 2-frame chunk, both processes, raw pyzmq with every
+frame copied over zero-copy (``bench/transport.py --sweep``, two runs, docs/benchmarks.md,
+Transport): 64 KiB 0.77-0.92, 128 KiB 0.89-0.99, 256 KiB 1.07-1.08, 512 KiB 1.46-1.54,
+1-2 MiB 1.48-1.8: copying pays below 256 KiB and costs above it."""
 
 
 def node_context() -> zmq.asyncio.Context:
