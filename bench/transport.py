@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/transport.py [--repeats 5] [--quick] [--json]
     .venv/bin/python bench/transport.py --sweep [--repeats 5] [--json]
+    .venv/bin/python bench/transport.py --split [--repeats 5] [--json]
 
 Every figure is the median of interleaved repeats (codec and raw measured back to back,
 alternating which goes first); a ratio is the median of the per-repeat ratios.
@@ -34,6 +35,9 @@ wall-clock ratios once the machine is quiet (``cpu_ratio_*``: raw over codec CPU
 ``--sweep`` measures only raw pyzmq with every frame copied against zero-copy at chunk sizes
 64 KiB to 2 MiB (key ``copy_sweep``): where copying stops paying, i.e. the codec's copy
 threshold.
+
+``--split`` measures only goodput of a raw or codec sender into a raw or codec receiver
+(all four pairings, 64 KiB and 1 MiB, key ``split``): which end the codec's cost sits on.
 
 ``--json`` prints one JSON object instead of tables (keys: ``goodput_ratio_64k``,
 ``goodput_ratio_1m``, ``goodput_ratio_16m``, ``heartbeat_rtt_ratio``,
@@ -219,12 +223,14 @@ def _free_tcp() -> str:
     return ep
 
 
-def goodput(peer: Connection, mode: str, nbytes: int, count: int) -> tuple[float, float]:
+def goodput(peer: Connection, mode: str, nbytes: int, count: int,
+            receiver: str | None = None) -> tuple[float, float]:
     """Payload bytes per second received (x_t + x_next + log_prob), and the CPU time both
-    processes spent per message (microseconds, libzmq's I/O threads included)."""
+    processes spent per message (microseconds, libzmq's I/O threads included). ``mode`` is
+    the sender's; the receiver is the same kind (raw or codec) unless ``receiver`` says."""
     total = count + WARMUP
     endpoint = _free_tcp()
-    if mode in RAW_THRESHOLDS:
+    if (receiver or mode) in RAW_THRESHOLDS:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.RCVHWM, OPTS.hwm)
@@ -509,6 +515,28 @@ def copy_sweep(peer: Connection, repeats: int, scale: float) -> dict[str, Any]:
     return out
 
 
+def split_ends(peer: Connection, repeats: int, scale: float) -> dict[str, Any]:
+    """Which end the codec's cost sits on: goodput of every pairing of a raw and a codec
+    sender with a raw and a codec receiver, per size, interleaved (``--split``)."""
+    pairs = {"raw_to_raw": ("raw", "raw"), "codec_to_raw": ("codec", "raw"),
+             "raw_to_codec": ("raw", "codec"), "codec_to_codec": ("codec", "codec")}
+    sizes = {k: SIZES[k] for k in ("64k", "1m")}
+    rates: dict[tuple[str, str], list[float]] = {}
+    for rep in range(repeats):
+        names = list(pairs) if rep % 2 == 0 else list(pairs)[::-1]
+        for key, (nbytes, count) in sizes.items():
+            for name in names:
+                sender, receiver = pairs[name]
+                rate, _ = goodput(peer, sender, nbytes, max(8, int(count * scale)), receiver=receiver)
+                rates.setdefault((key, name), []).append(rate / 1e6)
+    out: dict[str, Any] = {}
+    for key in sizes:
+        med = {name: statistics.median(rates[key, name]) for name in pairs}
+        out[key] = {**{f"{n}_MBps": v for n, v in med.items()},
+                    **{f"{n}_over_raw": v / med["raw_to_raw"] for n, v in med.items() if n != "raw_to_raw"}}
+    return out
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -520,6 +548,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true",
                     help="only raw copy against raw zero-copy per chunk size, 64 KiB-2 MiB "
                          "(the copy threshold's evidence)")
+    ap.add_argument("--split", action="store_true",
+                    help="only goodput of raw/codec senders against raw/codec receivers, 64 KiB "
+                         "and 1 MiB (which end the codec's cost sits on)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     scale = 0.1 if args.quick else 1.0
@@ -530,6 +561,24 @@ def main() -> None:
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(target=_peer, args=(child,), daemon=True)
     proc.start()
+    if args.split:
+        try:
+            out["split"] = split_ends(parent, args.repeats, scale)
+        finally:
+            parent.send(None)
+            proc.join(timeout=30)
+        out["load_avg_1m"] = [load_before[0], os.getloadavg()[0]]
+        if args.json:
+            print(json.dumps(out, indent=1, sort_keys=True))
+            return
+        print(f"# sender/receiver split, medians of {args.repeats} interleaved repeats, load "
+              f"{out['load_avg_1m'][0]:.1f} -> {out['load_avg_1m'][1]:.1f}")
+        print("\n| size | raw -> raw MB/s | codec -> raw | raw -> codec | codec -> codec |")
+        print("|---|---|---|---|---|")
+        for key, c in out["split"].items():
+            print(f"| {key} | {c['raw_to_raw_MBps']:,.0f} | {c['codec_to_raw_over_raw']:.2f} | "
+                  f"{c['raw_to_codec_over_raw']:.2f} | {c['codec_to_codec_over_raw']:.2f} |")
+        return
     if args.sweep:
         try:
             out["copy_sweep"] = copy_sweep(parent, args.repeats, scale)
