@@ -7,7 +7,9 @@
    its own shard); rank 0 commits it as the coordinator would and writes ``reference.pt``:
    the whole weights and optimizer state, gathered after the save, by parameter name.
 2. All three ranks (a new group of three): a fresh sharded policy loads the checkpoint (it
-   resharded over three); rank 0 writes ``loaded-3.pt`` the same way.
+   resharded over three); rank 0 writes ``loaded-3.pt`` the same way. Then they gather the
+   weights as a publish does (only rank 0 keeps them): ``kept-3.pt``, and ranks 1 and 2 write
+   how many tensors they kept (``kept-by-rank-R.txt``: none).
 3. Rank 0 alone, no process group: an unsharded float32 policy and an unsharded bfloat16
    one (float32 masters) load it; ``loaded-1.pt`` and ``loaded-1-bf16.pt``.
 
@@ -79,8 +81,13 @@ def main() -> None:
     policy = build_policy(load_config(None, [*CFG, "model.fsdp=true"]), world_size=3)
     load_trainer_state(ckpt, policy)
     got = whole_state(policy)
+    # what a publish does: every rank joins the gathers, only rank 0 keeps the whole set
+    kept = policy.state_dict_for_sync(keep=rank == 0)
     if rank == 0:
         torch.save(got, run_dir / "loaded-3.pt")
+        torch.save(kept, run_dir / "kept-3.pt")
+    else:
+        (run_dir / f"kept-by-rank-{rank}.txt").write_text(str(len(kept)))
     dist.destroy_process_group()
     if rank == 0:
         for name, extra in (("loaded-1", []), ("loaded-1-bf16", ["model.dtype=\"bfloat16\""])):

@@ -179,6 +179,11 @@ def test_a_sharded_checkpoint_is_written_shard_by_shard_and_loads_on_another_ran
         for param, state in ref["optim"].items():
             assert all(torch.equal(torch.as_tensor(got["optim"][param][k]), torch.as_tensor(v))
                        for k, v in state.items()), (name, param)
+    # a publish's gather: rank 0 holds the whole set, the other ranks joined and kept nothing
+    kept = torch.load(run / "kept-3.pt", weights_only=True)
+    assert kept.keys() == ref["weights"].keys()
+    assert all(torch.equal(kept[k], ref["weights"][k]) for k in kept)  # float32 bytes moved, exact
+    assert [(run / f"kept-by-rank-{r}.txt").read_text() for r in (1, 2)] == ["0", "0"]
 
 
 def test_digenrl_eval_reads_a_sharded_checkpoint_whole(one_rank_group: None, tmp_path: Path) -> None:

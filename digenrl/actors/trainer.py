@@ -457,10 +457,12 @@ class TrainerActor(Actor):
     async def _publish(self, version: int) -> None:
         """Rank 0 serves ``version`` and announces it; sharded ranks all join the gather."""
         with self.working("weight_publish", version=version):
-            full = await asyncio.to_thread(self.policy.state_dict_for_sync) if self.policy.sharded \
-                else self.policy.state_dict_for_sync()
+            if self.policy.sharded:  # ranks other than 0 join each gather and keep nothing
+                full = await asyncio.to_thread(partial(self.policy.state_dict_for_sync, keep=self.rank == 0))
             if self.rank != 0:
                 return
+            if not self.policy.sharded:
+                full = self.policy.state_dict_for_sync()
             # state_dict_for_sync already copied: only move (a no-op on CPU) and pack
             sd = {k: v.detach().to("cpu").contiguous() for k, v in full.items()}
             # checksums once per version, off the event loop (not once per request)

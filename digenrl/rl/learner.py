@@ -208,7 +208,8 @@ def save_final(policy: Policy, run_dir: Path, *, write: bool = True) -> Path:
     from safetensors.torch import save_file
 
     out = run_dir / "final"
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict_for_sync().items()}
+    # a rank that does not write joins the gathers and keeps nothing
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict_for_sync(keep=write).items()}
     if not write:
         return out / "policy.safetensors"
     out.mkdir(parents=True, exist_ok=True)
