@@ -540,6 +540,27 @@ def split_ends(peer: Connection, repeats: int, scale: float) -> dict[str, Any]:
 # ------------------------------------------------------------------ main
 
 
+def _print_study(out: dict[str, Any], key: str, repeats: int) -> None:
+    """The table of ``--split`` or ``--sweep``."""
+    load = f"load {out['load_avg_1m'][0]:.1f} -> {out['load_avg_1m'][1]:.1f}"
+    if key == "split":
+        print(f"# sender/receiver split, medians of {repeats} interleaved repeats, {load}")
+        print("\n| size | raw -> raw MB/s | codec -> raw | raw -> codec | codec -> codec |")
+        print("|---|---|---|---|---|")
+        for size, c in out[key].items():
+            print(f"| {size} | {c['raw_to_raw_MBps']:,.0f} | {c['codec_to_raw_over_raw']:.2f} | "
+                  f"{c['raw_to_codec_over_raw']:.2f} | {c['codec_to_codec_over_raw']:.2f} |")
+        return
+    print(f"# copy threshold sweep, raw pyzmq, medians of {repeats} interleaved repeats, {load}; "
+          f"COPY_BELOW = {COPY_BELOW >> 10} KiB")
+    print("\n| tensor size | zero-copy MB/s | copy MB/s | CPU us/msg zero-copy | copy | copy/zero-copy CPU |")
+    print("|---|---|---|---|---|---|")
+    for size, c in out[key].items():
+        print(f"| {size} | {c['zero_copy_MBps']:,.0f} | {c['copy_MBps']:,.0f} | "
+              f"{c['cpu_us_per_msg_zero_copy']:.0f} | {c['cpu_us_per_msg_copy']:.0f} | "
+              f"{c['copy_over_zero_copy_cpu']:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per cell (median)")
@@ -561,43 +582,18 @@ def main() -> None:
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(target=_peer, args=(child,), daemon=True)
     proc.start()
-    if args.split:
+    if args.split or args.sweep:  # one study alone, then the peer is done
+        key, study = ("split", split_ends) if args.split else ("copy_sweep", copy_sweep)
         try:
-            out["split"] = split_ends(parent, args.repeats, scale)
+            out[key] = study(parent, args.repeats, scale)
         finally:
             parent.send(None)
             proc.join(timeout=30)
         out["load_avg_1m"] = [load_before[0], os.getloadavg()[0]]
         if args.json:
             print(json.dumps(out, indent=1, sort_keys=True))
-            return
-        print(f"# sender/receiver split, medians of {args.repeats} interleaved repeats, load "
-              f"{out['load_avg_1m'][0]:.1f} -> {out['load_avg_1m'][1]:.1f}")
-        print("\n| size | raw -> raw MB/s | codec -> raw | raw -> codec | codec -> codec |")
-        print("|---|---|---|---|---|")
-        for key, c in out["split"].items():
-            print(f"| {key} | {c['raw_to_raw_MBps']:,.0f} | {c['codec_to_raw_over_raw']:.2f} | "
-                  f"{c['raw_to_codec_over_raw']:.2f} | {c['codec_to_codec_over_raw']:.2f} |")
-        return
-    if args.sweep:
-        try:
-            out["copy_sweep"] = copy_sweep(parent, args.repeats, scale)
-        finally:
-            parent.send(None)
-            proc.join(timeout=30)
-        out["load_avg_1m"] = [load_before[0], os.getloadavg()[0]]
-        if args.json:
-            print(json.dumps(out, indent=1, sort_keys=True))
-            return
-        print(f"# copy threshold sweep, raw pyzmq, medians of {args.repeats} interleaved repeats, "
-              f"load {out['load_avg_1m'][0]:.1f} -> {out['load_avg_1m'][1]:.1f}; "
-              f"COPY_BELOW = {COPY_BELOW >> 10} KiB")
-        print("\n| tensor size | zero-copy MB/s | copy MB/s | CPU us/msg zero-copy | copy | copy/zero-copy CPU |")
-        print("|---|---|---|---|---|---|")
-        for key, c in out["copy_sweep"].items():
-            print(f"| {key} | {c['zero_copy_MBps']:,.0f} | {c['copy_MBps']:,.0f} | "
-                  f"{c['cpu_us_per_msg_zero_copy']:.0f} | {c['cpu_us_per_msg_copy']:.0f} | "
-                  f"{c['copy_over_zero_copy_cpu']:.2f} |")
+        else:
+            _print_study(out, key, args.repeats)
         return
     try:
         rates: dict[tuple[str, str], list[float]] = {}
