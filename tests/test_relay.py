@@ -23,7 +23,14 @@ from digenrl.config import load_config
 from digenrl.core.relay import RelayTree
 from digenrl.telemetry.trace import SpanRecorder
 from digenrl.transport.options import SocketOptions
-from digenrl.transport.protocol import VersionAnnounce, WeightsHeld, WeightsRoute
+from digenrl.transport.protocol import (
+    VersionAnnounce,
+    WeightsHeld,
+    WeightsPart,
+    WeightsPending,
+    WeightsRequest,
+    WeightsRoute,
+)
 from digenrl.transport.sockets import Dealer, Router
 from digenrl.transport.weights import WeightAssembly, WeightStore, publish_parts, serve_weights
 
@@ -245,6 +252,39 @@ async def test_an_upstream_that_only_ever_says_pending_is_bypassed_for_rank_0(cl
     held = await asyncio.wait_for(c.peers[1]._fetch(c.actors[1], ann, "weight_prefetch"), WAIT)
     assert all(torch.equal(held[k], sd[k]) for k in sd) and c.peers[1].relay_fallbacks == 1
     assert asyncio.get_running_loop().time() - t0 >= STALL_SILENCES * 0.1  # it waited the stall limit
+
+
+async def test_pending_is_said_only_for_a_version_being_received() -> None:
+    """A request for a version this node has not begun hears nothing (no chatter a peer could
+    solicit for versions that may never come); once the version is landing, it hears
+    WeightsPending with how many parts are in."""
+    ctx = zmq.asyncio.Context()
+    router, dealer = Router(ctx, options=OPTS), Dealer(ctx, options=OPTS)
+    dealer.connect(router.bind("tcp://127.0.0.1:*"))
+    store = WeightStore()
+    server = asyncio.ensure_future(serve_weights(router, store, keepalive_s=0.05))
+    try:
+        await dealer.send(WeightsRequest(version=5, part=1))
+        with pytest.raises(TimeoutError):  # six keep-alive intervals of silence
+            await asyncio.wait_for(dealer.recv(), 0.3)
+        parts, whole = publish_parts({f"w{i}": torch.full((4,), float(i)) for i in range(2)}, part_bytes=16)
+        asm = WeightAssembly(5, len(parts), whole)
+        store.begin(asm)
+        asm.add(0, *parts[0])
+        store.landed()
+        _, msg = await asyncio.wait_for(dealer.recv(), WAIT)
+        assert msg == WeightsPending(version=5, part=1, landed=1)
+        asm.add(1, *parts[1])
+        store.landed()
+        while isinstance(msg, WeightsPending):
+            _, msg = await asyncio.wait_for(dealer.recv(), WAIT)
+        assert isinstance(msg, WeightsPart) and msg.part == 1 and msg.checksum == parts[1][1]
+    finally:
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+        router.close()
+        dealer.close()
+        ctx.destroy(linger=0)
 
 
 async def test_a_version_the_upstream_moved_past_ends_the_fetch_as_superseded(cluster: Any) -> None:

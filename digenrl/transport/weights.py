@@ -170,8 +170,10 @@ async def serve_weights(router: Any, store: WeightStore,
                         keepalive_s: float | None = None) -> None:
     """Answer ``WeightsRequest`` on ``router`` from ``store`` until cancelled; each request
     waits for its part on its own, so one not yet landed never holds the others up. While a
-    request waits, a ``WeightsPending`` goes to its peer every ``keepalive_s`` (None: never),
-    so a requester deep in a relay chain hears that this hop is alive and still receiving."""
+    request waits for a version this node is receiving, a ``WeightsPending`` goes to its peer
+    every ``keepalive_s`` (None: never), so a requester deep in a relay chain hears that this
+    hop is alive and still receiving; a request for a version not begun here hears nothing
+    until it is answered (its requester's silence timeout applies)."""
     waiting: set[asyncio.Task[None]] = set()
 
     async def send(peer: bytes, reply: Any) -> None:
@@ -185,8 +187,9 @@ async def serve_weights(router: Any, store: WeightStore,
             try:
                 while not (await asyncio.wait({landing}, timeout=keepalive_s))[0]:
                     held = store.get(req.version)
-                    await send(peer, WeightsPending(version=req.version, part=req.part,
-                                                    landed=0 if held is None else len(held.parts)))
+                    if held is not None:  # only a version this node is receiving is "on its way"
+                        await send(peer, WeightsPending(version=req.version, part=req.part,
+                                                        landed=len(held.parts)))
             finally:
                 landing.cancel()
             asm = landing.result()
