@@ -83,10 +83,10 @@ from digenrl.transport.weights import WeightAssembly, WeightStore, serve_weights
 
 _EMPTY_IMAGES = torch.zeros(0, dtype=torch.uint8)
 WEIGHTS_WINDOW = 2
+"""Part requests a fetch keeps in flight: one landing while the next is on the wire."""
 STALL_SILENCES = 12
 """An upstream that answers only ``WeightsPending`` for this many liveness timeouts in a row
 (no part landing) is bypassed like a silent one: alive is not enough, it must deliver."""
-"""Part requests a fetch keeps in flight: one landing while the next is on the wire."""
 
 
 class WeightsSuperseded(Exception):

@@ -65,8 +65,8 @@ __all__ = [
     "PROTOCOL_VERSION", "Assign", "Chunk", "CleanSample", "Commit", "Consumed", "Heartbeat", "Hello",
     "JSONDict", "Message", "NodeState", "ProtocolError", "Revoke", "Role", "Score", "Scored", "Shutdown",
     "StepDone", "TagOffer", "VersionAnnounce", "VersionMismatch", "WeightsHeld", "WeightsMissing",
-    "WeightsPart", "WeightsPending", "WeightsRequest", "WeightsRoute", "Welcome", "decode", "encode", "message", "message_types",
-    "messages_equal", "tensor_checksum",
+    "WeightsPart", "WeightsPending", "WeightsRequest", "WeightsRoute", "Welcome", "decode", "encode",
+    "message", "message_types", "messages_equal", "tensor_checksum",
 ]
 
 NodeState = Literal["running", "stopping"]
