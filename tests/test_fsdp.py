@@ -182,7 +182,8 @@ def test_a_sharded_checkpoint_is_written_shard_by_shard_and_loads_on_another_ran
     # a publish's gather: rank 0 holds the whole set, the other ranks joined and kept nothing
     kept = torch.load(run / "kept-3.pt", weights_only=True)
     assert kept.keys() == ref["weights"].keys()
-    assert all(torch.equal(kept[k], ref["weights"][k]) for k in kept)  # float32 bytes moved, exact
+    # exact on purpose: float32 bytes moved through the checkpoint and the gather, never computed on
+    assert all(torch.equal(kept[k], ref["weights"][k]) for k in kept)
     assert [(run / f"kept-by-rank-{r}.txt").read_text() for r in (1, 2)] == ["0", "0"]
 
 

@@ -181,13 +181,6 @@ class NodePeers:
         self.relay_fallbacks = 0  # fetches that bypassed a silent upstream for rank 0
         self._superseded = -1  # newest version the upstream said it will never hold
 
-    @property
-    def keepalive_s(self) -> float:
-        """How often this node's weights ROUTER tells a requester its part is still on its
-        way: every heartbeat, and at least twice per liveness timeout."""
-        rt = self.cfg.runtime
-        return rt.heartbeat_s * rt.heartbeat_misses / max(2, rt.heartbeat_misses)
-
     # ------------------------------------------------------------------ heartbeats
     def heartbeat_loop(self, actor: PeerActor) -> Loop:
         """Beat every ``heartbeat_s``; stop the node if the coordinator stops answering.
@@ -336,9 +329,10 @@ class NodePeers:
     def relay_loop(self, actor: PeerActor) -> Loop:
         """The background loop serving this node's held versions on its weights ROUTER."""
         async def relay() -> None:
-            if self.relay is not None:
-                await serve_weights(self.relay, self.store, actor.unexpected,
-                                    keepalive_s=self.keepalive_s)
+            if self.relay is not None:  # "still receiving" every beat, twice a timeout at least
+                rt = self.cfg.runtime
+                await serve_weights(self.relay, self.store, actor.unexpected, keepalive_s=min(
+                    rt.heartbeat_s, rt.heartbeat_s * rt.heartbeat_misses / 2))
         return relay
 
     async def _fetch(self, actor: PeerActor, ann: VersionAnnounce, span: str) -> dict[str, torch.Tensor]:

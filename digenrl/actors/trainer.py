@@ -301,8 +301,7 @@ class TrainerActor(Actor):
         """Rank 0 serves the published versions (the first rollout of the relay, or all of
         them with runtime.weights_fanout = 0); a version no longer kept is answered missing."""
         assert self.peers.weights is not None
-        await serve_weights(self.peers.weights, self.peers.store, self.unexpected,
-                            keepalive_s=self.peers.keepalive_s)
+        await serve_weights(self.peers.weights, self.peers.store, self.unexpected)
 
     # ---------------------------------------------------------------- training
     async def _consume(self, commit: Commit) -> None:
@@ -459,10 +458,10 @@ class TrainerActor(Actor):
         with self.working("weight_publish", version=version):
             if self.policy.sharded:  # ranks other than 0 join each gather and keep nothing
                 full = await asyncio.to_thread(partial(self.policy.state_dict_for_sync, keep=self.rank == 0))
+            elif self.rank == 0:
+                full = self.policy.state_dict_for_sync()
             if self.rank != 0:
                 return
-            if not self.policy.sharded:
-                full = self.policy.state_dict_for_sync()
             # state_dict_for_sync already copied: only move (a no-op on CPU) and pack
             sd = {k: v.detach().to("cpu").contiguous() for k, v in full.items()}
             # checksums once per version, off the event loop (not once per request)

@@ -10,8 +10,9 @@ Serving (:func:`serve_weights`, a ROUTER answering ``WeightsRequest``) works fro
 puts in the version it is fetching, so it can serve each part to the rollouts downstream of
 it the moment that part has landed and been verified (the pipelined relay; who serves whom
 is :mod:`digenrl.core.relay`). A request for a part that has not landed yet waits for it
-(the requester hears ``WeightsPending`` every keep-alive interval meanwhile); a request for a version the server will never hold (superseded: it moved to a newer one, or
-dropped) is answered with ``WeightsMissing``.
+(while this node is receiving that version, the requester hears ``WeightsPending`` every
+keep-alive interval meanwhile); a request for a version the server will never hold
+(superseded: it moved to a newer one, or dropped) is answered with ``WeightsMissing``.
 """
 
 from __future__ import annotations
