@@ -37,7 +37,7 @@ wall-clock ratios once the machine is quiet (``cpu_ratio_*``: raw over codec CPU
 threshold.
 
 ``--split`` measures only goodput of a raw or codec sender into a raw or codec receiver
-(all four pairings, 64 KiB and 1 MiB, key ``split``): which end the codec's cost sits on.
+(all four pairings, every size, key ``split``): which end the codec's cost sits on.
 
 ``--json`` prints one JSON object instead of tables (keys: ``goodput_ratio_64k``,
 ``goodput_ratio_1m``, ``goodput_ratio_16m``, ``heartbeat_rtt_ratio``,
@@ -520,7 +520,7 @@ def split_ends(peer: Connection, repeats: int, scale: float) -> dict[str, Any]:
     sender with a raw and a codec receiver, per size, interleaved (``--split``)."""
     pairs = {"raw_to_raw": ("raw", "raw"), "codec_to_raw": ("codec", "raw"),
              "raw_to_codec": ("raw", "codec"), "codec_to_codec": ("codec", "codec")}
-    sizes = {k: SIZES[k] for k in ("64k", "1m")}
+    sizes = SIZES
     rates: dict[tuple[str, str], list[float]] = {}
     for rep in range(repeats):
         names = list(pairs) if rep % 2 == 0 else list(pairs)[::-1]
