@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Literal, TypeVar, dataclass_transform
 import msgpack
 import msgspec
 import torch
+import zmq
 from msgspec.structs import astuple
 
 from digenrl.transport import schema
@@ -435,7 +436,7 @@ def _decode_typed(frames: Sequence[Any], max_frame_bytes: int, max_frames: int,
         if not 1 <= n <= max_frames:
             return None
         head = frames[0]
-        raw = head if type(head) is bytes else as_buffer(head)
+        raw = head if type(head) in _BYTE_BUFFERS else as_buffer(head)
         if len(raw) > min(_MAX_CONTAINER_LEN, max_frame_bytes, max_header_bytes):
             return None
         decoder, plans = _typed_decoder()
@@ -461,6 +462,11 @@ def _decode_typed(frames: Sequence[Any], max_frame_bytes: int, max_frames: int,
         return msg
     except Exception:  # whatever it is, the checked path names it
         return None
+
+
+_BYTE_BUFFERS = (bytes, zmq.Frame)
+"""Header frames msgspec reads as they are, their ``len`` their size in bytes (a received
+frame's view costs ~0.4 us more)."""
 
 
 def _tensor_fields(plan: _Plan, entries: Any, views: list[memoryview],

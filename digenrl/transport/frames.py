@@ -104,8 +104,9 @@ def frame_to_tensor(where: str, dtype_name: Any, shape: Any, nbytes: Any, frame:
     if dtype is torch.bool and bool((np.frombuffer(frame, dtype=np.uint8) > 1).any()):
         # torch assumes bools are 0 or 1; other bytes give undefined results downstream.
         raise ProtocolError(f"{where}: bool tensor holds bytes other than 0 and 1", reason="tensor")
-    # numpy's frombuffer + from_numpy: ~2.5 us against ~8 us for torch.frombuffer/view/reshape.
-    arr = np.frombuffer(frame, dtype=_NUMPY[dtype_name]).reshape(shape)
+    # An ndarray over the frame (its size checked above) + from_numpy: ~1.4 us, against ~2.1
+    # through frombuffer/reshape and ~4-8 for torch.frombuffer/view.
+    arr = np.ndarray(shape, _NUMPY[dtype_name], frame)
     if frame.readonly:
         # bytes input (tests, files): torch warns that the tensor cannot be made read-only.
         with warnings.catch_warnings():
