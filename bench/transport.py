@@ -66,6 +66,7 @@ import zmq.asyncio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from digenrl.transport import allocator
 from digenrl.transport.options import COPY_BELOW, SocketOptions, node_context
 from digenrl.transport.protocol import Chunk, Heartbeat, decode, encode
 from digenrl.transport.sockets import Dealer, Pull, Push, Router
@@ -98,9 +99,11 @@ def _run(coro: Any) -> Any:
 # ------------------------------------------------------------------ the peer process
 
 
-def _peer(conn: Connection) -> None:
+def _peer(conn: Connection, default_malloc: bool = False) -> None:
     """Serves the measurements' other end, one command at a time, until ``None``."""
     torch.set_num_threads(1)
+    if not default_malloc:
+        allocator.tune()  # as a node does at start (raw and codec alike: same processes)
     while (cmd := conn.recv()) is not None:
         kind, mode, *args = cmd
         if kind == "send":
@@ -570,17 +573,22 @@ def main() -> None:
                     help="only raw copy against raw zero-copy per chunk size, 64 KiB-2 MiB "
                          "(the copy threshold's evidence)")
     ap.add_argument("--split", action="store_true",
-                    help="only goodput of raw/codec senders against raw/codec receivers, 64 KiB "
-                         "and 1 MiB (which end the codec's cost sits on)")
+                    help="only goodput of raw/codec senders against raw/codec receivers, every "
+                         "size (which end the codec's cost sits on)")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="leave glibc's allocator thresholds at their defaults in both processes "
+                         "(nodes set them at start: digenrl/transport/allocator.py)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    malloc_tuned = False if args.default_malloc else allocator.tune()
     scale = 0.1 if args.quick else 1.0
     load_before = os.getloadavg()
     out: dict[str, Any] = {"python": sys.version.split()[0], "pyzmq": zmq.__version__,
                            "libzmq": zmq.zmq_version(), "cpus": os.cpu_count(),
-                           "repeats": args.repeats}
+                           "repeats": args.repeats, "malloc_tuned": malloc_tuned}
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=_peer, args=(child,), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_peer, args=(child, args.default_malloc),
+                                           daemon=True)
     proc.start()
     if args.split or args.sweep:  # one study alone, then the peer is done
         key, study = ("split", split_ends) if args.split else ("copy_sweep", copy_sweep)

@@ -42,6 +42,7 @@ from digenrl.faults import node_slowdown
 from digenrl.telemetry import sdnotify
 from digenrl.telemetry.logging import configure_logging, get_logger
 from digenrl.telemetry.trace import SpanRecorder
+from digenrl.transport import allocator
 from digenrl.transport import factory as zs
 from digenrl.transport.options import node_context
 from digenrl.transport.protocol import Hello, Role, Shutdown, Welcome
@@ -58,6 +59,7 @@ def run_node(args: argparse.Namespace) -> int:
     node_id = args.node_id or default_node_id(args.role)
     run_dir = Path(args.run_dir) if args.run_dir else None
     configure_logging(log_file=(run_dir / "logs" / f"{node_id}.log") if run_dir else None)
+    allocator.tune()  # received chunks reuse heap memory instead of faulting in fresh pages
     overrides = [*args.overrides, *(["transport.allow_plaintext=true"] if args.allow_plaintext else [])]
     latest = LatestStats()
     prometheus = _start_prometheus(getattr(args, "prometheus_port", None), latest)
