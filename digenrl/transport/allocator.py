@@ -23,8 +23,9 @@ import os
 
 MMAP_THRESHOLD = 32 << 20
 """Blocks under this come from the heap (a 16 MiB chunk, a 4 MiB weights part)."""
-TRIM_THRESHOLD = 256 << 20
-"""Free heap kept before any is returned to the kernel."""
+TRIM_THRESHOLD = 64 << 20
+"""Free heap kept before any is returned to the kernel (per arena: a few chunks in flight fit;
+a node that freed gigabytes of weights still gives them back)."""
 
 _M_TRIM_THRESHOLD = -1  # glibc malloc.h
 _M_MMAP_THRESHOLD = -3

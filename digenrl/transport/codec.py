@@ -29,7 +29,7 @@ import msgpack
 import msgspec
 import torch
 import zmq
-from msgspec.structs import astuple
+from msgspec.structs import asdict
 
 from digenrl.transport import schema
 from digenrl.transport.errors import ProtocolError, VersionMismatch
@@ -427,7 +427,7 @@ def _decode_typed(frames: Sequence[Any], max_frame_bytes: int, max_frames: int,
     (:func:`_decode` + :func:`schema.check`) then refuses with its reason or accepts.
 
     It accepts only what the checked path accepts, and builds the same message
-    (tests/test_protocol.py holds it to that on random and mutated messages): the header
+    (tests/test_codec_typed.py holds it to that on random and mutated messages): the header
     types are the checked path's, its rules are the schema's, and a header over 64 KiB (where
     the checked path bounds containers itself) is left to the checked path. Never raises.
     """
@@ -442,17 +442,15 @@ def _decode_typed(frames: Sequence[Any], max_frame_bytes: int, max_frames: int,
         decoder, plans = _typed_decoder()
         header = decoder.decode(raw)
         plan = plans[type(header)]
-        values = astuple(header)  # v, the fields in declaration order, _tensors
-        if values[0] != PROTOCOL_VERSION:
+        fields = asdict(header)  # the message's non-tensor fields, "v" and "_tensors"
+        if fields.pop("v") != PROTOCOL_VERSION:
             return None
-        if n == 1 and not values[-1] and not plan.dict_tensors:
-            fields: dict[str, Any] = {}
-        else:
+        entries = fields.pop("_tensors")
+        if n > 1 or entries or plan.dict_tensors:
             views = [as_buffer(f) for f in frames[1:]]
             if any(len(v) > max_frame_bytes for v in views):
                 return None
-            fields = _tensor_fields(plan, values[-1], views, max_frame_bytes)
-        fields.update(zip(plan.names, values[1:-1]))
+            fields.update(_tensor_fields(plan, entries, views, max_frame_bytes))
         for name, ok in plan.typed_checks:
             if not ok(fields[name]):
                 return None
