@@ -13,6 +13,13 @@ slot of its own rather than ``"field/key"``, because parameter names contain ``/
 :class:`ProtocolError`; it checks frame counts, frame sizes and declared shapes before
 it builds anything, and gives msgpack explicit container limits. The message set itself
 lives in :mod:`digenrl.transport.protocol`.
+
+Two decoders, one contract. The typed path (:func:`_decode_typed`) reads a header as this
+codec writes it in one msgspec call that also checks the field types and the schema bounds
+msgspec can express (each class's header struct, a tagged union on ``"t"``), then runs the
+remaining checks in Python; anything it does not accept goes to the checked path
+(:func:`_decode` + :func:`schema.check`), which names what is wrong. The typed path accepts
+only what the checked path accepts, as the same message (tests/test_codec_typed.py).
 """
 
 from __future__ import annotations
