@@ -6,7 +6,7 @@ each a real process, and every receiver verifies every part's checksum and the s
 
 * ``router``: today's runtime with ``runtime.weights_fanout = 0``: one ROUTER serves every
   receiver (:func:`~digenrl.transport.weights.serve_weights`), receivers fetch with
-  :meth:`NodePeers._fetch <digenrl.actors.peers.NodePeers._fetch>`.
+  :meth:`WeightsRelay.fetch <digenrl.actors.weightsfetch.WeightsRelay.fetch>`.
 * ``relay``: the runtime's relay (``weights_fanout = 1``): the same code, each receiver also
   serving what it has verified to the next one as the parts land (a chain).
 * ``broadcast``: torch.distributed (gloo here; NCCL on GPUs) over a group of the source and
@@ -177,9 +177,9 @@ async def worker(args: Any) -> None:
         serving = asyncio.ensure_future(peers.relay_loop(actor)())
         if go.get("upstream"):
             peers.on_route(WeightsRoute(upstream=go["upstream"], upstream_node="previous"))
-        held = await peers._fetch(actor, ann, "weight_prefetch")
+        held = await peers.fetcher.fetch(actor, ann, "weight_prefetch")
         _say(held=time.time(), nbytes=sum(t.numel() * t.element_size() for t in held.values()),
-             fallbacks=peers.relay_fallbacks)
+             fallbacks=peers.fetcher.fallbacks)
     while (await _line()).get("do") != "quit":  # keep serving downstream until told
         _say(bytes_sent=relay.statistics().bytes_sent)
 

@@ -18,7 +18,8 @@ import zmq.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from digenrl.actors.peers import NodePeers, WeightsSuperseded
+from digenrl.actors.peers import NodePeers
+from digenrl.actors.weightsfetch import WeightsSuperseded
 from digenrl.config import load_config
 from digenrl.core.relay import RelayTree
 from digenrl.telemetry.trace import SpanRecorder
@@ -178,14 +179,16 @@ async def test_a_chain_of_rollouts_holds_a_version_that_rank_0_sent_once(cluster
     c = cluster(4)
     c.chain()
     ann, sd = c.publish(1, mib=2)
-    got = await asyncio.wait_for(asyncio.gather(*(p._fetch(a, ann, "weight_prefetch")
+    got = await asyncio.wait_for(asyncio.gather(*(p.fetcher.fetch(a, ann, "weight_prefetch")
                                                   for p, a in zip(c.peers, c.actors))), WAIT)
     for held in got:
         assert held.keys() == sd.keys() and all(torch.equal(held[k], sd[k]) for k in sd)
     set_bytes = sum(t.numel() * t.element_size() for t in sd.values())
     # rank 0 sent the set once (frames add a few headers); each relay the set once, the tail none
     assert set_bytes <= c.rank0.statistics().bytes_sent <= 1.01 * set_bytes
-    relayed = [p.relay.statistics().bytes_sent for p in c.peers]
+    relays = [p.fetcher.relay for p in c.peers]
+    relayed = [r.statistics().bytes_sent for r in relays if r is not None]
+    assert len(relayed) == len(c.peers)  # every rollout serves (the tail serves nobody)
     assert all(set_bytes <= b <= 1.01 * set_bytes for b in relayed[:-1]) and relayed[-1] == 0
     for _ in c.peers:  # each rollout told the coordinator it holds the version
         _, msg = await asyncio.wait_for(c.coordinator.recv(), WAIT)
@@ -198,11 +201,11 @@ async def test_a_route_change_mid_fetch_asks_the_new_upstream_for_the_parts_in_f
     mute = Router(c.ctx, options=OPTS)  # an upstream that takes requests and never answers
     c.sockets.append(mute)
     c.peers[1].on_route(WeightsRoute(upstream=mute.bind("tcp://127.0.0.1:*"), upstream_node="mute"))
-    fetch = asyncio.ensure_future(c.peers[1]._fetch(c.actors[1], ann, "weight_prefetch"))
+    fetch = asyncio.ensure_future(c.peers[1].fetcher.fetch(c.actors[1], ann, "weight_prefetch"))
     await asyncio.wait_for(mute.recv(), WAIT)  # a request is in flight there
     c.peers[1].on_route(WeightsRoute(upstream="", upstream_node=""))  # re-linked to rank 0
     held = await asyncio.wait_for(fetch, WAIT)
-    assert all(torch.equal(held[k], sd[k]) for k in sd) and c.peers[1].relay_fallbacks == 0
+    assert all(torch.equal(held[k], sd[k]) for k in sd) and c.peers[1].fetcher.fallbacks == 0
 
 
 async def test_an_upstream_silent_for_the_liveness_timeout_is_bypassed_for_rank_0(cluster: Any) -> None:
@@ -211,8 +214,8 @@ async def test_an_upstream_silent_for_the_liveness_timeout_is_bypassed_for_rank_
     mute = Router(c.ctx, options=OPTS)
     c.sockets.append(mute)
     c.peers[0].on_route(WeightsRoute(upstream=mute.bind("tcp://127.0.0.1:*"), upstream_node="mute"))
-    held = await asyncio.wait_for(c.peers[0]._fetch(c.actors[0], ann, "weight_prefetch"), WAIT)
-    assert all(torch.equal(held[k], sd[k]) for k in sd) and c.peers[0].relay_fallbacks == 1
+    held = await asyncio.wait_for(c.peers[0].fetcher.fetch(c.actors[0], ann, "weight_prefetch"), WAIT)
+    assert all(torch.equal(held[k], sd[k]) for k in sd) and c.peers[0].fetcher.fallbacks == 1
 
 
 def _landing_upstream(c: _Cluster, ann: VersionAnnounce, sd: dict[str, torch.Tensor]) -> tuple[Any, list[Any]]:
@@ -231,7 +234,7 @@ async def test_a_rollout_deep_in_a_chain_waits_for_parts_still_on_their_way(clus
     c = cluster(2, heartbeat_s=0.05, heartbeat_misses=2)  # silent after 0.1 s
     ann, sd = c.publish(1)
     asm, parts = _landing_upstream(c, ann, sd)
-    fetch = asyncio.ensure_future(c.peers[1]._fetch(c.actors[1], ann, "weight_prefetch"))
+    fetch = asyncio.ensure_future(c.peers[1].fetcher.fetch(c.actors[1], ann, "weight_prefetch"))
     await asyncio.sleep(0.6)  # the duration is what is under test: six liveness timeouts
     assert not fetch.done()
     for i, (tensors, checksum) in enumerate(parts):
@@ -240,19 +243,19 @@ async def test_a_rollout_deep_in_a_chain_waits_for_parts_still_on_their_way(clus
     held = await asyncio.wait_for(fetch, WAIT)
     # exact: the same process's bytes, relayed and checksummed, never computed on
     assert all(torch.equal(held[k], sd[k]) for k in sd)
-    assert c.peers[1].relay_fallbacks == 0 and c.rank0.statistics().bytes_sent == 0
+    assert c.peers[1].fetcher.fallbacks == 0 and c.rank0.statistics().bytes_sent == 0
 
 
 async def test_an_upstream_that_only_ever_says_pending_is_bypassed_for_rank_0(cluster: Any) -> None:
-    from digenrl.actors.peers import STALL_SILENCES
+    from digenrl.actors.weightsfetch import STALL_SILENCES
     c = cluster(2, heartbeat_s=0.05, heartbeat_misses=2)
     silent_s = c.cfg.runtime.heartbeat_s * c.cfg.runtime.heartbeat_misses
     ann, sd = c.publish(1)
     _landing_upstream(c, ann, sd)  # whose parts never land
     t0 = asyncio.get_running_loop().time()
-    held = await asyncio.wait_for(c.peers[1]._fetch(c.actors[1], ann, "weight_prefetch"), WAIT)
+    held = await asyncio.wait_for(c.peers[1].fetcher.fetch(c.actors[1], ann, "weight_prefetch"), WAIT)
     # exact: the same process's bytes, fetched from rank 0 after the bypass, never computed on
-    assert all(torch.equal(held[k], sd[k]) for k in sd) and c.peers[1].relay_fallbacks == 1
+    assert all(torch.equal(held[k], sd[k]) for k in sd) and c.peers[1].fetcher.fallbacks == 1
     assert asyncio.get_running_loop().time() - t0 >= STALL_SILENCES * silent_s  # it waited the stall limit
 
 
@@ -294,7 +297,7 @@ async def test_a_version_the_upstream_moved_past_ends_the_fetch_as_superseded(cl
     c.chain()
     old, _ = c.publish(1)
     new, _ = c.publish(2)
-    await asyncio.wait_for(c.peers[0]._fetch(c.actors[0], new, "weight_prefetch"), WAIT)
+    await asyncio.wait_for(c.peers[0].fetcher.fetch(c.actors[0], new, "weight_prefetch"), WAIT)
     with pytest.raises(WeightsSuperseded, match="v1"):  # rollout-0 holds v2: v1 will never be there
-        await asyncio.wait_for(c.peers[1]._fetch(c.actors[1], old, "weight_prefetch"), WAIT)
+        await asyncio.wait_for(c.peers[1].fetcher.fetch(c.actors[1], old, "weight_prefetch"), WAIT)
     assert c.peers[1].store.get(1) is None  # the abandoned version is not served on

@@ -8,18 +8,9 @@ and three shared behaviours: heartbeats, catching up to a version at a trajector
 (TCSS), and generating one fragment while streaming its chunks to the ranks that own their
 timesteps (TSP).
 
-Weights relay (:mod:`digenrl.core.relay`): a rollout fetches each version from its
-*upstream* (``WeightsRoute`` from the coordinator; trainer rank 0 until told otherwise),
-keeping ``WEIGHTS_WINDOW`` part requests in flight, and serves every part it has verified to
-its own downstream as the part lands. A route change mid-fetch re-asks the parts in flight
-from the new upstream (parts already verified are kept); an upstream silent for the
-liveness timeout (``heartbeat_s x heartbeat_misses``) is bypassed for rank 0 for the rest
-of that version. Liveness is per hop: an upstream still receiving a part says so with
-``WeightsPending`` every ``heartbeat_s``, so a rollout deep in a chain waits for parts that
-are on their way instead of bypassing (its upstream's own timeout guards the hop above); an
-upstream that keeps saying so while no part lands for ``STALL_SILENCES`` timeouts is
-bypassed too; ``WeightsMissing`` (the upstream moved on to a newer version) ends the
-fetch, and the node fetches the newest announced version instead.
+Weights relay: :class:`~digenrl.actors.weightsfetch.WeightsRelay` (``NodePeers.fetcher``)
+fetches each version along the relay tree and serves what the node holds; ``NodePeers``
+decides when (prefetch, catch-up).
 
 The actor <-> peers contract, both ways typed:
 
@@ -51,6 +42,7 @@ from typing import Any, Protocol
 import torch
 
 from digenrl.actors.base import Log, Loop
+from digenrl.actors.weightsfetch import WeightsRelay, WeightsSuperseded
 from digenrl.config import Config
 from digenrl.core.plan import FORWARD_ALGORITHMS
 from digenrl.faults import Slowdown
@@ -60,7 +52,6 @@ from digenrl.rl.rewards import Reward
 from digenrl.rl.sampler import WIRE_DTYPES
 from digenrl.telemetry.nvml import GpuProbe
 from digenrl.telemetry.trace import SpanRecorder
-from digenrl.transport.errors import Closed
 from digenrl.transport.protocol import (
     Assign,
     Chunk,
@@ -70,31 +61,13 @@ from digenrl.transport.protocol import (
     Score,
     Scored,
     VersionAnnounce,
-    WeightsHeld,
-    WeightsMissing,
-    WeightsPart,
-    WeightsPending,
-    WeightsRequest,
     WeightsRoute,
 )
 from digenrl.transport.socketio import Socket
 from digenrl.transport.staging import DeviceToHost, Staged
-from digenrl.transport.weights import WeightAssembly, WeightStore, serve_weights
+from digenrl.transport.weights import WeightStore
 
 _EMPTY_IMAGES = torch.zeros(0, dtype=torch.uint8)
-WEIGHTS_WINDOW = 2
-"""Part requests a fetch keeps in flight: one landing while the next is on the wire."""
-STALL_SILENCES = 12
-"""An upstream that answers only ``WeightsPending`` for this many liveness timeouts in a row
-(no part landing) is bypassed like a silent one: alive is not enough, it must deliver."""
-
-
-class WeightsSuperseded(Exception):
-    """The upstream will never hold the version being fetched (it moved to ``newest``)."""
-
-    def __init__(self, version: int, newest: int) -> None:
-        super().__init__(f"weights v{version}: superseded upstream (it holds v{newest})")
-        self.version, self.newest = version, newest
 
 
 _Handed = tuple[str, int, int, tuple[int, float, float, Staged] | None]
@@ -160,7 +133,6 @@ class NodePeers:
         self.announce_event = asyncio.Event()
         self._gpu_reading: dict[str, Any] = {}
         self._seq = itertools.count()
-        self.weights_lock = asyncio.Lock()
         self._ready: tuple[int, dict[str, torch.Tensor]] | None = None  # prefetched, verified
         self._prefetching: asyncio.Future[None] | None = None
         self._prefetch_failed = -1  # a version whose background fetch failed: not retried there
@@ -171,14 +143,9 @@ class NodePeers:
         self._outstanding = dict.fromkeys(self.scorers, 0)
         self._scores: dict[int, tuple[str, asyncio.Future[Scored]]] = {}
         self._to_commit: asyncio.Queue[tuple[Assign, FragmentResult, int, float, float]] = asyncio.Queue()
-        self.stale_weight_parts = 0  # parts answering a request of a fetch that was cancelled
         self.store = WeightStore()
-        self.relay = relay
-        self.connect = connect
-        self.upstream_endpoint = ""  # "" = trainer rank 0 (self.weights)
-        self._upstream: Socket | None = None  # DEALER to a relaying rollout
-        self._rerouted = asyncio.Event()
-        self.relay_fallbacks = 0  # fetches that bypassed a silent upstream for rank 0
+        self.fetcher = WeightsRelay(node_id=node_id, cfg=cfg, control=control, weights=weights,
+                                    store=self.store, relay=relay, connect=connect)
         self._superseded = -1  # newest version the upstream said it will never hold
 
     # ------------------------------------------------------------------ heartbeats
@@ -248,7 +215,7 @@ class NodePeers:
                             await asyncio.wait({running})
                     else:
                         try:
-                            sd = await self._fetch(actor, ann, span="weight_fetch")
+                            sd = await self.fetcher.fetch(actor, ann, span="weight_fetch")
                         except WeightsSuperseded:  # wait for the newer announcement, fetch that
                             if self.announced is ann:
                                 self.announce_event.clear()
@@ -294,7 +261,7 @@ class NodePeers:
 
     async def _prefetch(self, actor: PeerActor, ann: VersionAnnounce) -> None:
         try:
-            sd = await self._fetch(actor, ann, span="weight_prefetch")
+            sd = await self.fetcher.fetch(actor, ann, span="weight_prefetch")
             if self._ready is None or self._ready[0] < ann.version:
                 self._ready = (ann.version, sd)
         except asyncio.CancelledError:
@@ -312,108 +279,12 @@ class NodePeers:
 
     # ------------------------------------------------------------------ weights relay
     def on_route(self, msg: WeightsRoute) -> None:
-        """Fetch from ``msg.upstream`` from now on ("" = trainer rank 0); a fetch in flight
-        re-asks its outstanding parts there."""
-        if msg.upstream == self.upstream_endpoint:
-            return
-        old, self._upstream = self._upstream, None
-        if msg.upstream:
-            if self.connect is None:
-                raise RuntimeError("a WeightsRoute needs NodePeers(connect=...)")
-            self._upstream = self.connect(msg.upstream)
-        self.upstream_endpoint = msg.upstream
-        if old is not None:
-            old.close()
-        self._rerouted.set()
+        """The coordinator moved this node in the relay tree (see :class:`WeightsRelay`)."""
+        self.fetcher.on_route(msg)
 
     def relay_loop(self, actor: PeerActor) -> Loop:
-        """The background loop serving this node's held versions on its weights ROUTER."""
-        async def relay() -> None:
-            if self.relay is not None:  # "still receiving" every beat, twice a timeout at least
-                rt = self.cfg.runtime
-                await serve_weights(self.relay, self.store, actor.unexpected, keepalive_s=min(
-                    rt.heartbeat_s, rt.heartbeat_s * rt.heartbeat_misses / 2))
-        return relay
-
-    async def _fetch(self, actor: PeerActor, ann: VersionAnnounce, span: str) -> dict[str, torch.Tensor]:
-        """Every part of ``ann`` from the upstream, verified as it lands (and served on from
-        here meanwhile); whole tensors out. Raises :class:`WeightsSuperseded`."""
-        async with self.weights_lock:
-            asm = WeightAssembly(ann.version, ann.nparts, ann.checksum)
-            self.store.begin(asm)
-            try:
-                with actor.working(span, version=ann.version):
-                    await self._fetch_parts(actor, asm)
-                    sd = await asyncio.to_thread(asm.state_dict)
-            except BaseException:
-                self.store.abandon(ann.version)
-                raise
-        await self.control.send(WeightsHeld(node_id=self.node_id, version=ann.version))
-        return sd
-
-    async def _fetch_parts(self, actor: PeerActor, asm: WeightAssembly) -> None:
-        rt = self.cfg.runtime
-        silent_s = rt.heartbeat_s * rt.heartbeat_misses
-        in_flight: set[int] = set()
-        bypass = False  # the upstream went silent: rank 0 serves the rest of this version
-        delivered_at = time.monotonic()  # the last part landed (or the fetch began)
-        while missing := asm.missing():
-            sock = self.weights if bypass or self._upstream is None else self._upstream
-            if sock is None:
-                raise RuntimeError(f"{self.node_id}: fetching weights v{asm.version} without a weights socket")
-            self._rerouted.clear()
-            due = [p for p in missing if p not in in_flight][:max(0, WEIGHTS_WINDOW - len(in_flight))]
-            exchange = asyncio.ensure_future(self._exchange(sock, asm.version, due, in_flight))
-            rerouted = asyncio.ensure_future(self._rerouted.wait())
-            done, _ = await asyncio.wait({exchange, rerouted}, timeout=silent_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            rerouted.cancel()
-            if not done and sock is not self.weights:
-                bypass = True
-                self.relay_fallbacks += 1
-                actor.log.warning("weights upstream silent; fetching from trainer rank 0",
-                                  version=asm.version, upstream=self.upstream_endpoint, silent_s=silent_s)
-            if exchange not in done or exchange.cancelled() or isinstance(exchange.exception(), Closed):
-                # silent, or re-routed (closing the old socket cancels or ends its receive):
-                # the requests in flight there are lost; ask again, from the new upstream
-                exchange.cancel()
-                await asyncio.gather(exchange, return_exceptions=True)
-                in_flight.clear()
-                continue
-            msg = exchange.result()
-            if self._rerouted.is_set():  # answered just as the route changed: keep the part,
-                in_flight.clear()        # and ask the new upstream for the rest
-            if isinstance(msg, WeightsPending) and msg.version == asm.version:
-                # alive and still receiving: wait on, unless it has delivered nothing for long
-                stalled = time.monotonic() - delivered_at
-                if stalled > STALL_SILENCES * silent_s and sock is not self.weights:
-                    bypass, in_flight = True, set()
-                    self.relay_fallbacks += 1
-                    actor.log.warning("weights upstream stalled; fetching from trainer rank 0",
-                                      version=asm.version, upstream=self.upstream_endpoint,
-                                      stalled_s=round(stalled, 1), landed_there=msg.landed)
-                continue
-            if isinstance(msg, WeightsMissing) and msg.version == asm.version:
-                raise WeightsSuperseded(asm.version, msg.newest)
-            if not isinstance(msg, WeightsPart | WeightsMissing):
-                actor.unexpected("weights", msg)
-            elif msg.version != asm.version or isinstance(msg, WeightsMissing):
-                self.stale_weight_parts += 1  # the answer to a fetch that was abandoned
-            else:
-                in_flight.discard(msg.part)
-                if msg.part not in asm.parts:  # the same part twice (asked again): once is enough
-                    await asyncio.to_thread(asm.add, msg.part, dict(msg.tensors), msg.checksum)
-                    self.store.landed()
-                    delivered_at = time.monotonic()
-
-    @staticmethod
-    async def _exchange(sock: Socket, version: int, due: list[int], in_flight: set[int]) -> Any:
-        """Ask for the ``due`` parts, then the next answer."""
-        for part in due:
-            await sock.send(WeightsRequest(version=version, part=part))
-            in_flight.add(part)
-        _, msg = await sock.recv()
-        return msg
+        """The background loop serving this node's held versions to its downstream."""
+        return self.fetcher.serve_loop(actor)
 
     # ------------------------------------------------------------------ generation (TSP)
     def _stager(self, model: Any) -> DeviceToHost:
