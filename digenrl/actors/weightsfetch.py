@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 
-from digenrl.actors.base import Loop
+from digenrl.actors.base import Log, Loop
 from digenrl.config import Config
 from digenrl.transport.errors import Closed
 from digenrl.transport.protocol import (
@@ -39,8 +40,15 @@ from digenrl.transport.protocol import (
 from digenrl.transport.socketio import Socket
 from digenrl.transport.weights import WeightAssembly, WeightStore, serve_weights
 
-if TYPE_CHECKING:
-    from digenrl.actors.peers import PeerActor
+
+class FetchingActor(Protocol):
+    """What a fetch needs of its actor (a :class:`~digenrl.actors.peers.PeerActor` is one):
+    its log, a busy span around the fetch, and where unexpected messages are counted."""
+
+    log: Log
+
+    def working(self, name: str, **args: Any) -> AbstractContextManager[None]: ...
+    def unexpected(self, socket: str, msg: object, why: str = ...) -> None: ...
 
 WEIGHTS_WINDOW = 2
 """Part requests a fetch keeps in flight: one landing while the next is on the wire."""
@@ -98,7 +106,7 @@ class WeightsRelay:
             old.close()
         self._rerouted.set()
 
-    def serve_loop(self, actor: PeerActor) -> Loop:
+    def serve_loop(self, actor: FetchingActor) -> Loop:
         """The background loop serving this node's held versions on its weights ROUTER."""
         async def relay() -> None:
             if self.relay is not None:  # "still receiving" every beat, twice a timeout at least
@@ -107,7 +115,7 @@ class WeightsRelay:
                     rt.heartbeat_s, rt.heartbeat_s * rt.heartbeat_misses / 2))
         return relay
 
-    async def fetch(self, actor: PeerActor, ann: VersionAnnounce, span: str) -> dict[str, torch.Tensor]:
+    async def fetch(self, actor: FetchingActor, ann: VersionAnnounce, span: str) -> dict[str, torch.Tensor]:
         """Every part of ``ann`` from the upstream, verified as it lands (and served on from
         here meanwhile); whole tensors out. Raises :class:`WeightsSuperseded`."""
         async with self.lock:
@@ -123,7 +131,7 @@ class WeightsRelay:
         await self.control.send(WeightsHeld(node_id=self.node_id, version=ann.version))
         return sd
 
-    async def _fetch_parts(self, actor: PeerActor, asm: WeightAssembly) -> None:
+    async def _fetch_parts(self, actor: FetchingActor, asm: WeightAssembly) -> None:
         rt = self.cfg.runtime
         silent_s = rt.heartbeat_s * rt.heartbeat_misses
         in_flight: set[int] = set()
