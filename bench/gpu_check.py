@@ -55,7 +55,7 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
 #: FLUX.1-dev's transformer/config.json: FluxTransformer2DModel's defaults.
 FLUX_DEV: dict[str, Any] = {}
 SECTIONS = ("build", "nvml", "k0_bf16", "transformers", "default_run")
-NEEDED = ["diffusers", "transformers", "peft", "safetensors", "zmq", "msgpack", "structlog", "uvloop", "PIL",
+NEEDED = ["diffusers", "transformers", "peft", "safetensors", "zmq", "msgpack", "msgspec", "structlog", "uvloop", "PIL",
           "pynvml"]
 
 
