@@ -56,7 +56,7 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
 FLUX_DEV: dict[str, Any] = {}
 SECTIONS = ("build", "nvml", "k0_bf16", "transformers", "default_run")
 NEEDED = ["diffusers", "transformers", "peft", "safetensors", "zmq", "msgpack", "msgspec", "structlog", "uvloop", "PIL",
-          "pynvml"]
+          "pynvml", "tomli_w", "numpy", "matplotlib"]
 
 
 def _section(out: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:

@@ -35,3 +35,24 @@ def test_gpu_check_cpu_subset_runs_and_reports_every_section(tmp_path: Path) -> 
     cases = sections["transformers"]["cases"]
     assert set(cases) == {"sd3@32", "sd3@64", "flux@32", "flux@64"}
     assert all(c["first_ratio_max_dev"] == 0.0 and not c["skipped"] and c["lora_params"] > 0 for c in cases.values())
+
+
+# Distribution name -> the module it installs, where they differ.
+_IMPORT_NAMES = {"pyzmq": "zmq", "nvidia-ml-py": "pynvml", "pillow": "PIL", "tomli-w": "tomli_w"}
+
+
+def test_gpu_check_looks_for_every_runtime_dependency() -> None:
+    """The GPU image lacks some of this package's dependencies (they travel as wheels,
+    docs/benchmarks.md): the check's build section must name every one, so a missing one is
+    reported up front instead of failing a later section with an ImportError."""
+    import re
+    import tomllib
+
+    spec = importlib.util.spec_from_file_location("gpu_check_needed", ROOT / "bench" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0].strip().lower() for d in deps}
+    wanted = {_IMPORT_NAMES.get(n, n.replace("-", "_")) for n in names} - {"torch"}  # imported first
+    assert wanted - set(gpu_check.NEEDED) == set()
