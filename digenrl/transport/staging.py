@@ -74,9 +74,11 @@ class HostPool:
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of ``nbytes``: a free one whose fences passed, else a new one."""
         with self._lock:
-            self._reap()
-            stats = self._stats
             free = self._free.get(nbytes)
+            if not free and self._fenced:  # look at the fences only when it may pay
+                self._reap()
+                free = self._free.get(nbytes)
+            stats = self._stats
             if free:
                 buf = free.pop()
                 stats["reused"] += 1
@@ -92,11 +94,14 @@ class HostPool:
         """``buf`` may be reused once every fence says so (at once with no fences)."""
         with self._lock:
             self._stats["in_flight"] -= 1
-            self._fenced.append((buf, list(fences)))
-            self._reap()
+            if fences:  # looked at when a buffer of its size is next wanted (acquire)
+                self._fenced.append((buf, list(fences)))
+            else:
+                self._free.setdefault(buf.numel(), []).append(buf)
 
     def _reap(self) -> None:
-        """Move buffers whose fences all passed to the free lists (lock held)."""
+        """Move buffers whose fences all passed to the free lists (lock held), the most
+        recently released last: ``acquire`` takes it first (warmest in the caches)."""
         keep = []
         for buf, fences in self._fenced:
             if all(f() for f in fences):
