@@ -118,7 +118,9 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    base = [f"run.steps={args.steps}"]
+    # no held-out evaluation (the default evaluates 640 samples at version 0, inside the
+    # measured window, on trainer rank 0 in one mode and the only process in another)
+    base = [f"run.steps={args.steps}", "run.eval_every=0"]
     plan = {
         "digenrl": ("digenrl", ["runtime.tag=never", "run.threads=1"]),
         "digenrl+tag": ("digenrl", ["runtime.tag=bts", "run.threads=1"]),

@@ -7,12 +7,15 @@ torch thread; each prints samples/s, and the ratio colocated / plain is the figu
 (target >= 0.95). The plain loop is written out here on purpose: model forward, SDE step,
 reward, advantages, clipped loss, backward, AdamW, nothing else. It does the same work as
 the framework: the same prompts and per-trajectory seeds (core.plan), the same trained
-window and ODE/SDE steps (learner.plan_for_step), the same loss normalisation.
+window and ODE/SDE steps (learner.plan_for_step), the base model's tail
+(sampler.base_tail), the same loss normalisation. Held-out evaluation is off
+(``run.eval_every=0``) in both: it is not training work, and the plain loop has none.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -55,7 +58,9 @@ def plain_loop(cfg, steps: int) -> float:
         traj = {}
         with torch.no_grad():
             for i in range(T):
-                v = model.velocity(x, torch.full((P * G,), sig[i]), cond)
+                # the last sampler.base_tail steps are the base model's (the adapter off)
+                with model.adapter_disabled() if i >= T - s.base_tail else contextlib.nullcontext():
+                    v = model.velocity(x, torch.full((P * G,), sig[i]), cond)
                 kind = s.sde_type if i in sde else "ode"
                 out = sde_step(kind, x, v, sig[i], sig[i + 1], noise_level=s.noise_level,
                                eta=s.eta, sigma_max=sig[1], generator=gens)
@@ -86,7 +91,10 @@ def main() -> int:
     ap.add_argument("--config", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    cfg = resolve_mode(load_config(args.config, [f"run.steps={args.steps}"]), "colocated")
+    # no held-out evaluation: it is not part of a training step, and the plain loop has none
+    # (the default evaluates 640 samples at the start and the end: 10x the training of 6 steps)
+    cfg = resolve_mode(load_config(args.config, [f"run.steps={args.steps}", "run.eval_every=0"]),
+                       "colocated")
     plain, ours = [], []
     for rep in range(args.repeats):
         plain.append(plain_loop(cfg, args.steps))
