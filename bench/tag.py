@@ -128,7 +128,8 @@ def main() -> int:
         for cname, cov in CONFIGS.items():
             if args.only and cname not in args.only:
                 continue
-            base = [*args.overrides, *cov, f"run.steps={args.steps}", "run.threads=1"]
+            # evaluation off: it is not part of the throughput (the default evaluates at version 0)
+            base = ["run.eval_every=0", *args.overrides, *cov, f"run.steps={args.steps}", "run.threads=1"]
             res = {tag: run(f"{cname}-{tag}", "digenrl", [*base, f"runtime.tag={tag}"], tmp)
                    for tag in ("never", "bts")}
             if cname.startswith("default"):
