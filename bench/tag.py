@@ -45,7 +45,8 @@ CONFIGS = {
     "gen-bound": ["sampler.num_steps=16", "train.window_size=1", "runtime.fragments_per_step=4"],
     "default": [],
     "default-f4": ["runtime.fragments_per_step=4"],
-    "train-bound": ["train.timesteps=all", "runtime.fragments_per_step=4"],
+    # every step trained: the base model's tail (today's default: the last 2) must be off
+    "train-bound": ["train.timesteps=all", "sampler.base_tail=0", "runtime.fragments_per_step=4"],
 }
 
 
