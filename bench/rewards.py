@@ -83,7 +83,9 @@ def main() -> int:
     args = ap.parse_args()
     from digenrl.config import load_config
 
-    # children import this module for the reward (bench.rewards:StepCost): the repo on their path
+    # the launch checks the reward in this process before it starts, and children import it
+    # (bench.rewards:StepCost): the repo on both paths (a script's own is bench/)
+    sys.path.insert(0, str(ROOT))
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     base = [f"run.steps={args.steps}", "runtime.tag=\"never\"", "run.eval_every=0", *args.overrides]
     seconds = args.reward_s if args.reward_s is not None else denoise_step_s(load_config(None, base))
