@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from digenrl.transport import codec, schema
+from digenrl.transport import codec, kinds, schema
 from digenrl.transport.protocol import (
     DEFAULT_MAX_FRAMES,
     INT_MAX,
@@ -200,6 +200,34 @@ def test_mutated_tensor_entries_the_typed_path_accepts_the_checked_path_accepts_
     _agree([msgpack.packb(header, use_bin_type=True), *tensors])
 
 
+@pytest.mark.parametrize("index", TENSORED, ids=lambda i: type(HONEST[i]).__name__)
+@pytest.mark.parametrize("element, change", [(4, 1), (4, -1), (3, "reshape"), (3, "grow"), (3, "shrink"),
+                                             (2, "dtype")])
+def test_a_tensor_entry_that_does_not_match_its_frame_is_refused_by_both(
+        index: int, element: int, change: Any) -> None:
+    """The size checks the typed path makes itself (frames.typed_frame_to_tensor), each case
+    made every run: a size off by one, a shape of the same or another size, one element with
+    its size (the frame longer than the header says), a dtype of another item size. Only a
+    same-size reshape may pass, and then on both paths alike."""
+    frames = encode(HONEST[index])
+    header = msgpack.unpackb(frames[0])
+    entry = header["_tensors"][0]
+    if element == 4:
+        entry[4] += change
+    elif change == "reshape":
+        entry[3] = [math.prod(entry[3])]
+    elif change == "grow":
+        entry[3] = [*entry[3], 2]
+    elif change == "shrink":  # shape and size agree, the frame is bigger than both say
+        entry[3], entry[4] = [1], entry[4] // math.prod(entry[3])
+    else:
+        entry[2] = "int64" if entry[2] != "int64" else "int32"
+    mutated = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+    typed = _agree(mutated)
+    if change != "reshape":
+        assert typed is None and isinstance(_checked(mutated), Exception)
+
+
 def _typed_rules() -> list[tuple[str, str, Any, str]]:
     out = []
     for tag, rules in schema.RULES.items():
@@ -250,7 +278,7 @@ def test_a_typed_rule_says_exactly_what_its_predicate_says(tag: str, name: str, 
                                                            data: st.DataObject) -> None:
     value = data.draw(_values_near(kind, ok))
     wire = msgpack.packb(value, use_bin_type=True)
-    typed = ok.msgspec_type(codec._typed_kind(kind))
+    typed = ok.msgspec_type(kinds.typed_kind(kind))
     try:
         got = msgspec.msgpack.decode(wire, type=typed)
         typed_ok = True
@@ -258,7 +286,7 @@ def test_a_typed_rule_says_exactly_what_its_predicate_says(tag: str, name: str, 
         typed_ok = False
     try:  # the checked path: msgpack without ext types, the kind's type check, then the rule
         decoded = msgpack.unpackb(wire, max_ext_len=0)
-        checked_ok = codec._decoded_ok(kind, decoded) and ok(float(decoded) if kind == "float"
+        checked_ok = kinds.decoded_ok(kind, decoded) and ok(float(decoded) if kind == "float"
                                                              and type(decoded) is int else decoded)
     except Exception:  # an ext type, or a predicate given the wrong type: refused
         checked_ok = False

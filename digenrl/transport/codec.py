@@ -19,7 +19,8 @@ codec writes it in one msgspec call that also checks the field types and the sch
 msgspec can express (each class's header struct, a tagged union on ``"t"``), then runs the
 remaining checks in Python; anything it does not accept goes to the checked path
 (:func:`_decode` + :func:`schema.check`), which names what is wrong. The typed path accepts
-only what the checked path accepts, as the same message (tests/test_codec_typed.py).
+only what the checked path accepts, as the same message (tests/test_codec_typed.py). A
+field's kind and the checks of its values are :mod:`digenrl.transport.kinds`'.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar, dataclass_transfo
 
 import msgpack
 import msgspec
-import numpy as np
 import torch
 import zmq
 from msgspec.structs import asdict
@@ -44,11 +44,21 @@ from digenrl.transport.errors import ProtocolError, VersionMismatch
 from digenrl.transport.frames import (
     DTYPES,
     MAX_NDIM,
-    NUMPY_DTYPES,
     as_buffer,
     frame_to_tensor,
     tensor_to_frame,
     tensors_equal,
+    typed_frame_to_tensor,
+)
+from digenrl.transport.kinds import (
+    FLOATS_EXACT,
+    WIRE_TYPE,
+    check_value,
+    decoded_check,
+    encode_check,
+    kind_of,
+    plain_ok,
+    typed_kind,
 )
 
 # 1: first release. 2: weight part checksums are CRC-32 (were blake2b): a node of the
@@ -69,14 +79,11 @@ FROZEN_TAGS = frozenset({"shutdown"})
 "_tensors": []}`` in every version): a node of any version reads them, so a refusal for a
 version mismatch reaches the peer instead of being dropped as undecodable."""
 
-INT_MIN = -(1 << 63)
-INT_MAX = (1 << 64) - 1  # msgpack carries unsigned 64-bit too
 DEFAULT_MAX_FRAMES = 1 + 8192  # header + tensors; bigger weight sets go in more parts
 DEFAULT_MAX_HEADER_BYTES = 1 << 20
 # Bounds how many Python objects a header may expand into (msgpack's own default is the
 # buffer length, i.e. up to a million one-byte nils per MiB).
 _MAX_CONTAINER_LEN = 1 << 16
-_MAX_DEPTH = 16
 
 JSONDict = dict[str, Any]
 """A msgpack-able mapping: str keys; None/bool/int/float/str/bytes, lists and dicts as values."""
@@ -91,27 +98,6 @@ class Message:
 
 _REGISTRY: dict[str, type[Message]] = {}
 M = TypeVar("M", bound=Message)
-_SCALARS: dict[Any, str] = {int: "int", float: "float", str: "str", bool: "bool", bytes: "bytes"}
-_EXACT = {"str": str, "bool": bool, "bytes": bytes}
-
-
-def _kind_of(tp: Any) -> str:
-    if tp in _SCALARS:
-        return _SCALARS[tp]
-    if typing.get_origin(tp) is typing.Literal:
-        # a closed set of strings (a role, a state): "literal:a|b", checked both ways
-        choices = typing.get_args(tp)
-        if not choices or not all(type(c) is str and c and "|" not in c for c in choices):
-            raise TypeError(f"unsupported message field type {tp!r}: Literal of strings only")
-        return "literal:" + "|".join(choices)
-    if tp is torch.Tensor:
-        return "tensor"
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is list and len(args) == 1 and args[0] in _SCALARS:
-        return "list:" + _SCALARS[args[0]]
-    if origin is dict and args and args[0] is str:
-        return "tensors" if args[1] is torch.Tensor else "dict"
-    raise TypeError(f"unsupported message field type {tp!r}")  # our bug, not a peer's
 
 
 @dataclass_transform(frozen_default=True, kw_only_default=True)
@@ -123,7 +109,7 @@ def message(tag: str) -> Callable[[type[M]], type[M]]:
             raise TypeError(f"message tag {tag!r} is reserved or registered twice")
         cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
         hints = typing.get_type_hints(cls)
-        cls.KINDS = {f.name: _kind_of(hints[f.name]) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        cls.KINDS = {f.name: kind_of(hints[f.name]) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         cls.TAG = tag
         _REGISTRY[tag] = cls
         _PLANS[cls] = _Plan(cls)
@@ -139,56 +125,6 @@ def message_types() -> dict[str, type[Message]]:
 
 
 # ---------------------------------------------------------------- encoding
-
-
-def _check_value(where: str, kind: str, value: Any) -> Any:
-    """Validate one non-tensor field for encoding; returns the msgpack-ready value."""
-    if kind == "int":
-        if type(value) is not int:
-            raise ValueError(f"{where} = {value!r}: expected an int")
-        if not INT_MIN <= value <= INT_MAX:
-            raise ValueError(f"{where} = {value!r}: outside the 64-bit range")
-        return value
-    if kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{where} = {value!r}: expected a float")
-        return float(value)
-    if kind in _EXACT:
-        if type(value) is not _EXACT[kind]:
-            raise ValueError(f"{where} = {value!r}: expected {kind}")
-        return value
-    if kind.startswith("literal:"):
-        if type(value) is not str or value not in kind[8:].split("|"):
-            raise ValueError(f"{where} = {value!r}: expected one of {kind[8:]}")
-        return value
-    if kind.startswith("list:"):
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{where} = {value!r}: expected a list")
-        inner = kind[5:]
-        return [_check_value(f"{where}[{i}]", inner, v) for i, v in enumerate(value)]
-    assert kind == "dict", kind
-    _check_plain(where, value, 0)
-    return value
-
-
-def _check_plain(where: str, value: Any, depth: int) -> None:
-    if depth > _MAX_DEPTH:
-        raise ValueError(f"{where}: nested deeper than {_MAX_DEPTH}")
-    if value is None or isinstance(value, (bool, float, str, bytes)):
-        return
-    if isinstance(value, int):
-        if not INT_MIN <= value <= INT_MAX:
-            raise ValueError(f"{where} = {value!r}: outside the 64-bit range")
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _check_plain(f"{where}[{i}]", v, depth + 1)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise ValueError(f"{where}: key {k!r} is not a str")
-            _check_plain(f"{where}[{k!r}]", v, depth + 1)
-    else:
-        raise ValueError(f"{where} = {value!r}: {type(value).__name__} is not msgpack-able")
 
 
 def encode(msg: Message, *, version: int = PROTOCOL_VERSION) -> list[bytes | memoryview]:
@@ -213,7 +149,7 @@ def encode(msg: Message, *, version: int = PROTOCOL_VERSION) -> list[bytes | mem
     for name, kind, ok in plan.encoders:
         value = values[name]
         if ok is not None:  # a plain field: the exact-type check, else the naming one
-            header[name] = value if ok(value) else _check_value(f"{plan.name}.{name}", kind, value)
+            header[name] = value if ok(value) else check_value(f"{plan.name}.{name}", kind, value)
         elif kind == "tensor":
             dtype, shape, raw = tensor_to_frame(f"{plan.name}.{name}", value)
             entries.append([name, None, dtype, shape, raw.nbytes])
@@ -241,99 +177,6 @@ a heartbeat's ~9). The same bytes: floats as float64, bytes as bin, str as str."
 # ---------------------------------------------------------------- decoding
 
 
-def _decoded_ok(kind: str, value: Any) -> bool:
-    return _decoded_check(kind)(value)
-
-
-def _plain_ok(value: Any, depth: int = 0) -> bool:
-    """msgpack allows bytes map keys; JSONDict keys must be str, and nesting is bounded.
-
-    Also the encoder's fast check (with ints bounded to 64 bits): anything it refuses goes
-    through :func:`_check_plain`, which names the offending element.
-    """
-    if type(value) is dict:
-        if value and depth >= _MAX_DEPTH:
-            return False
-        for k, v in value.items():
-            if type(k) is not str:
-                return False
-            tv = type(v)
-            if tv in _LEAVES:
-                continue
-            if tv is int:
-                if not INT_MIN <= v <= INT_MAX:
-                    return False
-            elif not ((tv is dict or tv is list) and _plain_ok(v, depth + 1)):
-                return False
-        return True
-    if type(value) is list:
-        if value and depth >= _MAX_DEPTH:
-            return False
-        for v in value:
-            tv = type(v)
-            if tv in _LEAVES:
-                continue
-            if tv is int:
-                if not INT_MIN <= v <= INT_MAX:
-                    return False
-            elif not ((tv is dict or tv is list) and _plain_ok(v, depth + 1)):
-                return False
-        return True
-    return False
-
-
-_LEAVES = frozenset({str, float, bool, bytes, type(None)})
-
-
-def _int_ok(v: Any) -> bool:
-    return type(v) is int and INT_MIN <= v <= INT_MAX
-
-
-def _list_ok(inner: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: type(v) is list and all(map(inner, v))
-
-
-_SCALAR_OK: dict[str, Callable[[Any], bool]] = {
-    "int": _int_ok,
-    "float": lambda v: type(v) is float,
-    "str": lambda v: type(v) is str,
-    "bool": lambda v: type(v) is bool,
-    "bytes": lambda v: type(v) is bytes,
-}
-_ENCODE_OK: dict[str, Callable[[Any], bool]] = {
-    **_SCALAR_OK, **{f"list:{k}": _list_ok(f) for k, f in _SCALAR_OK.items()},
-    "dict": lambda v: type(v) is dict and _plain_ok(v)}
-"""Exact-type checks: True means the value travels as it is; False sends it through the
-slower :func:`_check_value`, which converts it (an int for a float) or raises naming it."""
-
-_FLOAT_IN = lambda v: type(v) is float or type(v) is int  # noqa: E731 - msgpack may shorten 1.0
-_DECODED_OK: dict[str, Callable[[Any], bool]] = {
-    **_SCALAR_OK, "float": _FLOAT_IN, "int": lambda v: type(v) is int,
-    **{f"list:{k}": _list_ok(f) for k, f in _SCALAR_OK.items()},
-    "list:int": _list_ok(lambda v: type(v) is int), "list:float": _list_ok(_FLOAT_IN),
-    "dict": lambda v: type(v) is dict and _plain_ok(v)}
-
-
-_FLOATS_EXACT = _list_ok(lambda v: type(v) is float)
-
-
-def _literal_ok(kind: str) -> Callable[[Any], bool]:
-    choices = frozenset(kind[8:].split("|"))
-    return lambda v: type(v) is str and v in choices
-
-
-def _encode_check(kind: str) -> Callable[[Any], bool]:
-    return _literal_ok(kind) if kind.startswith("literal:") else _ENCODE_OK[kind]
-
-
-def _decoded_check(kind: str) -> Callable[[Any], bool]:
-    return _literal_ok(kind) if kind.startswith("literal:") else _DECODED_OK[kind]
-
-
-_WIRE_TYPE = {"int": int, "float": float, "str": str, "bool": bool, "bytes": bytes, "list": list,
-              "dict": dict, "literal": str}
-
-
 class _Plan:
     """What encode and decode need of one message class, worked out once at registration."""
 
@@ -342,19 +185,19 @@ class _Plan:
         self.tag = cls.TAG
         self.name = cls.__name__
         # (field, kind, exact-type check or None for tensor kinds), in declaration order
-        self.encoders = [(n, k, _encode_check(k) if k not in ("tensor", "tensors") else None)
+        self.encoders = [(n, k, encode_check(k) if k not in ("tensor", "tensors") else None)
                          for n, k in cls.KINDS.items()]
-        self.decoders = {n: _decoded_check(k) for n, k in cls.KINDS.items()
+        self.decoders = {n: decoded_check(k) for n, k in cls.KINDS.items()
                          if k not in ("tensor", "tensors")}
         self.dict_tensors = [n for n, k in cls.KINDS.items() if k == "tensors"]
         self.tensor_names = frozenset(n for n, k in cls.KINDS.items() if k == "tensor")
         # the decoder's fast path: header keys and value types exactly as encode() makes them
         self.names = tuple(self.decoders)
-        self.types = tuple(_WIRE_TYPE[k.partition(":")[0]] for n, k in cls.KINDS.items()
+        self.types = tuple(WIRE_TYPE[k.partition(":")[0]] for n, k in cls.KINDS.items()
                            if n in self.decoders)
         # fields whose exact type is not enough: their elements, or a literal's value
         # (a list of floats holding an int goes the long way, which makes it a float)
-        self.nested = [(n, _FLOATS_EXACT if cls.KINDS[n] == "list:float" else ok)
+        self.nested = [(n, FLOATS_EXACT if cls.KINDS[n] == "list:float" else ok)
                        for n, ok in self.decoders.items()
                        if cls.KINDS[n] == "dict" or cls.KINDS[n].startswith(("list:", "literal:"))]
         self.nfields = len(cls.KINDS)
@@ -372,11 +215,11 @@ class _Plan:
                 continue
             ok = rules[n][0] if n in rules else None
             if isinstance(ok, (schema.IntRange, schema.FloatRange, schema.MaxLen, schema.Typed)):
-                typed.append((n, ok.msgspec_type(_typed_kind(k))))  # the rule, in C
+                typed.append((n, ok.msgspec_type(typed_kind(k))))  # the rule, in C
                 continue
-            typed.append((n, _typed_kind(k)))
+            typed.append((n, typed_kind(k)))
             if k == "dict":
-                self.typed_checks.append((n, _plain_ok))
+                self.typed_checks.append((n, plain_ok))
             if ok is not None:
                 self.typed_checks.append((n, ok))
         typed.append(("_tensors", _TENSOR_ENTRIES))
@@ -393,18 +236,6 @@ class _Plan:
 
 
 _PLANS: dict[type[Message], _Plan] = {}
-
-
-def _typed_kind(kind: str) -> Any:
-    """The msgspec type of a non-tensor field's kind (what _DECODED_OK accepts, less the dict
-    contents, which _plain_ok checks after it)."""
-    scalars: dict[str, Any] = {"int": int, "float": float, "str": str, "bool": bool,
-                               "bytes": bytes, "dict": dict[str, Any]}
-    if kind.startswith("literal:"):
-        return Literal[tuple(kind[8:].split("|"))]
-    if kind.startswith("list:"):
-        return list[scalars[kind[5:]]]  # type: ignore[misc]
-    return scalars[kind]
 
 
 _TYPED: dict[str, Any] = {}
@@ -497,35 +328,18 @@ _TENSOR_ENTRIES: Any = list[tuple[  # type: ignore[misc]
 already of the kind :func:`frame_to_tensor` checks for (what it does not accept the checked
 path refuses anyway)."""
 
-_LEAN: dict[str, tuple[Any, int, bool]] = {
-    name: (NUMPY_DTYPES[name], dt.itemsize, dt is torch.bfloat16)
-    for name, dt in DTYPES.items() if dt is not torch.bool}
-"""Wire dtype -> (numpy dtype, item size, is bfloat16) for the tensors the typed path builds
-itself; a bool tensor (whose bytes must be checked) goes through :func:`frame_to_tensor`."""
-
-
 def _typed_tensors(plan: _Plan, entries: list[Any], frames: Sequence[Any],
                    fields: dict[str, Any], max_frame_bytes: int) -> bool:
     """Add the tensor fields of a typed header's ``entries`` (one per frame after the
     header) to ``fields``; False for an entry the typed path does not accept (a field the
-    class does not have as that kind, or twice). Sizes are checked as :func:`frame_to_tensor`
-    checks them, before any tensor exists; anything unusual (a size that does not add up, an
-    empty, read-only or bool tensor) goes through it, which raises for what is wrong."""
+    class does not have as that kind, or twice); raises for a description that does not match
+    its frame (:func:`~digenrl.transport.frames.typed_frame_to_tensor`)."""
     singles = plan.tensor_names
     for name in plan.dict_tensors:
         fields[name] = {}
     for i, (name, key, dtype, shape, nbytes) in enumerate(entries, 1):
-        view = as_buffer(frames[i])
-        lean = _LEAN.get(dtype)
-        expected = math.prod(shape) * lean[1] if lean is not None else -1
-        if (expected > 0 and expected == nbytes == len(view) and expected <= max_frame_bytes
-                and not view.readonly):
-            t = torch.from_numpy(np.ndarray(shape, lean[0], view))  # type: ignore[index]
-            if lean[2]:  # type: ignore[index]
-                t = t.view(torch.bfloat16)
-        else:
-            t = frame_to_tensor(f"{plan.name}.{name}", dtype, shape, nbytes, view,
-                                max_frame_bytes=max_frame_bytes)
+        t = typed_frame_to_tensor(plan.name, dtype, shape, nbytes, as_buffer(frames[i]),
+                                  max_frame_bytes=max_frame_bytes)
         if key is None:
             if name not in singles or name in fields:
                 return False
