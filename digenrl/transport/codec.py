@@ -37,9 +37,9 @@ import msgpack
 import msgspec
 import torch
 import zmq
-from msgspec.structs import asdict
 
 from digenrl.transport import schema
+from digenrl.transport.compiled import compile_encoder, compile_finish
 from digenrl.transport.errors import ProtocolError, VersionMismatch
 from digenrl.transport.frames import (
     DTYPES,
@@ -143,6 +143,14 @@ def encode(msg: Message, *, version: int = PROTOCOL_VERSION) -> list[bytes | mem
         raise ValueError(f"{cls.__name__} in protocol version {version}: only "
                          f"{', '.join(sorted(FROZEN_TAGS))} can be written in another version")
     values = msg.__dict__
+    frames = plan.encode(values, version)  # the generated fast path (compiled.py)
+    if frames is not None:
+        return frames
+    return _encode_checked(plan, values, version)
+
+
+def _encode_checked(plan: _Plan, values: dict[str, Any], version: int) -> list[bytes | memoryview]:
+    """:func:`encode` the long way: each field checked and converted, or named in a ValueError."""
     header: dict[str, Any] = {"t": plan.tag, "v": version}
     entries: list[list[Any]] = []
     frames: list[bytes | memoryview] = [b""]
@@ -155,18 +163,23 @@ def encode(msg: Message, *, version: int = PROTOCOL_VERSION) -> list[bytes | mem
             entries.append([name, None, dtype, shape, raw.nbytes])
             frames.append(raw)
         else:
-            where = f"{plan.name}.{name}"
-            if not isinstance(value, dict):
-                raise ValueError(f"{where}: expected a dict of tensors")
-            for key, t in value.items():
-                if not isinstance(key, str):
-                    raise ValueError(f"{where}: key {key!r} is not a str")
-                dtype, shape, raw = tensor_to_frame(f"{where}[{key!r}]", t)
-                entries.append([name, key, dtype, shape, raw.nbytes])
-                frames.append(raw)
+            _tensor_dict(f"{plan.name}.{name}", name, value, entries, frames)
     header["_tensors"] = entries
     frames[0] = _ENCODER.encode(header)
     return frames
+
+
+def _tensor_dict(where: str, name: str, value: Any, entries: list[list[Any]],
+                 frames: list[bytes | memoryview]) -> None:
+    """Add a ``dict[str, Tensor]`` field's entries and frames (``where`` names it in errors)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a dict of tensors")
+    for key, t in value.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{where}: key {key!r} is not a str")
+        dtype, shape, raw = tensor_to_frame(f"{where}[{key!r}]", t)
+        entries.append([name, key, dtype, shape, raw.nbytes])
+        frames.append(raw)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -226,6 +239,12 @@ class _Plan:
         self.header_type = msgspec.defstruct(f"{self.name}Header", typed, tag=self.tag,
                                              tag_field="t", forbid_unknown_fields=True)
         self.whole = schema.WHOLE.get(self.tag)
+        # the same, as code written for this class's fields (compiled.py)
+        self.encode = compile_encoder(cls, cls.KINDS, self.tag, to_frame=tensor_to_frame,
+                                      tensor_dict=_tensor_dict, write=_ENCODER.encode)
+        self.finish = compile_finish(cls, cls.KINDS, self.typed_checks, version=PROTOCOL_VERSION,
+                                     direct=self.direct, whole=self.whole,
+                                     tensors=_typed_tensors, plan=self)
 
     def build(self, fields: dict[str, Any]) -> Message:
         if not self.direct:
@@ -284,6 +303,8 @@ def _decode_typed(frames: Sequence[Any], max_frame_bytes: int, max_frames: int,
     types are the checked path's, its rules are the schema's, and a header over 64 KiB (where
     the checked path bounds containers itself) is left to the checked path. Never raises.
     """
+    if not _TYPED:
+        _typed_decoder()
     try:
         n = len(frames)
         if not 1 <= n <= max_frames:
@@ -292,25 +313,10 @@ def _decode_typed(frames: Sequence[Any], max_frame_bytes: int, max_frames: int,
         raw = head if type(head) in _BYTE_BUFFERS else as_buffer(head)
         if len(raw) > min(_MAX_CONTAINER_LEN, max_frame_bytes, max_header_bytes):
             return None
-        decoder, plans = _typed_decoder()
+        decoder, plans = _TYPED["decoder"], _TYPED["plans"]
         header = decoder.decode(raw)
-        plan = plans[type(header)]
-        fields = asdict(header)  # the message's non-tensor fields, "v" and "_tensors"
-        if fields.pop("v") != PROTOCOL_VERSION:
-            return None
-        entries = fields.pop("_tensors")
-        if (n > 1 or entries or plan.dict_tensors) and (
-                len(entries) != n - 1
-                or not _typed_tensors(plan, entries, frames, fields, max_frame_bytes)):
-            return None
-        if len(fields) != plan.nfields:
-            return None
-        for name, ok in plan.typed_checks:
-            if not ok(fields[name]):
-                return None
-        msg = plan.build(fields)
-        if plan.whole is not None and plan.whole(msg) is not None:
-            return None
+        # the version, tensors, checks, message and whole-message rule (compiled.py)
+        msg: Message | None = plans[type(header)].finish(header, frames, n, max_frame_bytes)
         return msg
     except Exception:  # whatever it is, the checked path names it
         return None

@@ -41,6 +41,24 @@ def tensor_to_frame(where: str, t: Any) -> tuple[str, list[int], memoryview]:
     case); otherwise a contiguous CPU copy is made first. A GPU tensor should be staged
     into pinned host memory first (:mod:`digenrl.transport.staging`): this copy blocks.
     """
+    if type(t) is torch.Tensor:
+        # The common case in one try: numpy() refuses a GPU, grad-requiring, conjugated or
+        # bfloat16 tensor and cast() a non-contiguous or empty one; each then goes the long
+        # way below, which makes it sendable or names what is wrong (~1.2 us a tensor less).
+        try:
+            arr = t.numpy()
+            view = arr.data.cast("B")
+        except (TypeError, RuntimeError, ValueError):
+            pass
+        else:
+            fast = _NUMPY_NAMES.get(arr.dtype)
+            if fast is not None:
+                return fast, list(arr.shape), view
+    return tensor_to_frame_checked(where, t)
+
+
+def tensor_to_frame_checked(where: str, t: Any) -> tuple[str, list[int], memoryview]:
+    """:func:`tensor_to_frame` the long way: any tensor made sendable, or named in a ValueError."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{where} = {type(t).__name__}: expected a torch.Tensor")
     name = DTYPE_NAMES.get(t.dtype)
@@ -75,6 +93,10 @@ def as_buffer(frame: Any) -> memoryview:
 _NUMPY: dict[str, Any] = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16,
                           "int64": np.int64, "int32": np.int32, "uint8": np.uint8, "bool": np.bool_}
 """Wire dtype -> the numpy dtype its bytes are read as (bfloat16 as int16, then viewed)."""
+
+_NUMPY_NAMES: dict[Any, str] = {np.dtype(v): k for k, v in _NUMPY.items() if k != "bfloat16"}
+"""numpy dtype -> wire dtype, for :func:`tensor_to_frame`'s fast path (int16 is not here: a
+bfloat16 tensor has no numpy view, and an int16 one is not sendable)."""
 
 
 def frame_to_tensor(where: str, dtype_name: Any, shape: Any, nbytes: Any, frame: memoryview,

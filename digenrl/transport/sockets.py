@@ -21,6 +21,7 @@ version with a ``Shutdown`` that says so.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 
@@ -73,7 +74,8 @@ class Router(Socket):
         if to is None:
             raise ValueError(f"{self.name}: a Router needs to=<peer identity>")
         tracker = self.send_nowait([to, *encode(msg)], to, track=track)
-        await self._maybe_yield()
+        if self._yield_due():
+            await asyncio.sleep(0)
         return tracker if track else None
 
     def send_nowait(self, frames: list[Any], peer: bytes, *,
