@@ -20,7 +20,9 @@ msgspec can express (each class's header struct, a tagged union on ``"t"``), the
 remaining checks in Python; anything it does not accept goes to the checked path
 (:func:`_decode` + :func:`schema.check`), which names what is wrong. The typed path accepts
 only what the checked path accepts, as the same message (tests/test_codec_typed.py). A
-field's kind and the checks of its values are :mod:`digenrl.transport.kinds`'.
+field's kind and the checks of its values are :mod:`digenrl.transport.kinds`'; each class's
+encoder and the typed path's finish are generated code (:mod:`digenrl.transport.compiled`),
+fast paths of :func:`_encode_checked` and the checked path.
 """
 
 from __future__ import annotations
