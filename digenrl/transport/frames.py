@@ -49,11 +49,10 @@ def tensor_to_frame(where: str, t: Any) -> tuple[str, list[int], memoryview]:
             arr = t.numpy()
             view = arr.data.cast("B")
         except (TypeError, RuntimeError, ValueError):
-            pass
-        else:
-            fast = _NUMPY_NAMES.get(arr.dtype)
-            if fast is not None:
-                return fast, list(arr.shape), view
+            return tensor_to_frame_checked(where, t)
+        fast = _NUMPY_NAMES.get(arr.dtype)
+        if fast is not None:
+            return fast, list(arr.shape), view
     return tensor_to_frame_checked(where, t)
 
 
