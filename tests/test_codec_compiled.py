@@ -3,22 +3,36 @@ the long way's fast paths: same frames for what they take, and nothing taken tha
 would have converted or refused.
 
 The typed decoder's generated finish is held to the checked decoder by tests/test_codec_typed.py
-(every decode of a typed header goes through it)."""
+(every decode of a typed header goes through it); here, also on frames received from a real
+ZeroMQ socket, where its inline tensor step (frames.received_frame_to_tensor) runs. The
+generated ``__init__`` builds the instance the dataclass ``__init__`` builds."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
+import msgpack
+import numpy as np
 import pytest
 import torch
+import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from digenrl.transport import codec, frames, kinds
-from digenrl.transport.protocol import PROTOCOL_VERSION, Message, encode, message_types
-from tests.test_codec_typed import HONEST
+from digenrl.transport.protocol import (
+    PROTOCOL_VERSION,
+    Message,
+    encode,
+    message_types,
+    messages_equal,
+)
+from tests.test_codec_typed import HONEST, _agree, _checked
 from tests.test_protocol import any_message, plain, tensors
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -135,3 +149,171 @@ def test_random_tensors_give_the_same_frame_both_ways(t: torch.Tensor) -> None:
     fast = frames.tensor_to_frame("M.x", t)
     slow = frames.tensor_to_frame_checked("M.x", t)
     assert (fast[0], fast[1], bytes(fast[2])) == (slow[0], slow[1], bytes(slow[2]))
+
+
+# ---------------------------------------------------------------- received frames
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any]]]:
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://test-codec-compiled")
+    b.connect("inproc://test-codec-compiled")
+    yield a, b
+    a.close(linger=0)
+    b.close(linger=0)
+    ctx.term()
+
+
+def _received(pair: tuple[zmq.Socket[Any], zmq.Socket[Any]], fs: list[Any]) -> list[zmq.Frame]:
+    """``fs`` as a node receives them: zmq.Frames over libzmq's own (writable) buffers."""
+    pair[0].send_multipart(fs, copy=False)
+    got = pair[1].recv_multipart(copy=False)
+    assert all(type(f) is zmq.Frame for f in got)
+    return got
+
+
+SINGLES = [m for m in HONEST if encode(m)[1:]
+           and "tensors" not in type(m).KINDS.values()]  # Chunk, CleanSample, Score
+
+
+def test_the_inline_tensor_step_is_generated_for_the_chunk() -> None:
+    assert {type(m).__name__ for m in SINGLES} >= {"Chunk", "CleanSample"}
+
+
+@pytest.mark.parametrize("msg", HONEST, ids=lambda m: type(m).__name__)
+def test_honest_messages_received_from_a_socket_decode_as_sent(pair: Any, msg: Message) -> None:
+    got = _agree(_received(pair, encode(msg)))
+    assert got is not None and messages_equal(got, msg)
+
+
+@pytest.mark.parametrize("msg", SINGLES, ids=lambda m: type(m).__name__)
+def test_received_tensors_take_the_inline_step_alone(pair: Any, msg: Message,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the generic tensor step broken, a received message laid out as encode() writes
+    it still decodes: the inline step did all of it (so a step that always declined, which
+    every equivalence test would pass, fails here). Its tensors are views of the frames."""
+    finish = codec._PLANS[type(msg)].finish
+
+    def broken(*args: Any) -> bool:
+        raise AssertionError("the generic tensor step ran")
+
+    monkeypatch.setitem(finish.__globals__, "tensors", broken)
+    received = _received(pair, encode(msg))
+    got = codec._decode_typed(received, 1 << 20, codec.DEFAULT_MAX_FRAMES,
+                              codec.DEFAULT_MAX_HEADER_BYTES)
+    assert got is not None and messages_equal(got, msg)
+    names = [n for n, k in type(msg).KINDS.items() if k == "tensor"]
+    for name, frame in zip(names, received[1:]):
+        t = getattr(got, name)
+        assert t.untyped_storage().data_ptr() == np.frombuffer(frame, np.uint8).ctypes.data
+
+
+@pytest.mark.parametrize("msg", SINGLES, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("change", ["swap", "size", "shape", "shrink", "dtype", "drop",
+                                    "over-bytes"])
+def test_received_frames_the_inline_step_declines_go_the_generic_way(pair: Any, msg: Message,
+                                                                    change: str) -> None:
+    """Entries out of order (the generic step takes them), sizes that do not match (both
+    paths refuse; "shrink": frames longer than descriptions that agree with each other), a
+    frame dropped. And a Frame made over a bytes object, as a caller may build
+    one: pyzmq calls its buffer writable, so torch must not warn (warnings are errors here)."""
+    fs = encode(msg)
+    header = msgpack.unpackb(fs[0])
+    entries, tensor_frames = header["_tensors"], list(fs[1:])
+    if change == "swap" and len(entries) > 1:
+        entries[0], entries[1] = entries[1], entries[0]
+        tensor_frames[0], tensor_frames[1] = tensor_frames[1], tensor_frames[0]
+    elif change == "size":
+        entries[-1][4] += 1
+    elif change == "shape":
+        entries[0][3] = [*entries[0][3], 2]
+    elif change == "shrink":  # every N to 1, sizes to match: the frames are longer than said
+        for entry in entries:
+            entry[3], entry[4] = [1, *entry[3][1:]], entry[4] // entry[3][0]
+    elif change == "dtype":
+        entries[0][2] = "int64" if entries[0][2] != "int64" else "int32"
+    elif change == "drop":
+        del tensor_frames[-1]
+    mutated = [msgpack.packb(header, use_bin_type=True), *tensor_frames]
+    if change == "over-bytes":
+        received: list[Any] = [zmq.Frame(bytes(f)) for f in mutated]
+    else:
+        received = _received(pair, mutated)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _agree(received)
+    if change in ("swap", "over-bytes"):
+        assert got is not None and messages_equal(got, msg)
+    elif change != "dtype" or entries[0][2] != "int32":
+        assert got is None and isinstance(_checked(received), Exception)
+
+
+@FAST
+@given(msg=any_message)
+def test_random_messages_received_from_a_socket_decode_alike_both_ways(pair: Any, msg: Message) -> None:
+    _agree(_received(pair, encode(msg)))
+
+
+# ---------------------------------------------------------------- the generated __init__
+
+
+@pytest.mark.parametrize("tag, cls", CLASSES)
+def test_every_message_class_has_the_generated_init_with_the_dataclass_signature(
+        tag: str, cls: type[Message]) -> None:
+    assert cls.__init__.__code__.co_filename.startswith("<digenrl.transport.compiled")
+    params = inspect.signature(cls).parameters
+    assert list(params) == [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    assert all(p.kind is p.KEYWORD_ONLY and p.default is p.empty for p in params.values())
+
+
+@pytest.mark.parametrize("msg", HONEST, ids=lambda m: type(m).__name__)
+def test_the_generated_init_builds_what_the_dataclass_init_builds(msg: Message) -> None:
+    cls = type(msg)
+    values = dict(msg.__dict__)
+    # the dataclass __init__ that message() replaced, made again for the same fields
+    reference = dataclasses.dataclass(frozen=True, kw_only=True)(
+        type(cls.__name__, (), {"__annotations__": dict(cls.__annotations__)}))
+    want = reference(**values).__dict__
+    got = cls(**values)  # type: ignore[call-arg]
+    assert list(got.__dict__) == list(want) and all(got.__dict__[n] is want[n] for n in want)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(got, next(iter(values)), None)
+    first = next(iter(values))
+    for bad in ({k: v for k, v in values.items() if k != first}, {**values, "extra": 1}):
+        with pytest.raises(TypeError) as generated:
+            cls(**bad)
+        with pytest.raises(TypeError) as dataclass_init:
+            reference(**bad)
+        assert str(generated.value).split("() ", 1)[1] == str(dataclass_init.value).split("() ", 1)[1]
+    with pytest.raises(TypeError):
+        cls(*values.values())
+
+
+def test_a_message_with_a_default_or_a_post_init_keeps_the_dataclass_init() -> None:
+    made: list[type[Message]] = []
+    try:
+        @codec.message("test_with_default")
+        class WithDefault(Message):
+            a: int
+            b: str = "x"
+
+        made.append(WithDefault)
+
+        @codec.message("test_with_post_init")
+        class WithPostInit(Message):
+            a: int
+
+            def __post_init__(self) -> None:
+                object.__setattr__(self, "a", self.a + 1)
+
+        made.append(WithPostInit)
+        assert WithDefault(a=1).__dict__ == {"a": 1, "b": "x"}
+        assert WithPostInit(a=1).a == 2
+        assert not WithDefault.__init__.__code__.co_filename.startswith("<digenrl")
+    finally:
+        for cls in made:
+            codec._REGISTRY.pop(cls.TAG, None)
+            codec._PLANS.pop(cls, None)
+        codec._TYPED.clear()

@@ -41,13 +41,14 @@ import torch
 import zmq
 
 from digenrl.transport import schema
-from digenrl.transport.compiled import compile_encoder, compile_finish
+from digenrl.transport.compiled import compile_encoder, compile_finish, compile_init
 from digenrl.transport.errors import ProtocolError, VersionMismatch
 from digenrl.transport.frames import (
     DTYPES,
     MAX_NDIM,
     as_buffer,
     frame_to_tensor,
+    received_frame_to_tensor,
     tensor_to_frame,
     tensors_equal,
     typed_frame_to_tensor,
@@ -110,8 +111,13 @@ def message(tag: str) -> Callable[[type[M]], type[M]]:
         if tag in _REGISTRY or tag.startswith("_") or tag in ("t", "v"):
             raise TypeError(f"message tag {tag!r} is reserved or registered twice")
         cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        if not hasattr(cls, "__post_init__") and all(
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                for f in fields):
+            cls.__init__ = compile_init(cls, [f.name for f in fields])  # type: ignore[method-assign]
         hints = typing.get_type_hints(cls)
-        cls.KINDS = {f.name: kind_of(hints[f.name]) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        cls.KINDS = {f.name: kind_of(hints[f.name]) for f in fields}
         cls.TAG = tag
         _REGISTRY[tag] = cls
         _PLANS[cls] = _Plan(cls)
@@ -246,7 +252,8 @@ class _Plan:
                                       tensor_dict=_tensor_dict, write=_ENCODER.encode)
         self.finish = compile_finish(cls, cls.KINDS, self.typed_checks, version=PROTOCOL_VERSION,
                                      direct=self.direct, whole=self.whole,
-                                     tensors=_typed_tensors, plan=self)
+                                     tensors=_typed_tensors, lean=received_frame_to_tensor,
+                                     plan=self)
 
     def build(self, fields: dict[str, Any]) -> Message:
         if not self.direct:

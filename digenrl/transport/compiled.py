@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from digenrl.transport.kinds import INT_MAX, INT_MIN, encode_check
+from digenrl.transport.kinds import INT_MAX, INT_MIN, encode_check, plain_ok
 
 _INLINE: dict[str, str] = {
     "int": "(type({v}) is int and INT_MIN <= {v} <= INT_MAX)",
@@ -28,7 +28,8 @@ _INLINE: dict[str, str] = {
     "bool": "type({v}) is bool",
     "bytes": "type({v}) is bytes",
 }
-"""A kind's encode check (kinds._ENCODE_OK) as an expression over the local ``{v}``."""
+"""A kind's encode check (kinds._ENCODE_OK) as an expression over the local ``{v}``; literals
+and dicts are written inline too (compile_encoder), lists call the generic check."""
 
 
 def _build(name: str, source: str, namespace: dict[str, Any]) -> Callable[..., Any]:
@@ -46,7 +47,7 @@ def compile_encoder(cls: type, kinds: dict[str, str], tag: str, *, to_frame: Cal
     converts it or raises naming it). Tensor fields go through ``to_frame`` (one tensor) and
     ``tensor_dict`` (a dict of them) with the names the generic encoder gives them, so a bad
     tensor raises the same ValueError."""
-    ns: dict[str, Any] = {"INT_MIN": INT_MIN, "INT_MAX": INT_MAX, "TAG": tag,
+    ns: dict[str, Any] = {"INT_MIN": INT_MIN, "INT_MAX": INT_MAX, "TAG": tag, "plain_ok": plain_ok,
                           "to_frame": to_frame, "tensor_dict": tensor_dict, "write": write}
     body = [f"    x_{n} = values[{n!r}]" for n in kinds]
     checks, plain, tensors = [], [], []
@@ -56,7 +57,12 @@ def compile_encoder(cls: type, kinds: dict[str, str], tag: str, *, to_frame: Cal
             continue
         plain.append(n)
         template = _INLINE.get(kind)
-        if template is None:  # literals, lists, dicts: the generic check, called once
+        if kind.startswith("literal:"):
+            ns[f"CHOICES_{i}"] = frozenset(kind[8:].split("|"))
+            template = f"(type({{v}}) is str and {{v}} in CHOICES_{i})"
+        elif kind == "dict":
+            template = "(type({v}) is dict and plain_ok({v}))"
+        elif template is None:  # lists: the generic check, called once
             ns[f"OK_{i}"] = encode_check(kind)
             template = f"OK_{i}({{v}})"
         checks.append(template.format(v=f"x_{n}"))
@@ -79,16 +85,21 @@ def compile_encoder(cls: type, kinds: dict[str, str], tag: str, *, to_frame: Cal
 
 def compile_finish(cls: type, kinds: dict[str, str], checks: list[tuple[str, Callable[[Any], bool]]],
                    *, version: int, direct: bool, whole: Callable[[Any], str | None] | None,
-                   tensors: Callable[..., bool], plan: Any
+                   tensors: Callable[..., bool], lean: Callable[..., Any], plan: Any
                    ) -> Callable[[Any, Any, int, int], Any]:
     """``finish(header, frames, n, max_frame_bytes)``: the message of a typed header (the
     class's msgspec header struct) and its ``n`` frames, or None for anything the typed path
     does not accept: another version, tensor entries that do not match the frames
     (``tensors``: the codec's ``_typed_tensors``), a failed check, a whole-message rule
     broken. May raise for a tensor description that does not match its frame (the caller
-    treats that as None too)."""
+    treats that as None too).
+
+    A class whose tensors are all single fields (a Chunk's three) reads frames laid out as
+    its encoder writes them (one entry per field, in order, each a received frame) with
+    ``lean`` (frames.received_frame_to_tensor) per tensor, inline; anything else, or a
+    tensor ``lean`` declines, goes through ``tensors`` (the codec's ``_typed_tensors``)."""
     ns: dict[str, Any] = {"CLS": cls, "NEW": object.__new__, "WHOLE": whole, "PLAN": plan,
-                          "tensors": tensors}
+                          "tensors": tensors, "LEAN": lean}
     plain = [n for n, k in kinds.items() if k not in ("tensor", "tensors")]
     has_dicts = any(k == "tensors" for k in kinds.values())
     fields = ", ".join(f"{n!r}: h.{n}" for n in plain)
@@ -96,8 +107,21 @@ def compile_finish(cls: type, kinds: dict[str, str], checks: list[tuple[str, Cal
             "    entries = h._tensors",
             f"    fields = {{{fields}}}"]
     has_tensors = len(plain) != len(kinds)
+    singles = [n for n, k in kinds.items() if k == "tensor"]
+    if has_tensors and not has_dicts:
+        k = len(singles)
+        match = " and ".join(f"entries[{i}][0] == {n!r} and entries[{i}][1] is None"
+                             for i, n in enumerate(singles))
+        got = " and ".join(f"t_{i} is not None" for i in range(k))
+        body += ["    fast = False",
+                 f"    if n == {k + 1} and len(entries) == {k} and {match}:"]
+        body += [f"        t_{i} = LEAN(entries[{i}], frames[{i + 1}], max_frame_bytes)"
+                 for i in range(k)]
+        body += [f"        if {got}:"]
+        body += [f"            fields[{n!r}] = t_{i}" for i, n in enumerate(singles)]
+        body += ["            fast = True"]
     if has_tensors:
-        cond = "True" if has_dicts else "n > 1 or entries"
+        cond = "True" if has_dicts else "not fast and (n > 1 or entries)"
         body += [f"    if ({cond}) and (len(entries) != n - 1",
                  "            or not tensors(PLAN, entries, frames, fields, max_frame_bytes)):",
                  "        return None",
@@ -119,3 +143,21 @@ def compile_finish(cls: type, kinds: dict[str, str], checks: list[tuple[str, Cal
     body.append("    return msg")
     return _build("finish", "def finish(h, frames, n, max_frame_bytes):\n" + "\n".join(body) + "\n",
                   ns)
+
+
+def compile_init(cls: type, names: list[str]) -> Callable[..., None]:
+    """A frozen dataclass's keyword-only ``__init__`` for fields without defaults, filling
+    ``__dict__`` in one update instead of one ``object.__setattr__`` per field (a Heartbeat
+    1.8 -> 0.6 us, a Chunk ~2.5 -> 0.7: every message a node sends is built once). Same
+    signature, same instance dict, same TypeError for a missing, unknown or positional
+    argument."""
+    params = ", ".join(names)
+    values = ", ".join(f"{n!r}: {n}" for n in names)
+    star = "*, " if names else ""
+    source = (f"def __init__(self, {star}{params}):\n"
+              f"    self.__dict__.update({{{values}}})\n")
+    fn = _build("__init__", source, {})
+    fn.__qualname__ = f"{cls.__qualname__}.__init__"
+    fn.__module__ = cls.__module__
+    return fn
+

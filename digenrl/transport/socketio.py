@@ -285,7 +285,8 @@ class Socket:
     async def _send_frames(self, frames: list[Any], *, track: bool = False,
                            peer: bytes | None = None) -> zmq.MessageTracker | None:
         """Send now if ZeroMQ takes it; else wait in line (order kept) for room."""
-        self._live()
+        if self._closed:
+            self._live()  # raises Closed
         if not self._send_waiters:
             try:
                 tracker: zmq.MessageTracker | None = send_multipart(self._sync, frames, track)
@@ -295,7 +296,8 @@ class Socket:
                 raise self._send_error(e, peer) from e
             else:
                 self._count_sent(frames)
-                self._after_op()
+                if self._recv_waiters:  # (no send waits: checked above)
+                    self._after_op()
                 if self._yield_due():
                     await asyncio.sleep(0)
                 return tracker
@@ -329,7 +331,8 @@ class Socket:
         read) is held, and the next receive returns it. A cancelled parked wait is skipped
         by :meth:`_service`, never handed a message.
         """
-        self._live()
+        if self._closed:
+            self._live()  # raises Closed
         if self._held:
             return self._held.popleft()
         sync = self._sync
@@ -338,7 +341,8 @@ class Socket:
                 if self._rx_hot or int(sync.getsockopt(_EVENTS)) & _POLLIN:
                     frames = recv_multipart(sync)
                     self._rx_hot = True
-                    self._after_op()
+                    if self._send_waiters:  # (no receive waits: checked above)
+                        self._after_op()
                     try:
                         if self._yield_due():
                             await asyncio.sleep(0)
@@ -355,7 +359,8 @@ class Socket:
         self._rx_hot = False
         fut: asyncio.Future[list[zmq.Frame]] = self._park()
         self._recv_waiters.append(fut)
-        self._after_op(sends_only=True)
+        if self._send_waiters:
+            self._after_op(sends_only=True)
         try:
             frames = await fut
         except asyncio.CancelledError:

@@ -83,7 +83,8 @@ class Router(Socket):
         """Send ``frames`` (identity first) now. Returns a tracker (``track``) or None, and a
         done tracker (or None) when the peer's queue was full and the message was dropped
         (counted in ``statistics().dropped``)."""
-        self._live()
+        if self._closed:
+            self._live()  # raises Closed
         try:
             tracker = send_multipart(self._sync, frames, track)
         except zmq.Again:
@@ -97,7 +98,8 @@ class Router(Socket):
         except zmq.ZMQError as e:
             raise self._send_error(e, peer) from e
         finally:
-            self._after_op()
+            if self._send_waiters or self._recv_waiters:
+                self._after_op()
         self._count_sent(frames)
         return tracker
 
