@@ -148,7 +148,8 @@ def compile_finish(cls: type, kinds: dict[str, str], checks: list[tuple[str, Cal
 def compile_init(cls: type, names: list[str]) -> Callable[..., None]:
     """A frozen dataclass's keyword-only ``__init__`` for fields without defaults, filling
     ``__dict__`` in one update instead of one ``object.__setattr__`` per field (a Heartbeat
-    1.8 -> 0.6 us, a Chunk ~2.5 -> 0.7: every message a node sends is built once). Same
+    built with its two dicts 1.8 -> 1.2 us, a Chunk 1.8 -> 1.0, hot: every message a node
+    sends is built once). Same
     signature, same instance dict, same TypeError for a missing, unknown or positional
     argument."""
     params = ", ".join(names)
@@ -160,4 +161,3 @@ def compile_init(cls: type, names: list[str]) -> Callable[..., None]:
     fn.__qualname__ = f"{cls.__qualname__}.__init__"
     fn.__module__ = cls.__module__
     return fn
-

@@ -165,9 +165,10 @@ def typed_frame_to_tensor(where: str, dtype_name: str, shape: list[int], nbytes:
 def received_frame_to_tensor(entry: list[Any], frame: Any, max_frame_bytes: int) -> torch.Tensor | None:
     """The tensor of a typed header's ``entry`` (``[field, key, dtype, shape, nbytes]``, its
     types checked) over a received ``zmq.Frame`` whose size matches; None for anything else
-    (another buffer type, sizes that do not add up, an empty or a bool tensor), which :func:`typed_frame_to_tensor` then handles or refuses. The generated typed
-    decoder's per-tensor step (compiled.py): one call instead of a loop, ``as_buffer`` and
-    the general function (~1 us a tensor)."""
+    (another buffer type, sizes that do not add up, an empty or a bool tensor), which
+    :func:`typed_frame_to_tensor` then handles or refuses. The generated typed decoder's
+    per-tensor step (compiled.py): one call instead of a loop, ``as_buffer`` and the general
+    function (a 1 MiB Chunk's decode 12.5 -> 10.0 us, hot)."""
     lean = _LEAN.get(entry[2])
     if lean is None or type(frame) is not _FRAME:
         return None
