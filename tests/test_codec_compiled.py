@@ -201,7 +201,7 @@ def test_received_tensors_take_the_inline_step_alone(pair: Any, msg: Message,
 
     monkeypatch.setitem(finish.__globals__, "tensors", broken)
     received = _received(pair, encode(msg))
-    got = codec.decode_typed(received, 1 << 20, codec.DEFAULT_MAX_FRAMES,
+    got = codec._decode_typed(received, 1 << 20, codec.DEFAULT_MAX_FRAMES,
                               codec.DEFAULT_MAX_HEADER_BYTES)
     assert got is not None and messages_equal(got, msg)
     names = [n for n, k in type(msg).KINDS.items() if k == "tensor"]

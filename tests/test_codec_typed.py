@@ -1,4 +1,4 @@
-"""The codec's typed decoder (msgspec, codec.decode_typed) against the checked path
+"""The codec's typed decoder (msgspec, codec._decode_typed) against the checked path
 (codec._decode + schema.check): it takes every honest message, accepts nothing the checked
 path refuses, and builds the same message; each schema rule it enforces in C says exactly
 what the rule's predicate says."""
@@ -93,7 +93,7 @@ HONEST: list[Message] = [
 
 
 def _typed(frames: list[Any]) -> Message | None:
-    return codec.decode_typed(frames, LIMIT, DEFAULT_MAX_FRAMES, HEADER_LIMIT)
+    return codec._decode_typed(frames, LIMIT, DEFAULT_MAX_FRAMES, HEADER_LIMIT)
 
 
 def _checked(frames: list[Any]) -> Message | Exception:

@@ -14,7 +14,7 @@ slot of its own rather than ``"field/key"``, because parameter names contain ``/
 it builds anything, and gives msgpack explicit container limits. The message set itself
 lives in :mod:`digenrl.transport.protocol`.
 
-Two decoders, one contract. The typed path (:func:`decode_typed`) reads a header as this
+Two decoders, one contract. The typed path (:func:`_decode_typed`) reads a header as this
 codec writes it in one msgspec call that also checks the field types and the schema bounds
 msgspec can express (each class's header struct, a tagged union on ``"t"``), then runs the
 remaining checks in Python; anything it does not accept goes to the checked path
@@ -225,7 +225,7 @@ class _Plan:
         # Without a __post_init__ the decoder fills the instance's __dict__ directly: the
         # frozen dataclass __init__ costs an object.__setattr__ per field (~5 us a Chunk).
         self.direct = not hasattr(cls, "__post_init__")
-        # The typed decoder (see decode_typed): the header as a msgspec struct whose field
+        # The typed decoder (see _decode_typed): the header as a msgspec struct whose field
         # types are the kinds, narrowed by the schema's rules that msgspec can say; what it
         # cannot say (dict contents, the other rules, the whole-message rule) runs after it.
         rules = schema.RULES.get(self.tag, {})
@@ -288,19 +288,9 @@ def decode(frames: Sequence[Any], *, max_frame_bytes: int,
     version; reason ``invalid`` for a well-typed message out of bounds, see
     :mod:`digenrl.transport.schema`). Decoded tensors share memory with the frames.
     """
-    msg = decode_typed(frames, max_frame_bytes, max_frames, max_header_bytes)
+    msg = _decode_typed(frames, max_frame_bytes, max_frames, max_header_bytes)
     if msg is not None:
         return msg
-    return decode_checked(frames, max_frame_bytes=max_frame_bytes, max_frames=max_frames,
-                          max_header_bytes=max_header_bytes)
-
-
-def decode_checked(frames: Sequence[Any], *, max_frame_bytes: int,
-                   max_frames: int = DEFAULT_MAX_FRAMES,
-                   max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> Message:
-    """:func:`decode` the long way (:func:`_decode` + :func:`schema.check`), for what
-    :func:`decode_typed` did not take: the message, or a ProtocolError naming what is wrong.
-    A receive loop calls the two itself (one call less on every message than :func:`decode`)."""
     try:
         msg = _decode(frames, max_frame_bytes, max_frames, max_header_bytes)
         schema.check(msg)  # ranges, sizes, shapes: before any handler sees it
@@ -311,8 +301,8 @@ def decode_checked(frames: Sequence[Any], *, max_frame_bytes: int,
         raise ProtocolError(f"undecodable message: {type(e).__name__}: {e}") from e
 
 
-def decode_typed(frames: Sequence[Any], max_frame_bytes: int, max_frames: int,
-                 max_header_bytes: int) -> Message | None:
+def _decode_typed(frames: Sequence[Any], max_frame_bytes: int, max_frames: int,
+                  max_header_bytes: int) -> Message | None:
     """The fast path: a message as this codec writes it, decoded and checked in one msgspec
     call plus the checks msgspec cannot say; None for anything else, which the checked path
     (:func:`_decode` + :func:`schema.check`) then refuses with its reason or accepts.

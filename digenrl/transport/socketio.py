@@ -25,11 +25,10 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from digenrl.transport.codec import DEFAULT_MAX_HEADER_BYTES, decode_checked, decode_typed
 from digenrl.transport.endpoints import Endpoint
 from digenrl.transport.errors import Closed, PeerLost, ProtocolError
 from digenrl.transport.options import COPY_BELOW, LANES, Lane, SocketOptions, SocketSecurity
-from digenrl.transport.protocol import Message, encode
+from digenrl.transport.protocol import Message, decode, encode
 
 log = structlog.get_logger("digenrl.transport")
 
@@ -296,9 +295,7 @@ class Socket:
             except zmq.ZMQError as e:
                 raise self._send_error(e, peer) from e
             else:
-                stats = self._stats  # _count_sent, inline
-                stats.sent += 1
-                stats.bytes_sent += sum(map(len, frames))
+                self._count_sent(frames)
                 if self._recv_waiters:  # (no send waits: checked above)
                     self._after_op()
                 if self._yield_due():
@@ -360,9 +357,7 @@ class Socket:
                     raise Closed(f"{self.name}: socket is closed") from e
                 raise
         self._rx_hot = False
-        loop = self._loop
-        fut: asyncio.Future[list[zmq.Frame]] = \
-            self._park() if loop is None else loop.create_future()
+        fut: asyncio.Future[list[zmq.Frame]] = self._park()
         self._recv_waiters.append(fut)
         if self._send_waiters:
             self._after_op(sends_only=True)
@@ -411,16 +406,12 @@ class Socket:
         Checks that concern a message's meaning rather than its bytes hook in here.
         """
         peer, body = self._split(frames)
-        options = self.options
-        msg = decode_typed(body, options.max_frame_bytes, options.max_frames,
-                           DEFAULT_MAX_HEADER_BYTES)
-        if msg is None:  # what decode() does, one call less on every message
-            try:
-                msg = decode_checked(body, max_frame_bytes=options.max_frame_bytes,
-                                     max_frames=options.max_frames)
-            except ProtocolError as e:
-                self._on_bad_frames(peer, frames, e)
-                return peer, None
+        try:
+            msg = decode(body, max_frame_bytes=self.options.max_frame_bytes,
+                         max_frames=self.options.max_frames)
+        except ProtocolError as e:
+            self._on_bad_frames(peer, frames, e)
+            return peer, None
         self._stats.received += 1
         return peer, msg
 
