@@ -205,10 +205,12 @@ def test_mutated_tensor_entries_the_typed_path_accepts_the_checked_path_accepts_
                                              (2, "dtype")])
 def test_a_tensor_entry_that_does_not_match_its_frame_is_refused_by_both(
         index: int, element: int, change: Any) -> None:
-    """The size checks the typed path makes itself (frames.typed_frame_to_tensor), each case
-    made every run: a size off by one, a shape of the same or another size, one element with
-    its size (the frame longer than the header says), a dtype of another item size. Only a
-    same-size reshape may pass, and then on both paths alike."""
+    """The size checks, each case made every run: a size off by one, a shape of the same or
+    another size, one element with its size (the frame longer than the header says), a dtype
+    of another item size. Only a same-size reshape may pass, and then on both paths alike.
+    These frames are bytes; tests/test_codec_compiled.py makes the same kinds of change on
+    received zmq.Frames, where the typed path's own size checks
+    (frames.received_frame_to_tensor) run."""
     frames = encode(HONEST[index])
     header = msgpack.unpackb(frames[0])
     entry = header["_tensors"][0]

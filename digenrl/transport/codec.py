@@ -51,7 +51,6 @@ from digenrl.transport.frames import (
     received_frame_to_tensor,
     tensor_to_frame,
     tensors_equal,
-    typed_frame_to_tensor,
 )
 from digenrl.transport.kinds import (
     FLOATS_EXACT,
@@ -348,13 +347,18 @@ def _typed_tensors(plan: _Plan, entries: list[Any], frames: Sequence[Any],
     """Add the tensor fields of a typed header's ``entries`` (one per frame after the
     header) to ``fields``; False for an entry the typed path does not accept (a field the
     class does not have as that kind, or twice); raises for a description that does not match
-    its frame (:func:`~digenrl.transport.frames.typed_frame_to_tensor`)."""
+    its frame. A received frame whose description adds up is read by
+    :func:`~digenrl.transport.frames.received_frame_to_tensor`, anything else (bytes from a
+    test or a file, sizes that do not add up) by :func:`frame_to_tensor`, which names it."""
     singles = plan.tensor_names
     for name in plan.dict_tensors:
         fields[name] = {}
-    for i, (name, key, dtype, shape, nbytes) in enumerate(entries, 1):
-        t = typed_frame_to_tensor(plan.name, dtype, shape, nbytes, as_buffer(frames[i]),
-                                  max_frame_bytes=max_frame_bytes)
+    for i, entry in enumerate(entries, 1):
+        name, key, dtype, shape, nbytes = entry
+        t = received_frame_to_tensor(entry, frames[i], max_frame_bytes)
+        if t is None:
+            t = frame_to_tensor(plan.name, dtype, shape, nbytes, as_buffer(frames[i]),
+                                max_frame_bytes=max_frame_bytes)
         if key is None:
             if name not in singles or name in fields:
                 return False

@@ -142,33 +142,17 @@ def frame_to_tensor(where: str, dtype_name: Any, shape: Any, nbytes: Any, frame:
 _LEAN: dict[str, tuple[Any, int, bool]] = {
     name: (_NUMPY[name], dt.itemsize, dt is torch.bfloat16)
     for name, dt in DTYPES.items() if dt is not torch.bool}
-"""Wire dtype -> (numpy dtype, item size, is bfloat16), for :func:`typed_frame_to_tensor`; a
-bool tensor (whose bytes must be checked) is not in it."""
-
-
-def typed_frame_to_tensor(where: str, dtype_name: str, shape: list[int], nbytes: int,
-                          frame: memoryview, *, max_frame_bytes: int) -> torch.Tensor:
-    """:func:`frame_to_tensor` for a description whose types are already checked (the codec's
-    typed decoder: a wire dtype name, at most ``MAX_NDIM`` non-negative ints, an int), so only
-    the sizes are left to check here; anything unusual (sizes that do not add up, an empty,
-    read-only or bool tensor) goes through :func:`frame_to_tensor`, which raises for what is
-    wrong. ~2 us a tensor less than it on a chunk's three."""
-    lean = _LEAN.get(dtype_name)
-    if lean is not None:
-        expected = math.prod(shape) * lean[1]
-        if 0 < expected == nbytes == len(frame) <= max_frame_bytes and not frame.readonly:
-            out = torch.from_numpy(np.ndarray(shape, lean[0], frame))
-            return out.view(torch.bfloat16) if lean[2] else out
-    return frame_to_tensor(where, dtype_name, shape, nbytes, frame, max_frame_bytes=max_frame_bytes)
+"""Wire dtype -> (numpy dtype, item size, is bfloat16), for :func:`received_frame_to_tensor`;
+a bool tensor (whose bytes must be checked) is not in it."""
 
 
 def received_frame_to_tensor(entry: list[Any], frame: Any, max_frame_bytes: int) -> torch.Tensor | None:
     """The tensor of a typed header's ``entry`` (``[field, key, dtype, shape, nbytes]``, its
     types checked) over a received ``zmq.Frame`` whose size matches; None for anything else
     (another buffer type, sizes that do not add up, an empty or a bool tensor), which
-    :func:`typed_frame_to_tensor` then handles or refuses. The generated typed decoder's
-    per-tensor step (compiled.py): one call instead of a loop, ``as_buffer`` and the general
-    function (a 1 MiB Chunk's decode 12.5 -> 10.0 us, hot)."""
+    :func:`frame_to_tensor` then handles or refuses, naming what is wrong. The typed decoder's
+    per-tensor step: inline in the generated finish for a class of single tensors (compiled.py;
+    a 1 MiB Chunk's decode 12.5 -> 10.0 us, hot), and in the codec's loop for the others."""
     lean = _LEAN.get(entry[2])
     if lean is None or type(frame) is not _FRAME:
         return None
