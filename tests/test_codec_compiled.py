@@ -118,9 +118,46 @@ def test_every_plain_kind_is_checked_inline_as_the_generic_check_says(name: str,
     choices = kind[8:].split("|") if kind.startswith("literal:") else []
     for value in [0, 1, -1, kinds.INT_MIN, kinds.INT_MAX, kinds.INT_MIN - 1, kinds.INT_MAX + 1,
                   True, 0.5, math.nan, "", "x", b"", b"x", None, [], [1], [1.0], ["x"], [True],
-                  {}, {"a": 1}, {1: 1}, (1,), *choices]:
+                  {}, {"a": 1}, {1: 1}, (1,), *choices,
+                  # ints past 64 bits inside a dict: msgspec's OverflowError, caught (ranges)
+                  {"a": kinds.INT_MAX}, {"a": kinds.INT_MAX + 1}, {"a": [{"b": kinds.INT_MIN - 1}]},
+                  {"a": (1,)}, {"a": {1: 2}}, _nested(kinds.MAX_DEPTH), _nested(kinds.MAX_DEPTH + 1)]:
         took = encoder({"f": value}, PROTOCOL_VERSION) is not None
         assert took == kinds.encode_check(kind)(value), (kind, value)
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    """A dict whose innermost list holds a value ``depth`` levels below the dict's own values."""
+    inner: Any = [1]
+    for _ in range(depth - 1):
+        inner = [inner]
+    return {"a": inner}
+
+
+deep = st.recursive(plain | st.integers(-(1 << 70), 1 << 70) | st.tuples(st.integers(0, 3)),
+                    lambda inner: st.lists(inner, max_size=2)
+                    | st.dictionaries(st.text(max_size=2) | st.integers(0, 2), inner, max_size=2),
+                    max_leaves=24)
+"""Plain values, ints past 64 bits, tuples and int keys included, nested up to ~20 levels."""
+
+
+@FAST
+@given(value=deep | st.builds(_nested, st.integers(kinds.MAX_DEPTH - 2, kinds.MAX_DEPTH + 2)))
+def test_plain_types_ok_is_plain_ok_less_the_int_ranges(value: Any) -> None:
+    """The typed decoder and the generated encoder check dicts with plain_types_ok: it must
+    answer as plain_ok does, except for an int outside 64 bits (which msgpack cannot decode and
+    msgspec's encoder refuses with OverflowError)."""
+    def in_range(v: Any) -> Any:  # the same value, every int outside 64 bits made 0
+        if type(v) is int:
+            return v if kinds.INT_MIN <= v <= kinds.INT_MAX else 0
+        if type(v) is list:
+            return [in_range(x) for x in v]
+        if type(v) is dict:
+            return {k: in_range(x) for k, x in v.items()}
+        return v
+
+    for top in (value, {"k": value}):
+        assert kinds.plain_types_ok(top) == kinds.plain_ok(in_range(top)), top
 
 
 def _tensor_cases() -> list[torch.Tensor]:

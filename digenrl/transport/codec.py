@@ -59,7 +59,7 @@ from digenrl.transport.kinds import (
     decoded_check,
     encode_check,
     kind_of,
-    plain_ok,
+    plain_types_ok,
     typed_kind,
 )
 
@@ -119,7 +119,8 @@ def message(tag: str) -> Callable[[type[M]], type[M]]:
         cls.KINDS = {f.name: kind_of(hints[f.name]) for f in fields}
         cls.TAG = tag
         _REGISTRY[tag] = cls
-        _PLANS[cls] = _Plan(cls)
+        plan = _PLANS[cls] = _Plan(cls)
+        _FAST_ENCODE[cls] = plan.encode
         _TYPED.clear()  # the typed decoder's union gains this class on its next use
         return cls
 
@@ -142,6 +143,11 @@ def encode(msg: Message, *, version: int = PROTOCOL_VERSION) -> list[bytes | mem
     unsupported dtype). ``version`` other than this node's is for :data:`FROZEN_TAGS` only
     (a refusal written in the peer's version).
     """
+    fast = _FAST_ENCODE.get(type(msg))  # a registered class, in this node's version
+    if fast is not None and version == PROTOCOL_VERSION:
+        frames = fast(msg.__dict__, version)  # the generated fast path (compiled.py)
+        if frames is not None:
+            return frames
     cls = type(msg)
     plan = _PLANS.get(cls)
     if plan is None or _REGISTRY.get(cls.TAG) is not cls:
@@ -150,9 +156,10 @@ def encode(msg: Message, *, version: int = PROTOCOL_VERSION) -> list[bytes | mem
         raise ValueError(f"{cls.__name__} in protocol version {version}: only "
                          f"{', '.join(sorted(FROZEN_TAGS))} can be written in another version")
     values = msg.__dict__
-    frames = plan.encode(values, version)  # the generated fast path (compiled.py)
-    if frames is not None:
-        return frames
+    if fast is None:  # (else it just ran and gave up)
+        frames = plan.encode(values, version)
+        if frames is not None:
+            return frames
     return _encode_checked(plan, values, version)
 
 
@@ -238,8 +245,8 @@ class _Plan:
                 typed.append((n, ok.msgspec_type(typed_kind(k))))  # the rule, in C
                 continue
             typed.append((n, typed_kind(k)))
-            if k == "dict":
-                self.typed_checks.append((n, plain_ok))
+            if k == "dict":  # (a decoded int is always in range: msgpack holds no other)
+                self.typed_checks.append((n, plain_types_ok))
             if ok is not None:
                 self.typed_checks.append((n, ok))
         typed.append(("_tensors", _TENSOR_ENTRIES))
@@ -263,18 +270,24 @@ class _Plan:
 
 
 _PLANS: dict[type[Message], _Plan] = {}
+_FAST_ENCODE: dict[type[Message], Callable[[dict[str, Any], int], list[Any] | None]] = {}
+"""Each registered class's generated encoder (plan.encode): what :func:`encode` calls first."""
 
 
 _TYPED: dict[str, Any] = {}
 """The typed decoder, built on first use from every registered class: ``decoder`` (a tagged
-union of the header structs on "t") and ``plans`` (header struct -> plan)."""
+union of the header structs on "t"), ``plans`` (header struct -> plan) and ``fast`` (the
+union's decode method and header struct -> the plan's finish, what :func:`_decode_typed`
+reads)."""
 
 
 def _typed_decoder() -> tuple[Any, dict[type, _Plan]]:
     if not _TYPED:
         plans = {plan.header_type: plan for plan in _PLANS.values()}
-        _TYPED["decoder"] = msgspec.msgpack.Decoder(functools.reduce(operator.or_, plans))
+        decoder = msgspec.msgpack.Decoder(functools.reduce(operator.or_, plans))
+        _TYPED["decoder"] = decoder
         _TYPED["plans"] = plans
+        _TYPED["fast"] = (decoder.decode, {t: plan.finish for t, plan in plans.items()})
     return _TYPED["decoder"], _TYPED["plans"]
 
 
@@ -311,28 +324,27 @@ def _decode_typed(frames: Sequence[Any], max_frame_bytes: int, max_frames: int,
     types are the checked path's, its rules are the schema's, and a header over 64 KiB (where
     the checked path bounds containers itself) is left to the checked path. Never raises.
     """
-    if not _TYPED:
+    fast = _TYPED.get("fast")
+    if fast is None:
         _typed_decoder()
+        fast = _TYPED["fast"]
     try:
+        head = frames[0]  # (no frames: IndexError, None)
+        # msgspec reads bytes and a zmq.Frame as they are, their len their size in bytes (a
+        # received frame's view costs ~0.4 us more)
+        if type(head) is not bytes and type(head) is not zmq.Frame:
+            head = as_buffer(head)
         n = len(frames)
-        if not 1 <= n <= max_frames:
+        if n > max_frames or len(head) > min(_MAX_CONTAINER_LEN, max_frame_bytes, max_header_bytes):
             return None
-        head = frames[0]
-        raw = head if type(head) in _BYTE_BUFFERS else as_buffer(head)
-        if len(raw) > min(_MAX_CONTAINER_LEN, max_frame_bytes, max_header_bytes):
-            return None
-        decoder, plans = _TYPED["decoder"], _TYPED["plans"]
-        header = decoder.decode(raw)
+        decode_header, finishes = fast
+        header = decode_header(head)
         # the version, tensors, checks, message and whole-message rule (compiled.py)
-        msg: Message | None = plans[type(header)].finish(header, frames, n, max_frame_bytes)
+        msg: Message | None = finishes[type(header)](header, frames, n, max_frame_bytes)
         return msg
     except Exception:  # whatever it is, the checked path names it
         return None
 
-
-_BYTE_BUFFERS = (bytes, zmq.Frame)
-"""Header frames msgspec reads as they are, their ``len`` their size in bytes (a received
-frame's view costs ~0.4 us more)."""
 
 _TENSOR_ENTRIES: Any = list[tuple[  # type: ignore[misc]
     str, str | None, Literal[tuple(DTYPES)], Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],

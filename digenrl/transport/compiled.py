@@ -16,20 +16,23 @@ tests/test_codec_compiled.py holds them to that, field kind by field kind.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
-from digenrl.transport.kinds import INT_MAX, INT_MIN, encode_check, plain_ok
+from digenrl.transport.kinds import encode_check, plain_types_ok
 
 _INLINE: dict[str, str] = {
-    "int": "(type({v}) is int and INT_MIN <= {v} <= INT_MAX)",
+    "int": "type({v}) is int",  # the range: msgspec's encoder raises OverflowError outside it
     "float": "type({v}) is float",
     "str": "type({v}) is str",
     "bool": "type({v}) is bool",
     "bytes": "type({v}) is bytes",
 }
 """A kind's encode check (kinds._ENCODE_OK) as an expression over the local ``{v}``; literals
-and dicts are written inline too (compile_encoder), lists call the generic check."""
+and dicts are written inline too (compile_encoder), lists call the generic check. Ints and
+dicts leave the 64-bit range to the writer: msgspec raises OverflowError outside exactly
+``INT_MIN..INT_MAX``, and the generated encoder then gives up like any failed check."""
 
 
 def _build(name: str, source: str, namespace: dict[str, Any]) -> Callable[..., Any]:
@@ -43,13 +46,18 @@ def compile_encoder(cls: type, kinds: dict[str, str], tag: str, *, to_frame: Cal
                     tensor_dict: Callable[..., Any], write: Callable[[Any], bytes]
                     ) -> Callable[[dict[str, Any], int], list[Any] | None]:
     """``encode(values, version)``: the frames of a message whose ``__dict__`` is ``values``,
-    or None when a plain field fails its exact-type check (the generic encoder then
-    converts it or raises naming it). Tensor fields go through ``to_frame`` (one tensor) and
+    or None when a plain field fails its exact-type check or an int is out of range (the
+    generic encoder then converts it or raises naming it). Tensor fields go through ``to_frame`` (one tensor) and
     ``tensor_dict`` (a dict of them) with the names the generic encoder gives them, so a bad
     tensor raises the same ValueError."""
-    ns: dict[str, Any] = {"INT_MIN": INT_MIN, "INT_MAX": INT_MAX, "TAG": tag, "plain_ok": plain_ok,
-                          "to_frame": to_frame, "tensor_dict": tensor_dict, "write": write}
-    body = [f"    x_{n} = values[{n!r}]" for n in kinds]
+    ns: dict[str, Any] = {"TAG": tag, "plain_ok": plain_types_ok, "to_frame": to_frame,
+                          "tensor_dict": tensor_dict, "write": write}
+    names = list(kinds)
+    if len(names) > 1:  # one C call reads every field
+        ns["FIELDS"] = operator.itemgetter(*names)
+        body = [f"    {', '.join(f'x_{n}' for n in names)} = FIELDS(values)"]
+    else:
+        body = [f"    x_{n} = values[{n!r}]" for n in names]
     checks, plain, tensors = [], [], []
     for i, (n, kind) in enumerate(kinds.items()):
         if kind in ("tensor", "tensors"):
@@ -79,7 +87,8 @@ def compile_encoder(cls: type, kinds: dict[str, str], tag: str, *, to_frame: Cal
             body.append(f"    tensor_dict({where!r}, {n!r}, x_{n}, entries, frames)")
     header = ", ".join(["'t': TAG", "'v': version", *(f"{n!r}: x_{n}" for n in plain),
                         "'_tensors': entries"])
-    body += [f"    frames[0] = write({{{header}}})", "    return frames"]
+    body += ["    try:", f"        frames[0] = write({{{header}}})",
+             "    except OverflowError:", "        return None", "    return frames"]
     return _build("encode", "def encode(values, version):\n" + "\n".join(body) + "\n", ns)
 
 

@@ -132,6 +132,33 @@ def plain_ok(value: Any, depth: int = 0) -> bool:
 _LEAVES = frozenset({str, float, bool, bytes, type(None)})
 
 
+def plain_types_ok(value: Any, depth: int = 0) -> bool:
+    """:func:`plain_ok` less the int ranges, for where they hold anyway: on a decoded value
+    (msgpack cannot carry an int outside them) and before msgspec's encoder, which raises
+    OverflowError outside exactly ``INT_MIN..INT_MAX`` (the generated encoder then gives up,
+    and the long way names the value). ~100 ns less than plain_ok on a dict of ints."""
+    if type(value) is dict:
+        for k in value:
+            if type(k) is not str:
+                return False
+        items: Any = value.values()
+    elif type(value) is list:
+        items = value
+    else:
+        return False
+    if value and depth >= MAX_DEPTH:
+        return False
+    for v in items:
+        tv = type(v)
+        if tv not in LEAVES and not ((tv is dict or tv is list) and plain_types_ok(v, depth + 1)):
+            return False
+    return True
+
+
+LEAVES = _LEAVES | {int}
+"""The types of a plain value's leaves (ints unbounded: see :func:`plain_types_ok`)."""
+
+
 def _int_ok(v: Any) -> bool:
     return type(v) is int and INT_MIN <= v <= INT_MAX
 

@@ -442,6 +442,12 @@ def send_multipart(sock: zmq.Socket[Any], frames: list[Any],
     ``send_multipart`` returns the last frame's only, which for a chunk is the 4-byte
     log-prob, copied and done at once.
     """
+    if not track:  # the common case, without the trackers' bookkeeping
+        for f in frames[:-1]:
+            _send(sock, f, _MORE, len(f) < COPY_BELOW, False)
+        f = frames[-1]
+        _send(sock, f, _NOBLOCK, len(f) < COPY_BELOW, False)
+        return None
     last = len(frames) - 1
     trackers = []
     for i, f in enumerate(frames):
