@@ -156,7 +156,7 @@ def encode(msg: Message, *, version: int = PROTOCOL_VERSION) -> list[bytes | mem
         raise ValueError(f"{cls.__name__} in protocol version {version}: only "
                          f"{', '.join(sorted(FROZEN_TAGS))} can be written in another version")
     values = msg.__dict__
-    if fast is None:  # (else it just ran and gave up)
+    if version != PROTOCOL_VERSION:  # a frozen message in the peer's version (else it just ran)
         frames = plan.encode(values, version)
         if frames is not None:
             return frames

@@ -47,9 +47,9 @@ def compile_encoder(cls: type, kinds: dict[str, str], tag: str, *, to_frame: Cal
                     ) -> Callable[[dict[str, Any], int], list[Any] | None]:
     """``encode(values, version)``: the frames of a message whose ``__dict__`` is ``values``,
     or None when a plain field fails its exact-type check or an int is out of range (the
-    generic encoder then converts it or raises naming it). Tensor fields go through ``to_frame`` (one tensor) and
-    ``tensor_dict`` (a dict of them) with the names the generic encoder gives them, so a bad
-    tensor raises the same ValueError."""
+    generic encoder then converts it or raises naming it). Tensor fields go through
+    ``to_frame`` (one tensor) and ``tensor_dict`` (a dict of them) with the names the generic
+    encoder gives them, so a bad tensor raises the same ValueError."""
     ns: dict[str, Any] = {"TAG": tag, "plain_ok": plain_types_ok, "to_frame": to_frame,
                           "tensor_dict": tensor_dict, "write": write}
     names = list(kinds)
