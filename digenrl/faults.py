@@ -22,6 +22,7 @@ Two kinds of knob:
 | ``trainer``  | crash_point | trainer rank, about to train a step >= N fragment | SIGKILL, once per run (marker file) |
 | ``trainer``  | hang_point  | trainer compute thread, training step >= N      | blocks for good, once per run: a wedged GPU or collective |
 | ``generate`` | crash_point | colocated loop, after generating step >= N      | SIGKILL |
+| ``teardown`` | crash_point | colocated rank >= N, its run done, before the group's teardown | SIGKILL (a rank aborting as it exits) |
 """
 
 from __future__ import annotations

@@ -159,6 +159,10 @@ def run_colocated_ranks(cfg: Config, run_dir: Path, resume: bool = False) -> Col
     world = cfg.cluster.trainers
     if world == 1:
         return run_colocated(cfg, run_dir, progress=Progress(cfg.run.steps), resume=resume)
+    from digenrl.actors.colocated import SUMMARY
+
+    summary = run_dir / SUMMARY
+    summary.unlink(missing_ok=True)  # an earlier launch's (a resume): only this one's says done
     init = f"tcp://127.0.0.1:{free_port()}"
     procs = []
     for rank in range(world):
@@ -168,10 +172,25 @@ def run_colocated_ranks(cfg: Config, run_dir: Path, resume: bool = False) -> Col
              *(["resume"] if resume else [])],
             env=_child_env(cfg, rank), stdout=log if rank else None, stderr=log))
     codes = [p.wait() for p in procs]
-    if any(codes):
-        from digenrl.actors.base import RunFailed
+    return colocated_outcome(codes, summary, run_dir)
+
+
+def colocated_outcome(codes: list[int], summary: Path, run_dir: Path) -> ColocatedResult:
+    """The result of a multi-rank colocated launch from its ranks' exit codes and the summary
+    rank 0 writes once every rank has finished its run (weights, checkpoints and totals saved)
+    and before they tear their process group down. A rank that fails after that (gloo can
+    abort a process in its teardown: "terminate called without an active exception", seen
+    once in the suite's two-rank colocated run on 2026-12-03, not in 10 reruns) lost nothing:
+    the run completed, and a warning names the ranks. Any other failure is the run's."""
+    from digenrl.actors.base import RunFailed
+
+    if not summary.exists():
         raise RunFailed(f"colocated ranks exited with codes {codes}; see {run_dir}/logs")
-    result: ColocatedResult = json.loads((run_dir / "colocated-summary.json").read_text())
+    if any(codes):
+        failed = ", ".join(f"rank {r} ({c})" for r, c in enumerate(codes) if c)
+        print(f"digenrl: the run completed, but {failed} exited abnormally in the teardown "
+              f"after it; see {run_dir}/logs", file=sys.stderr, flush=True)
+    result: ColocatedResult = json.loads(summary.read_text())
     return result
 
 

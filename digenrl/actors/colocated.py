@@ -167,11 +167,17 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
             "trained": trained_total, "discarded": discarded, "busy": busy}
 
 
+SUMMARY = "colocated-summary.json"
+"""Rank 0 writes the run's totals here once every rank has finished its run, before the ranks
+tear their process group down: its presence says the run completed (digenrl/launch.py)."""
+
+
 def _rank_main(argv: list[str]) -> int:
     """Entry of one colocated rank process: RUN_DIR RANK WORLD INIT_METHOD [resume]."""
     import json
 
     from digenrl.config import load_config
+    from digenrl.fileio import write_text_atomic
 
     run_dir, rank, world, init = Path(argv[0]), int(argv[1]), int(argv[2]), argv[3]
     cfg = load_config(run_dir / "config.toml")
@@ -183,19 +189,21 @@ def _rank_main(argv: list[str]) -> int:
         # every rank's trained/discarded counts add up to the step's batch
         counts: list[tuple[int, dict[str, int]] | None] = [None] * world
         dist.all_gather_object(counts, (result["trained"], result["discarded"]))
+        if rank == 0:  # written before the teardown: every rank has finished its run here
+            gathered = [c for c in counts if c is not None]  # all_gather_object filled every slot
+            result["trained"] = sum(trained for trained, _ in gathered)
+            merged: dict[str, int] = {}
+            for _, d in gathered:
+                for k, v in d.items():
+                    merged[k] = merged.get(k, 0) + v
+            result["discarded"] = merged
+            write_text_atomic(run_dir / SUMMARY, json.dumps(result))
+        dist.barrier()  # the teardown starts once every rank is done, the summary written
+        crash_point("teardown", rank)  # TEST-ONLY (digenrl/faults.py): "teardown:1" kills ranks >= 1
     finally:
         import gc
         gc.collect()  # FSDP modules (hook cycles) must go before the group they shard over
         dist.destroy_process_group()
-    if rank == 0:
-        gathered = [c for c in counts if c is not None]  # all_gather_object filled every slot
-        result["trained"] = sum(trained for trained, _ in gathered)
-        merged: dict[str, int] = {}
-        for _, d in gathered:
-            for k, v in d.items():
-                merged[k] = merged.get(k, 0) + v
-        result["discarded"] = merged
-        (run_dir / "colocated-summary.json").write_text(json.dumps(result))
     return 0
 
 
