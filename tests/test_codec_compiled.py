@@ -358,5 +358,4 @@ def test_a_message_with_a_default_or_a_post_init_keeps_the_dataclass_init() -> N
         for cls in made:
             codec._REGISTRY.pop(cls.TAG, None)
             codec._PLANS.pop(cls, None)
-            codec._FAST_ENCODE.pop(cls, None)
         codec._TYPED.clear()

@@ -119,8 +119,7 @@ def message(tag: str) -> Callable[[type[M]], type[M]]:
         cls.KINDS = {f.name: kind_of(hints[f.name]) for f in fields}
         cls.TAG = tag
         _REGISTRY[tag] = cls
-        plan = _PLANS[cls] = _Plan(cls)
-        _FAST_ENCODE[cls] = plan.encode
+        _PLANS[cls] = _Plan(cls)
         _TYPED.clear()  # the typed decoder's union gains this class on its next use
         return cls
 
@@ -143,13 +142,12 @@ def encode(msg: Message, *, version: int = PROTOCOL_VERSION) -> list[bytes | mem
     unsupported dtype). ``version`` other than this node's is for :data:`FROZEN_TAGS` only
     (a refusal written in the peer's version).
     """
-    fast = _FAST_ENCODE.get(type(msg))  # a registered class, in this node's version
-    if fast is not None and version == PROTOCOL_VERSION:
-        frames = fast(msg.__dict__, version)  # the generated fast path (compiled.py)
-        if frames is not None:
-            return frames
     cls = type(msg)
     plan = _PLANS.get(cls)
+    if plan is not None and version == PROTOCOL_VERSION:  # first, the generated fast path
+        frames = plan.encode(msg.__dict__, version)  # (compiled.py)
+        if frames is not None:
+            return frames
     if plan is None or _REGISTRY.get(cls.TAG) is not cls:
         raise ValueError(f"{cls.__name__} is not a registered message class")
     if version != PROTOCOL_VERSION and plan.tag not in FROZEN_TAGS:
@@ -270,8 +268,6 @@ class _Plan:
 
 
 _PLANS: dict[type[Message], _Plan] = {}
-_FAST_ENCODE: dict[type[Message], Callable[[dict[str, Any], int], list[Any] | None]] = {}
-"""Each registered class's generated encoder (plan.encode): what :func:`encode` calls first."""
 
 
 _TYPED: dict[str, Any] = {}
