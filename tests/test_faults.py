@@ -8,15 +8,19 @@ bench/faults.py repeats the latter at random moments over many runs.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from digenrl.actors.cluster import Children
+from digenrl.config import load_config
 from digenrl.telemetry.metrics import read_metrics
 from tests.conftest import SMALL, final_weights, launch_command, launch_env, wait_until
 
@@ -53,6 +57,8 @@ def _finish(proc: subprocess.Popen, run_dir: Path, steps: int) -> dict:
 
 def test_a_killed_trainer_rewinds_the_run_to_its_checkpoint_and_ends_bit_identical(tmp_path: Path) -> None:
     whole = _finish(_start(tmp_path / "whole", "disagg-sync", 3, 1), tmp_path / "whole", 3)
+    # every child joined and heard the Shutdown: the launcher terminated none (cluster.py)
+    assert "had not joined" not in (tmp_path / "whole" / "logs" / "launcher.log").read_text()
     s = _finish(_start(tmp_path / "cut", "disagg-sync", 3, 1, crash="trainer:2"), tmp_path / "cut", 3)
     assert s["recovery"]["trainer_resets"] == 1 and whole["recovery"]["trainer_resets"] == 0
     assert s["restarts"]["trainer-0"] == 1 and s["resumed_from"] == [2]
@@ -72,6 +78,20 @@ def test_a_rollout_killed_with_kill_9_is_restarted_and_its_work_redone(tmp_path:
     s = _finish(proc, run_dir, 4)
     assert s["restarts"]["rollout-0"] == 1
     assert s["recovery"]["rollouts_lost"] == 1 and s["recovery"]["trainer_resets"] == 0
+
+
+async def test_at_the_end_a_child_that_never_joined_is_terminated_and_a_joined_one_waited_for(
+        tmp_path: Path) -> None:
+    """A rollout restarted late in a run is still starting when the run ends: it never hears
+    the Shutdown. The launcher used to wait its whole 30 s for it (then SIGKILL); now only the
+    children the coordinator knows (by pid) are waited for, the others terminated at once."""
+    children = Children(load_config(None), tmp_path, "tcp://127.0.0.1:1")
+    joined = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(1.5)")
+    starting = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(120)")
+    children.procs = {"trainer-0": joined, "rollout-0": starting}
+    await children.wait_all(30.0, told={joined.pid})
+    assert joined.returncode == 0  # waited for: it exited by itself
+    assert starting.returncode == -signal.SIGTERM  # not the SIGKILL at the timeout
 
 
 def test_a_wedged_trainer_that_still_heartbeats_is_caught_by_the_stall_watchdog(tmp_path: Path) -> None:

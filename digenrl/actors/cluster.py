@@ -166,7 +166,17 @@ class Children:
                 self.restarts[node_id] = n
                 await self.start(node_id, role)
 
-    async def wait_all(self, timeout: float) -> None:
+    async def wait_all(self, timeout: float, told: set[int]) -> None:
+        """At the end of a run: children whose process the coordinator told to stop (``told``:
+        the pids of the nodes it knows) get ``timeout`` seconds to exit on their own, then are
+        killed. Any other child is terminated at once: a node restarted late in the run that
+        had not joined yet will never hear the Shutdown (the launcher used to wait the whole
+        timeout for it). Before it joins a node has no SIGTERM handler, so it just exits."""
+        for node_id, p in self.procs.items():
+            if p.returncode is None and p.pid not in told:
+                self.log.info("stopping a node that had not joined", node=node_id)
+                with contextlib.suppress(ProcessLookupError):  # exited by itself, not yet reaped
+                    p.terminate()
         deadline = time.monotonic() + timeout
         for p in self.procs.values():
             try:
@@ -253,7 +263,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
                 if actor.stop_reason.startswith("failed"):
                     await children.kill_all()
                 else:
-                    await children.wait_all(timeout=30.0)
+                    await children.wait_all(30.0, told={n["pid"] for n in actor.nodes.values()})
             if sup is not None:
                 sup.cancel()
     finally:

@@ -100,7 +100,7 @@ class CoordinatorActor(Actor):
         self.metrics = metrics
         self.rows = StepRows(metrics, progress)  # metrics.jsonl's step rows, in step order
         self.expected_trainers = expected_trainers
-        self.nodes: dict[str, dict[str, Any]] = {}          # node_id -> {role, peer, rank, endpoint}
+        self.nodes: dict[str, dict[str, Any]] = {}          # node_id -> {role, peer, pid, rank, endpoint}
         self.gate = IdentityGate(control)                   # node id <-> routing id, incarnation, key
         self.waiting_rollouts: list[tuple[bytes, Hello]] = []
         self.trainers: dict[int, dict[str, Any]] = {}
@@ -356,7 +356,7 @@ class CoordinatorActor(Actor):
             # its old address again: the launcher gives each worker a fixed one)
             self.gate.bind(peer, msg)
             self.rewards[msg.node_id] = {"peer": peer, "endpoint": msg.data_endpoint}
-            self.nodes[msg.node_id] = {"role": "reward", "peer": peer, "gpu": msg.gpu}
+            self.nodes[msg.node_id] = {"role": "reward", "peer": peer, "gpu": msg.gpu, "pid": msg.pid}
             await self._send(self._welcome(msg.node_id, sorted(self.rewards).index(msg.node_id),
                                            self.cfg.cluster.rewards), to=peer)
             await self._release(now)
@@ -372,7 +372,8 @@ class CoordinatorActor(Actor):
             self.trainers[rank] = {"peer": peer, "node_id": msg.node_id, "gpu": msg.gpu,
                                    "data_endpoint": msg.data_endpoint,
                                    "weights_endpoint": msg.weights_endpoint}
-            self.nodes[msg.node_id] = {"role": "trainer", "peer": peer, "rank": rank, "gpu": msg.gpu}
+            self.nodes[msg.node_id] = {"role": "trainer", "peer": peer, "rank": rank, "gpu": msg.gpu,
+                                       "pid": msg.pid}
             await self._release(now)
         else:  # a rollout (the codec admits no other role)
             self.gate.bind(peer, msg)
@@ -381,7 +382,7 @@ class CoordinatorActor(Actor):
                 return
             await self.weights.leave(msg.node_id)  # a restarted rollout joins again when ready
             self.nodes[msg.node_id] = {"role": "rollout", "peer": peer, "gpu": msg.gpu,
-                                       "relay": msg.weights_endpoint}
+                                       "relay": msg.weights_endpoint, "pid": msg.pid}
             await self._send(self._welcome(msg.node_id, 0, 0), to=peer)
             if self.latest_announce is not None:
                 await self._send(self.latest_announce, to=peer)
