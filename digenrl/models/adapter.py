@@ -24,8 +24,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
-from peft import LoraConfig
-from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from digenrl.config import ConfigError
 from digenrl.models.base import Cond, DiffusersTransformer
@@ -70,6 +68,10 @@ class DiffusersFlowModel:
         self._sync_targets: dict[str, torch.Tensor] | None = None  # live tensors, by sync key
         self.lora_alpha = lora_alpha or 2.0 * lora_rank  # Flow-GRPO's default alpha = 2 * rank
         if lora_rank > 0:
+            # peft here, not at the top: a node without a diffusers model (an emulated one)
+            # imports this module too, and peft brings transformers (~2 s a process)
+            from peft import LoraConfig
+
             transformer.requires_grad_(False)
             try:
                 # peft annotates lora_alpha as int but scales by lora_alpha / r, a float
@@ -138,6 +140,8 @@ class DiffusersFlowModel:
     def sync_state_dict(self) -> dict[str, torch.Tensor]:
         """What a rollout needs to match the trainer: LoRA weights, or all parameters (detached)."""
         if self.lora_rank:
+            from peft.utils import get_peft_model_state_dict
+
             sd = get_peft_model_state_dict(self.transformer)
         else:
             sd = self.transformer.state_dict()
@@ -150,6 +154,8 @@ class DiffusersFlowModel:
         if self.lora_rank:
             expected = set(self.sync_state_dict())
             self._check_sync_keys(set(sd), expected)
+            from peft.utils import set_peft_model_state_dict
+
             with torch.no_grad():
                 set_peft_model_state_dict(self.transformer, sd)
             return
