@@ -16,7 +16,12 @@ alternating which goes first); a ratio is the median of the per-repeat ratios.
    codec's own tuning is not what beats raw (``goodput_ratio_best_raw_*``: codec over the
    better raw). Goodput counts tensor bytes, first message to last.
 2. Round trip of a ``Heartbeat``: ``Dealer`` -> ``Router`` echo (another process) -> back,
-   against raw msgpack over blocking DEALER/ROUTER.
+   against raw msgpack over blocking DEALER/ROUTER; and *floor*: the same msgpack dicts over
+   the same pyzmq sockets driven by uvloop at both ends, written as cheaply as an asyncio
+   receive can be (:class:`_FloorReader`: one reader callback, one future per wait, no
+   classes, no checks). ``heartbeat_rtt_floor_ratio`` (floor over raw) is what the asyncio
+   actor model costs by itself; ``heartbeat_rtt_codec_over_floor`` what the project's
+   sockets and codec add to it.
 3. The same Heartbeat round trip while the same two processes stream 16 MiB chunks
    (PUSH/PULL, codec) in the background, against the idle round trip (both codec): control
    must not queue behind bulk data. The codec side opens its sockets as nodes do: on
@@ -69,12 +74,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from digenrl.transport import allocator
 from digenrl.transport.options import COPY_BELOW, SocketOptions, node_context
 from digenrl.transport.protocol import Chunk, Heartbeat, decode, encode
+from digenrl.transport.socketio import recv_multipart
 from digenrl.transport.sockets import Dealer, Pull, Push, Router
 from digenrl.transport.staging import DeviceToHost, HostToDevice
 
 OPTS = SocketOptions(max_frame_bytes=64 << 20, hwm=8)  # hwm 8: at most ~256 MiB queued at 16 MiB
 WARMUP = 3
 SIZES = {"64k": (64 << 10, 3000), "1m": (1 << 20, 400), "16m": (16 << 20, 30)}
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 def _chunk(nbytes: int, i: int = 0) -> Chunk:
@@ -170,6 +177,9 @@ def _echo(conn: Connection, mode: str, endpoint: str) -> None:
         sock.close(linger=0)
         ctx.term()
         return
+    if mode == "floor":
+        _run(_floor_echo(conn, endpoint))
+        return
 
     async def run() -> None:
         ctx = node_context()
@@ -182,6 +192,86 @@ def _echo(conn: Connection, mode: str, endpoint: str) -> None:
         ctx.term()
 
     _run(run())
+
+
+class _FloorReader:
+    """The cheapest receive on an asyncio loop: the floor under the project's sockets.
+
+    One reader callback on ZeroMQ's descriptor and one future per wait; plain ints for the
+    flags, no statistics, no checks, no fairness (nothing else runs on the loop). Like the
+    project's sockets it asks ``EVENTS`` before parking (the descriptor signals edges) and
+    reads at once when woken.
+    """
+
+    def __init__(self, sock: zmq.Socket[Any], loop: asyncio.AbstractEventLoop) -> None:
+        self.sock, self.loop = sock, loop
+        self.waiter: asyncio.Future[list[zmq.Frame]] | None = None
+        loop.add_reader(sock.FD, self._wake)
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is None:
+            return
+        try:
+            frames = recv_multipart(self.sock)
+        except zmq.Again:
+            return
+        self.waiter = None
+        waiter.set_result(frames)
+
+    async def recv(self) -> list[zmq.Frame]:
+        if int(self.sock.getsockopt(_EVENTS)) & _POLLIN:
+            return recv_multipart(self.sock)
+        self.waiter = self.loop.create_future()
+        return await self.waiter
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.sock.FD)
+        self.sock.close(linger=0)
+
+
+def _floor_socket(kind: int) -> tuple[zmq.Context[Any], zmq.Socket[Any]]:
+    ctx = zmq.Context()
+    return ctx, ctx.socket(kind)
+
+
+async def _floor_echo(conn: Connection, endpoint: str) -> None:
+    ctx, sock = _floor_socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    reader = _FloorReader(sock, asyncio.get_running_loop())
+    conn.send("ready")
+    c0 = time.process_time()
+    while True:
+        peer, body = await reader.recv()
+        msg = msgpack.unpackb(body)
+        if msg.get("state") == "stopping":
+            break
+        sock.send_multipart([peer, msgpack.packb(msg)], _NOBLOCK)
+    conn.send(time.process_time() - c0)
+    reader.close()
+    ctx.term()
+
+
+async def _floor_pings(pings: int, endpoint: str) -> tuple[list[float], float]:
+    ctx, sock = _floor_socket(zmq.DEALER)
+    sock.connect(endpoint)
+    reader = _FloorReader(sock, asyncio.get_running_loop())
+    body = dict(_heartbeat(0).__dict__)
+    rtts = []
+    c0 = time.process_time()
+    for i in range(pings + 50):
+        t = time.perf_counter()
+        sock.send(msgpack.packb({**body, "seq": i}), _NOBLOCK)
+        (reply,) = await reader.recv()
+        msgpack.unpackb(reply)
+        if i >= 50:
+            rtts.append((time.perf_counter() - t) * 1e6)
+    cpu = time.process_time() - c0
+    sock.send(msgpack.packb({**body, "state": "stopping"}))
+    await asyncio.sleep(0.1)  # let the stop leave before the linger-0 close
+    reader.close()
+    ctx.term()
+    return rtts, cpu
 
 
 async def _echo_loop(router: Router) -> None:
@@ -298,6 +388,9 @@ def latency(peer: Connection, mode: str, pings: int) -> tuple[list[float], float
         sock.send(msgpack.packb({**body, "state": "stopping"}))
         sock.close(linger=1000)
         ctx.term()
+    elif mode == "floor":
+        got, cpu = _run(_floor_pings(pings, endpoint))
+        rtts.extend(got)
     else:
         async def run() -> float:
             ctx = node_context()
@@ -635,22 +728,27 @@ def main() -> None:
                 out[f"cpu_us_per_msg_{m}_{key}"] = statistics.median(cpus[key, m])
 
         pings = max(200, int(2000 * scale))
-        lat: dict[str, list[float]] = {"codec": [], "raw": []}
-        rtt_ratios, rtt_cpu_ratios, rtt_cpu = [], [], {"codec": [], "raw": []}
+        modes = ("codec", "floor", "raw")
+        lat: dict[str, list[float]] = {m: [] for m in modes}
+        rtt_cpu: dict[str, list[float]] = {m: [] for m in modes}
+        rtt_ratios, rtt_cpu_ratios, floor_ratios, over_floor = [], [], [], []
         for rep in range(args.repeats):
-            order = ("codec", "raw") if rep % 2 == 0 else ("raw", "codec")
-            got_rtt = {m: latency(parent, m, pings) for m in order}
+            got_rtt = {m: latency(parent, m, pings) for m in (modes if rep % 2 == 0 else modes[::-1])}
             for m, (v, cpu) in got_rtt.items():
                 lat[m] += v
                 rtt_cpu[m].append(cpu)
-            rtt_ratios.append(statistics.median(got_rtt["codec"][0]) /
-                              statistics.median(got_rtt["raw"][0]))
+            med = {m: statistics.median(v) for m, (v, _) in got_rtt.items()}
+            rtt_ratios.append(med["codec"] / med["raw"])
+            floor_ratios.append(med["floor"] / med["raw"])
+            over_floor.append(med["codec"] / med["floor"])
             rtt_cpu_ratios.append(got_rtt["codec"][1] / got_rtt["raw"][1])
         out["heartbeat_rtt_ratio"] = statistics.median(rtt_ratios)
+        out["heartbeat_rtt_floor_ratio"] = statistics.median(floor_ratios)  # floor over raw
+        out["heartbeat_rtt_codec_over_floor"] = statistics.median(over_floor)
         out["heartbeat_cpu_ratio"] = statistics.median(rtt_cpu_ratios)  # codec over raw
-        for m in ("codec", "raw"):
+        for m in modes:
             out[f"heartbeat_cpu_us_{m}"] = statistics.median(rtt_cpu[m])
-        for m in ("codec", "raw"):
+        for m in modes:
             out[f"heartbeat_rtt_{m}_us"] = statistics.median(lat[m])
             out[f"heartbeat_rtt_{m}_p99_us"] = _p99(lat[m])
 
@@ -689,9 +787,11 @@ def main() -> None:
               f"{out[f'cpu_ratio_{key}']:.2f} |")
     print("\n| Heartbeat round trip | median us | p99 us |")
     print("|---|---|---|")
-    for m in ("codec", "raw"):
+    for m in ("codec", "floor", "raw"):
         print(f"| {m} | {out[f'heartbeat_rtt_{m}_us']:.0f} | {out[f'heartbeat_rtt_{m}_p99_us']:.0f} |")
     print(f"| codec/raw | {out['heartbeat_rtt_ratio']:.2f} | |")
+    print(f"| floor/raw (asyncio itself) | {out['heartbeat_rtt_floor_ratio']:.2f} | |")
+    print(f"| codec/floor | {out['heartbeat_rtt_codec_over_floor']:.2f} | |")
     print(f"| CPU us per round trip, codec / raw | {out['heartbeat_cpu_us_codec']:.0f} / "
           f"{out['heartbeat_cpu_us_raw']:.0f} (ratio {out['heartbeat_cpu_ratio']:.2f}) | |")
     print(f"| codec, idle (bulk test) | {out['heartbeat_rtt_idle_us']:.0f} | |")
