@@ -263,7 +263,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
                 if actor.stop_reason.startswith("failed"):
                     await children.kill_all()
                 else:
-                    await children.wait_all(30.0, told={n["pid"] for n in actor.nodes.values()})
+                    await children.wait_all(30.0, told={n.get("pid", -1) for n in actor.nodes.values()})
             if sup is not None:
                 sup.cancel()
     finally:
