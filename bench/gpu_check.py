@@ -16,6 +16,13 @@ Sections (each records its own figures and ``ok``; the script exits 1 if any is 
                  SD3.5-medium (2.5B) and FLUX.1-dev (12B) transformer at 512 and 1024 px, bf16,
                  batch 2: seconds and peak GPU memory; also the first ratio of the trained
                  step, which must be exactly 1 (the same instance recomputes its own sample).
+``staging``      chunks device -> pinned host -> wire -> pinned host -> device through
+                 ``transport/staging.py`` and the project's PUSH/PULL sockets: every landed
+                 tensor bit-identical to its source (a fresh tensor per chunk, pooled buffers
+                 reused only after their send completed), then chunk goodput at 1 MiB and
+                 16 MiB a tensor against the bare copies through raw pyzmq
+                 (``bench/transport.py``'s ``staged_chunk_goodput``, the same code the CPU bench
+                 runs with the CUDA parts off).
 ``default_run``  ``digenrl launch`` with the embedded default config (digenrl mode, 500 steps
                  of a LoRA on the shapes judge, 640-sample evaluations at the start and the end)
                  on the GPU: wall, samples/s, accounting, each node's device.
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -54,7 +62,7 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
                    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
 #: FLUX.1-dev's transformer/config.json: FluxTransformer2DModel's defaults.
 FLUX_DEV: dict[str, Any] = {}
-SECTIONS = ("build", "nvml", "k0_bf16", "transformers", "default_run")
+SECTIONS = ("build", "nvml", "k0_bf16", "transformers", "staging", "default_run")
 NEEDED = ["diffusers", "transformers", "peft", "safetensors", "zmq", "msgpack", "msgspec", "structlog", "uvloop", "PIL",
           "pynvml", "tomli_w", "numpy", "matplotlib"]
 
@@ -240,6 +248,78 @@ def _one_case(spec: Any, transformer: torch.nn.Module, px: int, real: bool, text
     return case
 
 
+def _transport_bench() -> Any:
+    """bench/transport.py as a module (its staged-chunk measurement)."""
+    spec = importlib.util.spec_from_file_location("digenrl_bench_transport", ROOT / "bench" / "transport.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def _staged_round_trips(device: torch.device, numel: int, chunks: int) -> dict[str, Any]:
+    """``chunks`` chunks staged off the device, sent and received over inproc PUSH/PULL and
+    landed back on it; each landed pair compared bit for bit with its source (copies only:
+    exactness is the point) when it lands and again once the next chunk has been staged
+    through the pool (a buffer reused before its send completed would show then: on a CPU
+    node the landed tensors are the sender's buffer, inproc being zero-copy), and the pools'
+    reuse counted."""
+    from digenrl.transport.options import SocketOptions, node_context
+    from digenrl.transport.protocol import Chunk
+    from digenrl.transport.sockets import Pull, Push
+    from digenrl.transport.staging import DeviceToHost, HostToDevice
+
+    d2h, h2d = DeviceToHost(device), HostToDevice(device)
+    ctx = node_context()
+    endpoint = f"inproc://gpu-check-staging-{time.monotonic_ns()}"
+    options = SocketOptions(max_frame_bytes=max(64 << 20, 8 * numel))
+    exact = True
+    held: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # the chunk before: landed, source
+    try:
+        with Pull(ctx, options=options, lane="bulk") as pull, Push(ctx, options=options, lane="bulk") as push:
+            pull.bind(endpoint)
+            push.connect(endpoint)
+            for i in range(chunks):
+                src = [torch.randn(1, numel, device=device), torch.randn(1, numel, device=device)]
+                staged = d2h.stage(src)  # a new pair every time, as a sampler makes them
+                await staged.wait_ready()
+                tracker = await push.send(Chunk(
+                    task_id=i, step=0, fragment=0, t_index=i, sigma=0.5, sigma_next=0.4, policy_version=0,
+                    x_t=staged.tensors[0], x_next=staged.tensors[1], log_prob=torch.zeros(1)), track=True)
+                staged.release(tracker)
+                _, msg = await pull.recv()
+                assert isinstance(msg, Chunk)
+                landed = h2d.stage([msg.x_t, msg.x_next]).wait()
+                del msg
+                held.append((landed, src))
+                exact &= all(a.device == b.device and torch.equal(a, b) for got, want in held
+                             for a, b in zip(got, want))
+                del held[:-1]  # the previous chunk's buffers may be reused from now on
+    finally:
+        ctx.term()
+    pools = {"device_to_host": d2h.pool.statistics(),
+             "host_to_device": h2d.pool.statistics() if h2d.pool is not None else None}
+    return {"exact": exact, "chunks": chunks, "numel": numel, "pools": pools}
+
+
+def staging(device: torch.device, real: bool) -> dict[str, Any]:
+    import asyncio
+
+    import uvloop
+
+    from digenrl.transport.options import COPY_BELOW
+
+    bench = _transport_bench()
+    numel = (1 << 20) // 4 if real else COPY_BELOW // 4  # CPU: the smallest tensor sent zero-copy
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        trips = runner.run(_staged_round_trips(device, numel, 16 if real else 6))
+    sizes = {"1m": (1 << 20, 200), "16m": (16 << 20, 30)} if real else {"256k": (COPY_BELOW, 20)}
+    goodput = {key: bench.staged_chunk_goodput(str(device), nbytes, count, repeats=3 if real else 1)
+               for key, (nbytes, count) in sizes.items()}
+    reused = trips["pools"]["device_to_host"]["reused"]
+    return {**trips, "goodput": goodput, "ok": trips["exact"] and reused > 0}
+
+
 def _run_report(proc: subprocess.CompletedProcess[str], run_dir: Path) -> dict[str, Any]:
     """What a launched run says about itself: exit code, summary.json's figures, each metrics
     row's ratio_max_dev, each node's device; ``ok`` when it ran to the end with nothing in flight."""
@@ -288,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                 "nvml": nvml_reading,
                 "k0_bf16": lambda: k0_bf16(work, 2 if args.cpu else 3),
                 "transformers": lambda: transformer_steps(device, real=not args.cpu),
+                "staging": lambda: staging(device, real=not args.cpu),
                 "default_run": lambda: default_run(work, 1 if args.cpu else None)}
             for name, fn in sections.items():
                 if name not in skip and not (name == "nvml" and args.cpu):

@@ -25,7 +25,7 @@ def test_gpu_check_cpu_subset_runs_and_reports_every_section(tmp_path: Path) -> 
     report = json.loads(out.read_text())
     sections = report["sections"]
     assert report["ok"] and report["device"] == "cpu" and report["cpu_mode"]
-    assert set(sections) == {"build", "k0_bf16", "transformers"}  # no NVML without a GPU
+    assert set(sections) == {"build", "k0_bf16", "transformers", "staging"}  # no NVML without a GPU
     assert report["skipped"] == ["default_run"]
     assert sections["build"]["missing"] == [] and sections["build"]["torch"]
     # two processes, bf16 compute with float32 masters, K = 0: every step's first ratio is 1 exactly
@@ -35,6 +35,11 @@ def test_gpu_check_cpu_subset_runs_and_reports_every_section(tmp_path: Path) -> 
     cases = sections["transformers"]["cases"]
     assert set(cases) == {"sd3@32", "sd3@64", "flux@32", "flux@64"}
     assert all(c["first_ratio_max_dev"] == 0.0 and not c["skipped"] and c["lora_params"] > 0 for c in cases.values())
+    # chunks through the staging path and real sockets come back bit for bit, and pooled
+    # buffers are reused (only once their send completed: a reuse too soon breaks `exact`)
+    staged = sections["staging"]
+    assert staged["exact"] and staged["pools"]["device_to_host"]["reused"] > 0
+    assert staged["goodput"]["256k"]["staged_MBps"] > 0 and staged["goodput"]["256k"]["raw_MBps"] > 0
 
 
 # Distribution name -> the module it installs, where they differ.
