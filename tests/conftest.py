@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -177,3 +178,18 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The trained policy a run left in ``run_dir/final``."""
     from safetensors.torch import load_file
     return load_file(run_dir / "final" / "policy.safetensors")
+
+
+HEAVY_MODULES = ("diffusers", "peft", "transformers")
+
+
+def heavy_imports_after(code: str) -> list[str]:
+    """Which of :data:`HEAVY_MODULES` (seconds of CPU to import, with torch._dynamo) are
+    loaded once ``code`` has run in a fresh interpreter at the repository root."""
+    probe = (f"{code}\nimport json, sys\n"
+             f"print(json.dumps(sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded: list[str] = json.loads(out.stdout.strip().splitlines()[-1])
+    return loaded

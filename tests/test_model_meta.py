@@ -92,3 +92,62 @@ def test_make_scheduler_sizes_trajectories_without_building_a_model(tmp_path: Pa
     sched = make_scheduler(cfg, prompt_count=8)
     numel = prod(latent_shape_of(cfg.model))
     assert sched.params.bytes_per_trajectory == bytes_per_trajectory(cfg, numel) > 0
+
+
+# ---------------------------------------------------------------- the catalog: no diffusers
+
+def _signature_defaults(cls: type, keys) -> dict:
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    return {k: params[k].default for k in keys}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_catalogs_defaults_are_the_installed_diffusers_classes_defaults(family: str) -> None:
+    """The catalog copies the few constructor defaults the geometry reads, so that the launcher
+    need not import diffusers: a diffusers release that changes one fails here, not silently."""
+    import diffusers
+
+    from digenrl.models import catalog, families
+
+    spec = families.SPECS[family]
+    assert spec.geometry is catalog.GEOMETRY[family] and spec.vae_class == catalog.VAE_CLASS[family]
+    wanted = catalog.TRANSFORMER_DEFAULTS[family]
+    assert _signature_defaults(spec.cls, wanted) == wanted
+    vae_wanted = catalog.VAE_DEFAULTS[spec.vae_class]
+    assert _signature_defaults(getattr(diffusers, spec.vae_class), vae_wanted) == vae_wanted
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("with_vae", [False, True])
+def test_the_geometry_reads_no_key_the_catalog_lacks(family: str, with_vae: bool) -> None:
+    # a namespace holding only the catalog's keys: reading any other raises AttributeError
+    from types import SimpleNamespace
+
+    from digenrl.models import catalog
+
+    cfg = SimpleNamespace(**catalog.TRANSFORMER_DEFAULTS[family])
+    vae = SimpleNamespace(config=SimpleNamespace(**catalog.VAE_DEFAULTS[catalog.VAE_CLASS[family]])) \
+        if with_vae else None
+    assert catalog.GEOMETRY[family](cfg, vae).family == family
+
+
+def test_the_launchers_checks_and_scheduler_import_neither_diffusers_nor_peft(tmp_path: Path) -> None:
+    """The launcher checks a config and sizes the byte window before it starts any node; with
+    diffusers imported there (~4 s of CPU with peft and torch._dynamo) every launch started its
+    nodes ~4 s later. A random model and a pipeline folder, each checked in a fresh process."""
+    from tests.conftest import heavy_imports_after
+    from tests.pipelines import write_pipeline_folder
+
+    folder = write_pipeline_folder("flux", tmp_path / "flux")
+    for path in ("random", str(folder)):
+        code = (
+            "from digenrl.config import load_config\n"
+            "from digenrl.launch import check_before_start\n"
+            "from digenrl.actors.cluster import make_scheduler\n"
+            f"cfg = load_config(None, ['model.family=\"flux\"', 'model.path=\"{path}\"', "
+            "'model.text_encoder=\"hash\"'])\n"
+            "check_before_start(cfg)\n"
+            "assert make_scheduler(cfg, prompt_count=8).params.bytes_per_trajectory > 0\n")
+        assert heavy_imports_after(code) == [], path

@@ -1,15 +1,6 @@
-"""The per-family table: diffusers class, adapter, tiny config, text dims, VAE, and geometry.
-
-Geometry turns ``model.height`` / ``model.width`` / ``model.num_frames`` into the latent
-shape the way each family's diffusers pipeline does (``prepare_latents``): pixels per latent
-cell from the VAE (``2 ** (len(block_out_channels) - 1)`` for SD3/FLUX's ``AutoencoderKL``,
-``2 ** len(temperal_downsample)`` for Qwen-Image, the config's ``scale_factor_*`` for Wan,
-``*_compression_ratio`` for HunyuanVideo), latent frames ``(frames - 1) // t + 1``. Where a
-pipeline would silently round a size down, a size that does not divide is refused instead,
-naming the multiple it needs. Tiny models without a VAE decode pixel-unshuffled latents
-(:mod:`digenrl.models.pixels`): ``r`` pixels per cell for ``3 r^2`` channels, one frame per
-latent frame.
-"""
+"""The per-family table: each family's diffusers transformer class, adapter and text dims,
+over the diffusers-free part of the table (:mod:`digenrl.models.catalog`: geometry, VAE class
+names, tiny configs; re-exported here)."""
 
 from __future__ import annotations
 
@@ -19,99 +10,12 @@ from typing import Any, cast
 
 import diffusers
 
-from digenrl.config import ConfigError
 from digenrl.models import flux, qwenimage, sd3, video
 from digenrl.models.adapter import DiffusersFlowModel
 from digenrl.models.base import DiffusersTransformer
-from digenrl.models.pixels import shuffle_factor
+from digenrl.models.catalog import GEOMETRY, TINY_CONFIGS, VAE_CLASS, Geometry
 
-
-@dataclass(frozen=True)
-class Geometry:
-    """How pixels map to latents for one transformer (+ VAE)."""
-
-    family: str
-    channels: int
-    spatial: int
-    """pixels per latent cell (VAE downsampling, or the pixel-shuffle factor)"""
-    temporal: int
-    """frames per latent frame (1 for images and for tiny videos)"""
-    multiple: int
-    """latent height and width must be multiples of this (the patch, or FLUX's 2x2 packing)"""
-    default_hw: tuple[int, int]
-    """pixels when model.height / model.width are 0"""
-    default_frames: int
-    """frames when model.num_frames is 0 (0 for image families)"""
-    max_latent: int = 0
-    """largest latent side (SD3's position-embedding grid x patch); 0 = unbounded"""
-
-    @property
-    def video(self) -> bool:
-        return self.default_frames > 0
-
-    def latent_shape(self, height: int = 0, width: int = 0, num_frames: int = 0) -> tuple[int, ...]:
-        """(C, h, w) or (C, f, h, w) for an image of ``height`` x ``width`` (0 = default)."""
-        h_px, w_px = height or self.default_hw[0], width or self.default_hw[1]
-        step = self.spatial * self.multiple
-        for key, px in (("model.height", h_px), ("model.width", w_px)):
-            if px % step:
-                raise ConfigError(f"{key} = {px}: {self.family} needs a multiple of {step} pixels "
-                                  f"({self.spatial} per latent cell x {self.multiple} cells per patch)")
-            if self.max_latent and px // self.spatial > self.max_latent:
-                raise ConfigError(f"{key} = {px}: larger than this {self.family} transformer's position "
-                                  f"grid allows ({self.max_latent * self.spatial} pixels)")
-        h, w = h_px // self.spatial, w_px // self.spatial
-        if not self.video:
-            if num_frames > 1:
-                raise ConfigError(f"model.num_frames = {num_frames}: {self.family} makes images")
-            return (self.channels, h, w)
-        frames = num_frames or self.default_frames
-        if (frames - 1) % self.temporal:
-            raise ConfigError(f"model.num_frames = {frames}: {self.family} needs 1 + a multiple of "
-                              f"{self.temporal} frames (its VAE packs {self.temporal} frames per latent frame)")
-        return (self.channels, (frames - 1) // self.temporal + 1, h, w)
-
-
-def _pixels(channels: int) -> int:
-    return shuffle_factor(channels) or 1
-
-
-def _sd3(cfg: Any, vae: Any) -> Geometry:
-    s = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else _pixels(cfg.in_channels)
-    return Geometry("sd3", cfg.in_channels, s, 1, cfg.patch_size, (cfg.sample_size * s,) * 2, 0,
-                    max_latent=cfg.pos_embed_max_size * cfg.patch_size)
-
-
-def _flux(cfg: Any, vae: Any) -> Geometry:
-    c = cfg.in_channels // 4
-    if vae is None:
-        return Geometry("flux", c, _pixels(c), 1, 2, (16 * _pixels(c),) * 2, 0)
-    s = 2 ** (len(vae.config.block_out_channels) - 1)
-    return Geometry("flux", c, s, 1, 2, (128 * s,) * 2, 0)  # the pipeline's default_sample_size 128
-
-
-def _qwenimage(cfg: Any, vae: Any) -> Geometry:
-    c = cfg.out_channels or cfg.in_channels // 4
-    if vae is None:
-        return Geometry("qwenimage", c, _pixels(c), 1, 2, (16 * _pixels(c),) * 2, 0)
-    s = 2 ** len(vae.config.temperal_downsample)
-    return Geometry("qwenimage", c, s, 1, 2, (128 * s,) * 2, 0)
-
-
-def _wan(cfg: Any, vae: Any) -> Geometry:
-    c, patch = cfg.in_channels, cfg.patch_size[1]
-    if vae is None:
-        return Geometry("wan", c, _pixels(c), 1, patch, (8 * _pixels(c),) * 2, 2)
-    return Geometry("wan", c, vae.config.scale_factor_spatial, vae.config.scale_factor_temporal, patch,
-                    (480, 832), 81)
-
-
-def _hunyuanvideo(cfg: Any, vae: Any) -> Geometry:
-    c = cfg.in_channels
-    if vae is None:
-        return Geometry("hunyuanvideo", c, _pixels(c), 1, cfg.patch_size, (8 * _pixels(c),) * 2, 2)
-    return Geometry("hunyuanvideo", c, vae.config.spatial_compression_ratio,
-                    vae.config.temporal_compression_ratio, cfg.patch_size, (720, 1280), 129)
+__all__ = ["SPECS", "TINY_CONFIGS", "FamilySpec", "Geometry", "transformer_class"]
 
 
 @dataclass(frozen=True)
@@ -141,25 +45,17 @@ def transformer_class(cls: type) -> type[DiffusersTransformer]:
 
 
 SPECS: dict[str, FamilySpec] = {
-    "sd3": FamilySpec(transformer_class(diffusers.SD3Transformer2DModel), sd3.SD3Model, _sd3,
-                      lambda cfg: (cfg.joint_attention_dim, cfg.pooled_projection_dim), "AutoencoderKL"),
-    "flux": FamilySpec(transformer_class(diffusers.FluxTransformer2DModel), flux.FluxModel, _flux,
-                       lambda cfg: (cfg.joint_attention_dim, cfg.pooled_projection_dim), "AutoencoderKL",
+    "sd3": FamilySpec(transformer_class(diffusers.SD3Transformer2DModel), sd3.SD3Model, GEOMETRY["sd3"],
+                      lambda cfg: (cfg.joint_attention_dim, cfg.pooled_projection_dim), VAE_CLASS["sd3"]),
+    "flux": FamilySpec(transformer_class(diffusers.FluxTransformer2DModel), flux.FluxModel, GEOMETRY["flux"],
+                       lambda cfg: (cfg.joint_attention_dim, cfg.pooled_projection_dim), VAE_CLASS["flux"],
                        guidance=3.5),
-    "qwenimage": FamilySpec(transformer_class(diffusers.QwenImageTransformer2DModel), qwenimage.QwenImageModel, _qwenimage,
-                            lambda cfg: (cfg.joint_attention_dim, 0), "AutoencoderKLQwenImage", guidance=1.0),
-    "wan": FamilySpec(transformer_class(diffusers.WanTransformer3DModel), video.WanModel, _wan,
-                      lambda cfg: (cfg.text_dim, 0), "AutoencoderKLWan"),
-    "hunyuanvideo": FamilySpec(transformer_class(diffusers.HunyuanVideoTransformer3DModel), video.HunyuanVideoModel, _hunyuanvideo,
+    "qwenimage": FamilySpec(transformer_class(diffusers.QwenImageTransformer2DModel), qwenimage.QwenImageModel, GEOMETRY["qwenimage"],
+                            lambda cfg: (cfg.joint_attention_dim, 0), VAE_CLASS["qwenimage"], guidance=1.0),
+    "wan": FamilySpec(transformer_class(diffusers.WanTransformer3DModel), video.WanModel, GEOMETRY["wan"],
+                      lambda cfg: (cfg.text_dim, 0), VAE_CLASS["wan"]),
+    "hunyuanvideo": FamilySpec(transformer_class(diffusers.HunyuanVideoTransformer3DModel), video.HunyuanVideoModel, GEOMETRY["hunyuanvideo"],
                                lambda cfg: (cfg.text_embed_dim, cfg.pooled_projection_dim),
-                               "AutoencoderKLHunyuanVideo", guidance=6.0),
+                               VAE_CLASS["hunyuanvideo"], guidance=6.0),
 }
 
-#: Constructor kwargs of each family's tiny random model (the real diffusers class).
-TINY_CONFIGS: dict[str, dict] = {
-    "sd3": sd3.TINY_SD3,
-    "flux": flux.TINY_FLUX,
-    "qwenimage": qwenimage.TINY_QWENIMAGE,
-    "wan": video.TINY_WAN,
-    "hunyuanvideo": video.TINY_HUNYUANVIDEO,
-}

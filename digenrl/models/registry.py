@@ -50,11 +50,11 @@ __all__ = ["TINY_CONFIGS", "ModelFolderError", "build_model", "builtin_folder", 
 
 
 def __getattr__(name: str) -> Any:
-    # diffusers (and, through peft, transformers) load only when a diffusers model is built or
-    # checked: an emulated node never pays for them (seconds of CPU and ~150 MB per process)
+    # TINY_CONFIGS is the catalog's (no diffusers); diffusers (and, through peft, transformers)
+    # load only when a diffusers model is built: an emulated node never pays for them
     if name == "TINY_CONFIGS":
-        from digenrl.models import families
-        return families.TINY_CONFIGS
+        from digenrl.models import catalog
+        return catalog.TINY_CONFIGS
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -74,13 +74,14 @@ def _folder(model_cfg: ModelConfig) -> Path:
 def check_model_path(model_cfg: ModelConfig) -> None:
     """The cheap checks of ``build_model`` (no weights read): the folder exists, is a pipeline
     folder of ``model.family`` with its text encoders (unless the hash encoder is asked for)
-    and VAE, or a transformer folder. Raises :class:`ModelFolderError` (a ConfigError)."""
-    from digenrl.models import families
+    and VAE, or a transformer folder. Raises :class:`ModelFolderError` (a ConfigError). Does
+    not import diffusers (:mod:`digenrl.models.catalog`)."""
+    from digenrl.models import catalog
 
     if model_cfg.path == "emulated":  # no weights, no folder: models/emulated.py checks its knobs
         return
-    if model_cfg.family not in families.SPECS:
-        raise ModelFolderError(f"model.family = {model_cfg.family!r}: expected one of {sorted(families.SPECS)}")
+    if model_cfg.family not in catalog.FAMILIES:
+        raise ModelFolderError(f"model.family = {model_cfg.family!r}: expected one of {sorted(catalog.FAMILIES)}")
     if model_cfg.path == "random":
         if model_cfg.text_encoder == "pipeline":
             raise ModelFolderError("model.text_encoder = 'pipeline' needs a pipeline folder; model.path = 'random' "
@@ -91,7 +92,7 @@ def check_model_path(model_cfg: ModelConfig) -> None:
         pf = PipelineFolder(folder)
         pf.check_family(model_cfg.family)
         pf.require({"transformer": f"the {pf.pipeline_class}'s transformer",
-                    "vae": f"the {pf.pipeline_class}'s VAE ({families.SPECS[pf.family].vae_class})"})
+                    "vae": f"the {pf.pipeline_class}'s VAE ({catalog.VAE_CLASS[pf.family]})"})
         if model_cfg.text_encoder != "hash":
             pf.require(TEXT_COMPONENTS[pf.family])
         return

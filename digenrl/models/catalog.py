@@ -1,0 +1,161 @@
+"""The families' table without diffusers: names, geometry, VAE classes, tiny configs.
+
+What the launcher and the coordinator need to check a model config and learn its latent shape
+(:mod:`digenrl.models.meta`), read without importing diffusers, whose import (with peft and
+torch._dynamo) costs seconds of CPU in every process that does it: the launcher used to pay
+them, serially, before it started any node. :mod:`digenrl.models.families` builds its table
+(the diffusers classes and the adapters) on this one.
+
+Geometry turns ``model.height`` / ``model.width`` / ``model.num_frames`` into the latent
+shape the way each family's diffusers pipeline does (``prepare_latents``): pixels per latent
+cell from the VAE (``2 ** (len(block_out_channels) - 1)`` for SD3/FLUX's ``AutoencoderKL``,
+``2 ** len(temperal_downsample)`` for Qwen-Image, the config's ``scale_factor_*`` for Wan,
+``*_compression_ratio`` for HunyuanVideo), latent frames ``(frames - 1) // t + 1``. Where a
+pipeline would silently round a size down, a size that does not divide is refused instead,
+naming the multiple it needs. Tiny models without a VAE decode pixel-unshuffled latents
+(:mod:`digenrl.models.pixels`): ``r`` pixels per cell for ``3 r^2`` channels, one frame per
+latent frame.
+
+``TRANSFORMER_DEFAULTS`` and ``VAE_DEFAULTS`` are the diffusers classes' constructor defaults
+of exactly the keys the geometry reads (a config file that leaves one out gets the class's
+default, as ``from_pretrained`` would give it); tests/test_model_meta.py holds them to the
+installed diffusers' signatures and the geometry to reading no other key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from digenrl.config import ConfigError
+from digenrl.models import flux, qwenimage, sd3, video
+from digenrl.models.pixels import shuffle_factor
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How pixels map to latents for one transformer (+ VAE)."""
+
+    family: str
+    channels: int
+    spatial: int
+    """pixels per latent cell (VAE downsampling, or the pixel-shuffle factor)"""
+    temporal: int
+    """frames per latent frame (1 for images and for tiny videos)"""
+    multiple: int
+    """latent height and width must be multiples of this (the patch, or FLUX's 2x2 packing)"""
+    default_hw: tuple[int, int]
+    """pixels when model.height / model.width are 0"""
+    default_frames: int
+    """frames when model.num_frames is 0 (0 for image families)"""
+    max_latent: int = 0
+    """largest latent side (SD3's position-embedding grid x patch); 0 = unbounded"""
+
+    @property
+    def video(self) -> bool:
+        return self.default_frames > 0
+
+    def latent_shape(self, height: int = 0, width: int = 0, num_frames: int = 0) -> tuple[int, ...]:
+        """(C, h, w) or (C, f, h, w) for an image of ``height`` x ``width`` (0 = default)."""
+        h_px, w_px = height or self.default_hw[0], width or self.default_hw[1]
+        step = self.spatial * self.multiple
+        for key, px in (("model.height", h_px), ("model.width", w_px)):
+            if px % step:
+                raise ConfigError(f"{key} = {px}: {self.family} needs a multiple of {step} pixels "
+                                  f"({self.spatial} per latent cell x {self.multiple} cells per patch)")
+            if self.max_latent and px // self.spatial > self.max_latent:
+                raise ConfigError(f"{key} = {px}: larger than this {self.family} transformer's position "
+                                  f"grid allows ({self.max_latent * self.spatial} pixels)")
+        h, w = h_px // self.spatial, w_px // self.spatial
+        if not self.video:
+            if num_frames > 1:
+                raise ConfigError(f"model.num_frames = {num_frames}: {self.family} makes images")
+            return (self.channels, h, w)
+        frames = num_frames or self.default_frames
+        if (frames - 1) % self.temporal:
+            raise ConfigError(f"model.num_frames = {frames}: {self.family} needs 1 + a multiple of "
+                              f"{self.temporal} frames (its VAE packs {self.temporal} frames per latent frame)")
+        return (self.channels, (frames - 1) // self.temporal + 1, h, w)
+
+
+def _pixels(channels: int) -> int:
+    return shuffle_factor(channels) or 1
+
+
+def _sd3(cfg: Any, vae: Any) -> Geometry:
+    s = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else _pixels(cfg.in_channels)
+    return Geometry("sd3", cfg.in_channels, s, 1, cfg.patch_size, (cfg.sample_size * s,) * 2, 0,
+                    max_latent=cfg.pos_embed_max_size * cfg.patch_size)
+
+
+def _flux(cfg: Any, vae: Any) -> Geometry:
+    c = cfg.in_channels // 4
+    if vae is None:
+        return Geometry("flux", c, _pixels(c), 1, 2, (16 * _pixels(c),) * 2, 0)
+    s = 2 ** (len(vae.config.block_out_channels) - 1)
+    return Geometry("flux", c, s, 1, 2, (128 * s,) * 2, 0)  # the pipeline's default_sample_size 128
+
+
+def _qwenimage(cfg: Any, vae: Any) -> Geometry:
+    c = cfg.out_channels or cfg.in_channels // 4
+    if vae is None:
+        return Geometry("qwenimage", c, _pixels(c), 1, 2, (16 * _pixels(c),) * 2, 0)
+    s = 2 ** len(vae.config.temperal_downsample)
+    return Geometry("qwenimage", c, s, 1, 2, (128 * s,) * 2, 0)
+
+
+def _wan(cfg: Any, vae: Any) -> Geometry:
+    c, patch = cfg.in_channels, cfg.patch_size[1]
+    if vae is None:
+        return Geometry("wan", c, _pixels(c), 1, patch, (8 * _pixels(c),) * 2, 2)
+    return Geometry("wan", c, vae.config.scale_factor_spatial, vae.config.scale_factor_temporal, patch,
+                    (480, 832), 81)
+
+
+def _hunyuanvideo(cfg: Any, vae: Any) -> Geometry:
+    c = cfg.in_channels
+    if vae is None:
+        return Geometry("hunyuanvideo", c, _pixels(c), 1, cfg.patch_size, (8 * _pixels(c),) * 2, 2)
+    return Geometry("hunyuanvideo", c, vae.config.spatial_compression_ratio,
+                    vae.config.temporal_compression_ratio, cfg.patch_size, (720, 1280), 129)
+
+
+GEOMETRY: dict[str, Callable[[Any, Any], Geometry]] = {
+    "sd3": _sd3, "flux": _flux, "qwenimage": _qwenimage, "wan": _wan, "hunyuanvideo": _hunyuanvideo,
+}
+"""family -> (transformer config, VAE or None) -> :class:`Geometry`"""
+
+FAMILIES: tuple[str, ...] = tuple(GEOMETRY)
+
+VAE_CLASS: dict[str, str] = {
+    "sd3": "AutoencoderKL", "flux": "AutoencoderKL", "qwenimage": "AutoencoderKLQwenImage",
+    "wan": "AutoencoderKLWan", "hunyuanvideo": "AutoencoderKLHunyuanVideo",
+}
+"""family -> the diffusers class of its pipeline's VAE"""
+
+TRANSFORMER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sd3": {"in_channels": 16, "patch_size": 2, "sample_size": 128, "pos_embed_max_size": 96},
+    "flux": {"in_channels": 64},
+    "qwenimage": {"in_channels": 64, "out_channels": 16},
+    "wan": {"in_channels": 16, "patch_size": (1, 2, 2)},
+    "hunyuanvideo": {"in_channels": 16, "patch_size": 2},
+}
+"""family -> its transformer class's defaults of the keys its geometry reads"""
+
+VAE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "AutoencoderKL": {"block_out_channels": (64,)},
+    "AutoencoderKLQwenImage": {"temperal_downsample": [False, True, True]},
+    "AutoencoderKLWan": {"scale_factor_spatial": 8, "scale_factor_temporal": 4},
+    "AutoencoderKLHunyuanVideo": {"spatial_compression_ratio": 8, "temporal_compression_ratio": 4},
+}
+"""VAE class -> its defaults of the keys the geometry reads"""
+
+#: Constructor kwargs of each family's tiny random model (the real diffusers class).
+TINY_CONFIGS: dict[str, dict] = {
+    "sd3": sd3.TINY_SD3,
+    "flux": flux.TINY_FLUX,
+    "qwenimage": qwenimage.TINY_QWENIMAGE,
+    "wan": video.TINY_WAN,
+    "hunyuanvideo": video.TINY_HUNYUANVIDEO,
+}
