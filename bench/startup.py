@@ -11,7 +11,9 @@ fresh run dir, and reads from the run's own files:
   (configuration, the model and reward checks, the coordinator's sockets);
 * ``joined_s``: launch start to the last node's ``joined`` record (the node imported its
   stack, built its model and was admitted by the coordinator);
-* ``wall_s``: launch start to the launcher's exit.
+* ``wall_s``: launch start to the launcher's exit;
+* ``exit_s``: the last node's ``node_final`` record (its last act) to the launcher's exit:
+  the nodes' interpreter exits, which the launcher waits for, and its own.
 
 Medians of the repeats. The nodes' own start (torch, diffusers with peft, the model) is most
 of ``joined_s - spawn_s``; on a two-core machine the nodes share both cores with each other.
@@ -37,14 +39,14 @@ SMALL_RUN = ["run.threads=1", "run.eval_every=0", 'prompts.test_file=""', "model
              "runtime.fragments_per_step=2", "sampler.num_steps=4"]
 
 
-def _joined_at(logs: Path) -> float | None:
-    """The epoch seconds of the last node's ``joined`` record, or None if a node never joined."""
+def _last_record_at(logs: Path, event: str) -> float | None:
+    """The epoch seconds of the last node's first ``event`` record, or None if a node has none."""
     times = []
     for log in sorted(logs.glob("*.log")):
         if log.name == "launcher.log":
             continue
         for line in log.read_text().splitlines():
-            if '"joined"' in line:
+            if f'"{event}"' in line:
                 stamp = json.loads(line)["timestamp"].replace("Z", "+00:00")
                 times.append(datetime.fromisoformat(stamp).timestamp())
                 break
@@ -67,9 +69,12 @@ def launch_once(mode: str, steps: int, run_dir: Path) -> dict[str, float]:
     pids = run_dir / "logs" / "pids.json"
     if pids.exists():
         out["spawn_s"] = os.stat(pids).st_mtime - t0
-    joined = _joined_at(run_dir / "logs")
+    joined = _last_record_at(run_dir / "logs", "joined")
     if joined is not None:
         out["joined_s"] = joined - t0
+    final = _last_record_at(run_dir / "logs", "node_final")
+    if final is not None:
+        out["exit_s"] = t0 + wall - final
     return out
 
 
@@ -84,7 +89,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="digenrl-startup-") as tmp:
         for i in range(args.repeats):
             runs.append(launch_once(args.mode, args.steps, Path(tmp) / f"run{i}"))
-    keys = [k for k in ("spawn_s", "joined_s", "wall_s") if all(k in r for r in runs)]
+    keys = [k for k in ("spawn_s", "joined_s", "wall_s", "exit_s") if all(k in r for r in runs)]
     out = {"mode": args.mode, "steps": args.steps, "repeats": args.repeats, "cpus": os.cpu_count(),
            **{k: statistics.median(r[k] for r in runs) for k in keys},
            "runs": runs}

@@ -231,6 +231,20 @@ def test_launch_output_to_a_pipe_has_no_control_characters(launched, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["digenrl", "disagg-sync"])
+def test_every_node_froze_its_start_up_objects_when_it_joined(launched, mode):
+    # nodes/node.py freeze_startup_objects: torch, diffusers and the model out of every full
+    # collection and out of the interpreter's exit (docs/benchmarks.md, Start-up)
+    run_dir, _ = launched[mode]
+    for node in NODES[mode]:
+        records = [json.loads(line) for line in (run_dir / "logs" / f"{node}.log").read_text().splitlines()
+                   if line.startswith("{")]
+        joined = [r for r in records if r["event"] == "joined"]
+        assert len(joined) == 1 and joined[0]["frozen_objects"] > 100_000, (node, joined)
+        assert [r["exit_code"] for r in records if r["event"] == "node_final"] == [0], node
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_metrics_keys_of_a_real_launch_are_exactly_the_documented_ones(launched, mode):
     run_dir, _ = launched[mode]

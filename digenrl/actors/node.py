@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -120,6 +121,23 @@ def rss_mb(field: str = "VmRSS") -> float:
     except OSError:  # not Linux: the figure is simply absent
         return -1.0
     return -1.0
+
+
+def freeze_startup_objects() -> int:
+    """Move every object alive now (the imported stack, the model, the actor) to the garbage
+    collector's permanent generation; returns how many there are.
+
+    A node with torch, diffusers and peft loaded tracks ~400k objects: each full collection
+    walked all of them (~220 ms on a 2-core CPU, the event loop stalled meanwhile) and so did
+    the interpreter's exit (~1.5 s, which the launcher waits for at the end of every run).
+    Frozen, they are skipped by both (docs/benchmarks.md, Start-up). One collection first, so
+    that the imports' garbage is freed rather than frozen. What was alive at the freeze and
+    later becomes cyclic garbage is not reclaimed: the node's start-up state lives as long as
+    the node, and the one exception, a sharded model whose modules must be collected before
+    its process group is destroyed, unfreezes first (:func:`run_node`)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def traffic(sockets: list[Socket]) -> dict[str, float]:
@@ -274,7 +292,9 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
 
         loop.add_signal_handler(signal.SIGTERM, on_sigterm)
         rss_ready = rss_mb()
-        log.info("joined", rank=msg.rank, world_size=msg.world_size, rss_mb=rss_ready, device=str(device))
+        frozen = freeze_startup_objects()
+        log.info("joined", rank=msg.rank, world_size=msg.world_size, rss_mb=rss_ready, device=str(device),
+                 frozen_objects=frozen)
         sdnotify.ready()
         stuck: str | None = None
         try:
@@ -290,11 +310,11 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                 log.error("compute thread wedged at stop; exiting hard", call=stuck,
                           grace_s=actor.stop_grace_s, stop_reason=actor.stop_reason)
             elif trainer is not None and msg.world_size > 1:
-                import gc
-
                 import torch.distributed as dist
                 # a sharded model (FSDP) holds the process group: drop it first, so the group
-                # is really torn down here and not in the interpreter's exit (gloo aborts there)
+                # is really torn down here and not in the interpreter's exit (gloo aborts there);
+                # its modules' cycles were frozen at the join: unfreeze, or they stay
+                gc.unfreeze()
                 trainer.drop_model()
                 gc.collect()
                 if dist.is_initialized():
