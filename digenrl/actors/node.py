@@ -124,18 +124,19 @@ def rss_mb(field: str = "VmRSS") -> float:
 
 
 def freeze_startup_objects() -> int:
-    """Move every object alive now (the imported stack, the model, the actor) to the garbage
-    collector's permanent generation; returns how many there are.
+    """Move every object alive now (the imported stack, the model, the node's sockets) to the
+    garbage collector's permanent generation; returns how many there are.
 
     A node with torch, diffusers and peft loaded tracks ~400k objects: each full collection
     walked all of them (~220 ms on a 2-core CPU, the event loop stalled meanwhile) and so did
     the interpreter's exit (~1.5 s, which the launcher waits for at the end of every run).
     Frozen, they are skipped by both (docs/benchmarks.md, Start-up). One collection first, so
-    that the imports' garbage is freed rather than frozen. Called before the actor is made: the
-    collection's pause (~0.2 s) then falls before its busy clock starts. What was alive at the freeze and
-    later becomes cyclic garbage is not reclaimed: the node's start-up state lives as long as
-    the node, and the one exception, a sharded model whose modules must be collected before
-    its process group is destroyed, unfreezes first (:func:`run_node`)."""
+    that the imports' garbage is freed rather than frozen. Called just before the actor is
+    made: the collection's pause (~0.2 s) then falls before the actor's busy clock starts.
+    What was alive at the freeze and later becomes cyclic garbage is not reclaimed: the node's
+    start-up state lives as long as the node, and the one exception, a sharded model whose
+    modules must be collected before its process group is destroyed, unfreezes first
+    (:func:`run_node`)."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
