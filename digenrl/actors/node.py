@@ -136,7 +136,7 @@ def freeze_startup_objects() -> int:
     What was alive at the freeze and later becomes cyclic garbage is not reclaimed: the node's
     start-up state lives as long as the node, and the one exception, a sharded model whose
     modules must be collected before its process group is destroyed, unfreezes first
-    (:func:`run_node`)."""
+    (the teardown at the end of :func:`_node`)."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
