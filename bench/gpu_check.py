@@ -190,7 +190,7 @@ def transformer_steps(device: torch.device, real: bool) -> dict[str, Any]:
         for px in sizes:
             try:
                 results["cases"][f"{family}@{px}"] = case = _one_case(
-                    spec, transformer, px, real, (tokens, dim, pooled), device, dtype, cfg)
+                    family, spec, transformer, px, real, (tokens, dim, pooled), device, dtype, cfg)
                 ok &= case["first_ratio_max_dev"] == 0.0 and not case["skipped"]
             except torch.cuda.OutOfMemoryError as e:
                 results["cases"][f"{family}@{px}"] = {"params": n_params, "error": f"out of memory: {e}"[:300]}
@@ -204,17 +204,18 @@ def transformer_steps(device: torch.device, real: bool) -> dict[str, Any]:
     return results
 
 
-def _one_case(spec: Any, transformer: torch.nn.Module, px: int, real: bool, text: tuple[int, int, int],
+def _one_case(family: str, spec: Any, transformer: torch.nn.Module, px: int, real: bool, text: tuple[int, int, int],
               device: torch.device, dtype: torch.dtype, cfg: Any) -> dict[str, Any]:
     from types import SimpleNamespace
 
+    from digenrl.models import catalog
     from digenrl.models.adapter import LORA_TARGETS
     from digenrl.rl.policy import Policy
     from digenrl.rl.sampler import StepRecord
     from digenrl.rl.sde import sde_step
 
     vae = SimpleNamespace(config=SimpleNamespace(block_out_channels=(128, 256, 512, 512))) if real else None
-    shape = spec.geometry(transformer.config, vae).latent_shape(px, px)  # real: the pipelines' 8x VAE
+    shape = catalog.GEOMETRY[family](transformer.config, vae).latent_shape(px, px)  # real: the pipelines' 8x VAE
     model = spec.adapter(transformer, encoder=_fake_encoder(*text, device), decoder=lambda x: x,
                          latent_shape=shape, lora_rank=32, lora_targets=LORA_TARGETS, dtype=dtype)
     model.guidance = spec.guidance

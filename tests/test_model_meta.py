@@ -112,11 +112,11 @@ def test_the_catalogs_defaults_are_the_installed_diffusers_classes_defaults(fami
     from digenrl.models import catalog, families
 
     spec = families.SPECS[family]
-    assert spec.geometry is catalog.GEOMETRY[family] and spec.vae_class == catalog.VAE_CLASS[family]
     wanted = catalog.TRANSFORMER_DEFAULTS[family]
     assert _signature_defaults(spec.cls, wanted) == wanted
-    vae_wanted = catalog.VAE_DEFAULTS[spec.vae_class]
-    assert _signature_defaults(getattr(diffusers, spec.vae_class), vae_wanted) == vae_wanted
+    vae_class = catalog.VAE_CLASS[family]
+    vae_wanted = catalog.VAE_DEFAULTS[vae_class]
+    assert _signature_defaults(getattr(diffusers, vae_class), vae_wanted) == vae_wanted
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -13,20 +13,18 @@ import diffusers
 from digenrl.models import flux, qwenimage, sd3, video
 from digenrl.models.adapter import DiffusersFlowModel
 from digenrl.models.base import DiffusersTransformer
-from digenrl.models.catalog import GEOMETRY, TINY_CONFIGS, VAE_CLASS, Geometry
+from digenrl.models.catalog import TINY_CONFIGS, Geometry
 
 __all__ = ["SPECS", "TINY_CONFIGS", "FamilySpec", "Geometry", "transformer_class"]
+"""Geometry and VAE class names are the catalog's (``catalog.GEOMETRY``, ``catalog.VAE_CLASS``)."""
 
 
 @dataclass(frozen=True)
 class FamilySpec:
     cls: type[DiffusersTransformer]
     adapter: type[DiffusersFlowModel]
-    geometry: Callable[[Any, Any], Geometry]
-    """(transformer config, VAE or None) -> :class:`Geometry`"""
     text_dims: Callable[[Any], tuple[int, int]]
     """transformer config -> (prompt token dim, pooled dim) for the hash encoder"""
-    vae_class: str
     guidance: float = 0.0
     """the pipeline's default embedded guidance (guidance-distilled transformers only)"""
     max_tokens: int = 16
@@ -45,17 +43,17 @@ def transformer_class(cls: type) -> type[DiffusersTransformer]:
 
 
 SPECS: dict[str, FamilySpec] = {
-    "sd3": FamilySpec(transformer_class(diffusers.SD3Transformer2DModel), sd3.SD3Model, GEOMETRY["sd3"],
-                      lambda cfg: (cfg.joint_attention_dim, cfg.pooled_projection_dim), VAE_CLASS["sd3"]),
-    "flux": FamilySpec(transformer_class(diffusers.FluxTransformer2DModel), flux.FluxModel, GEOMETRY["flux"],
-                       lambda cfg: (cfg.joint_attention_dim, cfg.pooled_projection_dim), VAE_CLASS["flux"],
+    "sd3": FamilySpec(transformer_class(diffusers.SD3Transformer2DModel), sd3.SD3Model,
+                      lambda cfg: (cfg.joint_attention_dim, cfg.pooled_projection_dim)),
+    "flux": FamilySpec(transformer_class(diffusers.FluxTransformer2DModel), flux.FluxModel,
+                       lambda cfg: (cfg.joint_attention_dim, cfg.pooled_projection_dim),
                        guidance=3.5),
-    "qwenimage": FamilySpec(transformer_class(diffusers.QwenImageTransformer2DModel), qwenimage.QwenImageModel, GEOMETRY["qwenimage"],
-                            lambda cfg: (cfg.joint_attention_dim, 0), VAE_CLASS["qwenimage"], guidance=1.0),
-    "wan": FamilySpec(transformer_class(diffusers.WanTransformer3DModel), video.WanModel, GEOMETRY["wan"],
-                      lambda cfg: (cfg.text_dim, 0), VAE_CLASS["wan"]),
-    "hunyuanvideo": FamilySpec(transformer_class(diffusers.HunyuanVideoTransformer3DModel), video.HunyuanVideoModel, GEOMETRY["hunyuanvideo"],
+    "qwenimage": FamilySpec(transformer_class(diffusers.QwenImageTransformer2DModel), qwenimage.QwenImageModel,
+                            lambda cfg: (cfg.joint_attention_dim, 0), guidance=1.0),
+    "wan": FamilySpec(transformer_class(diffusers.WanTransformer3DModel), video.WanModel,
+                      lambda cfg: (cfg.text_dim, 0)),
+    "hunyuanvideo": FamilySpec(transformer_class(diffusers.HunyuanVideoTransformer3DModel), video.HunyuanVideoModel,
                                lambda cfg: (cfg.text_embed_dim, cfg.pooled_projection_dim),
-                               VAE_CLASS["hunyuanvideo"], guidance=6.0),
+                               guidance=6.0),
 }
 

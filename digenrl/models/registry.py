@@ -123,7 +123,7 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
     if model_cfg.path == "emulated":
         from digenrl.models.emulated import build_emulated
         return build_emulated(model_cfg, seed=seed, gpu=gpu, in_trainer=in_trainer)  # type: ignore[return-value]
-    from digenrl.models import families
+    from digenrl.models import catalog, families
 
     check_model_path(model_cfg)
     family = model_cfg.family
@@ -148,7 +148,7 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
             _cast(transformer, dtype)
         cfg = transformer.config
         vae = pf.load("vae", dtype=torch.float32, device=device) if pf is not None else None
-        geometry = spec.geometry(cfg, vae)
+        geometry = catalog.GEOMETRY[family](cfg, vae)
         latent_shape = geometry.latent_shape(model_cfg.height, model_cfg.width, model_cfg.num_frames)
         encoder = _encoder(model_cfg, pf, device, dtype, cfg)
         decoder: Decoder
