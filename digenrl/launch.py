@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -346,12 +347,18 @@ def launch_from_args(args: argparse.Namespace) -> int:
           f"rollouts={cfg.cluster.rollouts} trainers={cfg.cluster.trainers} run_dir={run_dir}",
           flush=True)
     summary = launch(cfg, run_dir, resume=bool(args.resume))
+    # the run is over and the process exits next: without this its exit would walk every object
+    # torch left (~0.6 s on a 2-core CPU; docs/benchmarks.md, Start-up), as a node's would
+    gc.freeze()
+    reason = summary.get("stop_reason", "done")  # a colocated run has none: it ran to its end
+    if reason != "done":  # SIGTERM: the coordinator drained the nodes and wrote summary.json
+        print(f"digenrl: stopped ({reason}) after {summary['steps']} of {cfg.run.steps} steps; "
+              f"see {run_dir}/summary.json; `digenrl launch --resume {run_dir}` continues from "
+              "its last checkpoint", flush=True)
+        return 128 + signal.SIGTERM if reason == "SIGTERM" else 1
     acc = summary["accounting"]
     print(f"digenrl: done in {summary['wall_s']:.1f}s, {summary['samples_per_s']:.2f} samples/s, "
           f"trained {acc['trained']} of {acc['admitted']} admitted "
           f"(discarded {sum(acc['discarded'].values()) if acc['discarded'] else 0}); "
           f"see {run_dir}/summary.json, `digenrl report {run_dir}`", flush=True)
-    # the run is over and the process exits next: without this its exit would walk every object
-    # torch left (~0.6 s on a 2-core CPU; docs/benchmarks.md, Start-up), as a node's would
-    gc.freeze()
     return 0

@@ -20,6 +20,7 @@ same data. So:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -172,6 +173,19 @@ def launch_run(*args: str, sets: Sequence[str] = (), crash: str = "", hang: str 
     return subprocess.run(launch_command(*args, sets=sets), env=launch_env(crash=crash, hang=hang),
                           start_new_session=True, capture_output=True, text=True, timeout=timeout,
                           check=False)
+
+
+def processes_of(run_dir: Path) -> list[int]:
+    """Live (not zombie) processes whose command line names ``run_dir``: a run's nodes."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            with contextlib.suppress(OSError):
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = (p / "stat").read_text().split(") ", 1)[1][:1]
+                if str(run_dir) in cmd and state != "Z":
+                    pids.append(int(p.name))
+    return pids
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

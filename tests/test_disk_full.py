@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from digenrl.rl.checkpoint import latest_checkpoint
-from tests.conftest import SUITE_SETS
+from tests.conftest import SUITE_SETS, processes_of
 
 pytestmark = pytest.mark.slow
 
@@ -51,18 +51,6 @@ def _fill(path: Path) -> None:
             f.write(b"\0" * (1 << 20))
 
 
-def _processes_of(run_dir: Path) -> list[int]:
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            with contextlib.suppress(OSError):
-                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                state = (p / "stat").read_text().split(") ", 1)[1][:1]
-                if str(run_dir) in cmd and state != "Z":
-                    pids.append(int(p.name))
-    return pids
-
-
 def test_a_full_disk_fails_the_run_with_one_line_and_leaves_nothing_behind(tmp_path: Path) -> None:
     with small_disk(tmp_path / "disk") as disk:
         run_dir = disk / "run"
@@ -87,4 +75,4 @@ def test_a_full_disk_fails_the_run_with_one_line_and_leaves_nothing_behind(tmp_p
         assert lines[-1].startswith("digenrl: run failed") and "No space left" in lines[-1], lines[-3:]
         assert latest_checkpoint(run_dir) is not None  # the last committed checkpoint verifies
         assert list(run_dir.rglob(".*.tmp-*")) == []
-        assert _processes_of(run_dir) == []
+        assert processes_of(run_dir) == []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from digenrl.core.scheduler import Scheduler, SchedulerParams
 from digenrl.data.prompts import load_splits
 from digenrl.fileio import remove_temp_files, write_json_atomic
 from digenrl.rl.checkpoint import CheckpointError, dedupe_metrics, latest_checkpoint, trim_metrics
+from digenrl.telemetry import sdnotify
 from digenrl.telemetry.logging import get_logger
 from digenrl.telemetry.metrics import MetricsWriter
 from digenrl.telemetry.progress import Progress
@@ -194,6 +196,13 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     ``resume``: True continues from run_dir's checkpoint (CheckpointError if there is none),
     False starts fresh, None (a coordinator restarted by its supervisor) resumes if a
     checkpoint exists.
+
+    Its service-manager duties (docs/deployment.md; no-ops outside systemd): ``READY=1`` once
+    its sockets are bound and its checkpoint restored, ``WATCHDOG=1`` while its tick loop
+    runs, and on SIGTERM ``STOPPING=1`` and a drain: the nodes are told to stop, the children
+    (``spawn``) waited for, summary.json written. Nodes it did not start (``digenrl-node``)
+    hear :data:`COORDINATOR_STOPPED` and exit non-zero, so their supervisors restart them and
+    they rejoin a restarted coordinator; children hear ``SIGTERM`` and exit 0.
     """
     ckpt = latest_checkpoint(run_dir) if resume is not False else None
     if resume and ckpt is None:
@@ -247,9 +256,19 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
         log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path))
     print(f"digenrl: coordinator listening on {control.endpoint}", flush=True)
     children = Children(cfg, run_dir, control.endpoint) if spawn else None
+    loop = asyncio.get_running_loop()
+
+    def on_sigterm() -> None:
+        sdnotify.stopping()
+        actor.request_stop("SIGTERM" if spawn else COORDINATOR_STOPPED)
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    sdnotify.ready()
+    sdnotify.status(f"coordinator on {control.endpoint}" + (f", resumed at v{ckpt.version}" if ckpt else ""))
     t0 = time.perf_counter()
     try:
         async with asyncio.TaskGroup() as tg:
+            dog = tg.create_task(_service_watchdog(actor))
             sup = tg.create_task(children.supervise(actor)) if children else None
             try:
                 await actor.run()
@@ -264,9 +283,11 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
                     await children.kill_all()
                 else:
                     await children.wait_all(30.0, told={n.get("pid", -1) for n in actor.nodes.values()})
+            dog.cancel()
             if sup is not None:
                 sup.cancel()
     finally:
+        loop.remove_signal_handler(signal.SIGTERM)
         if children is not None:
             await children.kill_all()  # whatever happened, no child outlives the launcher
             remove_temp_files(run_dir)  # every writer is gone: a killed one's half-written files
@@ -293,6 +314,24 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     if actor.stop_reason.startswith("failed"):
         raise RunFailed(f"run failed: {actor.stop_reason.removeprefix('failed: ')}; see {run_dir}/logs")
     return summary
+
+
+COORDINATOR_STOPPED = "coordinator stopped (SIGTERM)"
+"""The Shutdown reason a ``digenrl-node`` coordinator sends its nodes when it is stopped: not
+``done`` nor ``SIGTERM``, so each exits 1 and its supervisor restarts it (actors/node.py)."""
+
+
+async def _service_watchdog(actor: CoordinatorActor) -> None:
+    """``WATCHDOG=1`` every half ``WatchdogSec`` while the coordinator's tick loop (where it
+    notices lost nodes, stalls and the run's end) has run since the last ping; until cancelled."""
+    seen = [-1]
+
+    def alive() -> bool:
+        moved = actor.ticks != seen[0]
+        seen[0] = actor.ticks
+        return moved
+
+    await sdnotify.Watchdog().run(alive)
 
 
 def _os_error_in(e: BaseException) -> OSError | None:

@@ -114,6 +114,7 @@ class CoordinatorActor(Actor):
         self.t_last_step: float | None = None
         self.watchdog = StallWatchdog(cfg.runtime.stall_timeout_s)  # monotonic clock
         self.scheduler_factory = scheduler_factory
+        self.ticks = 0  # passes of the tick loop: liveness, failures and the run's end are checked there
         self.max_resets = max_resets
         self.expect_version: int | None = None  # the version restored trainers must announce
         self.wall_before = 0.0                    # run wall time before the last resume
@@ -456,6 +457,7 @@ class CoordinatorActor(Actor):
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.runtime.heartbeat_s / 2)
+            self.ticks += 1  # the service watchdog's sign of life (actors/cluster.py)
             now = time.monotonic()
             await self._run(self.sched.tick(now))
             self._fence_silent()

@@ -7,7 +7,9 @@ Service-manager duties live here too (docs/deployment.md): ``READY=1`` once Welc
 come and the model is built, watchdog pings while the node makes progress (its control
 socket keeps moving), ``STOPPING=1`` and a graceful drain on SIGTERM, exit code 0 when the
 run finished (or was drained on SIGTERM), 1 when the coordinator stopped it for another
-reason, 3 when it was refused. Transport security is decided by the node's *own* config
+reason (a coordinator that was itself stopped, so that a supervisor restarts the node and it
+rejoins), 3 when it was refused. The coordinator's own duties are in
+:func:`~digenrl.actors.cluster.serve_coordinator`. Transport security is decided by the node's *own* config
 (``--config``/``--set``, ``--allow-plaintext``), never by the run config Welcome brings.
 """
 
@@ -68,7 +70,7 @@ def run_node(args: argparse.Namespace) -> int:
         if args.role == "coordinator":
             from digenrl.actors.cluster import serve_coordinator
             cfg = load_config(args.config, overrides)
-            # TODO(ops): READY/STOPPING for the coordinator need a hook in serve_coordinator
+            # READY, the watchdog and the SIGTERM drain are serve_coordinator's own
             with asyncio.Runner(loop_factory=loop_factory()) as runner:
                 runner.run(serve_coordinator(cfg, run_dir or Path("runs") / "node-run", bind=args.bind,
                                              spawn=False, allow_plaintext=args.allow_plaintext))
