@@ -155,7 +155,7 @@ def test_the_kubernetes_manifest_validates_against_the_kubernetes_schema(k8s: st
 
 def test_the_kubernetes_manifest_is_well_formed() -> None:
     """What the schema does not say: kinds and API groups, names, selectors that match their
-    pod templates, and every container command a valid digenrl-node."""
+    pod templates, every container command a valid digenrl-node, time for a drain."""
     kinds = {("v1", "Service"), ("apps/v1", "StatefulSet")}
     docs = _manifest()
     assert {(d["apiVersion"], d["kind"]) for d in docs} == kinds
@@ -172,6 +172,8 @@ def test_the_kubernetes_manifest_is_well_formed() -> None:
             mounts = {m["name"] for m in c.get("volumeMounts", [])}
             assert mounts <= {v["name"] for v in pod["spec"].get("volumes", [])}
         assert d["spec"]["serviceName"] and d["spec"]["replicas"] >= 1
+        # a SIGTERM drain gets as long as under systemd (TimeoutStopSec, test_ops.py), not 30 s
+        assert pod["spec"].get("terminationGracePeriodSeconds", 30) >= 120, d["metadata"]["name"]
 
 
 def test_the_kubernetes_pods_find_the_coordinator_and_the_counts_agree(
