@@ -351,11 +351,12 @@ def launch_from_args(args: argparse.Namespace) -> int:
     # torch left (~0.6 s on a 2-core CPU; docs/benchmarks.md, Start-up), as a node's would
     gc.freeze()
     reason = summary.get("stop_reason", "done")  # a colocated run has none: it ran to its end
-    if reason != "done":  # SIGTERM: the coordinator drained the nodes and wrote summary.json
+    if reason != "done":  # SIGTERM, Ctrl-C: the coordinator drained the nodes, wrote summary.json
         print(f"digenrl: stopped ({reason}) after {summary['steps']} of {cfg.run.steps} steps; "
               f"see {run_dir}/summary.json; `digenrl launch --resume {run_dir}` continues from "
               "its last checkpoint", flush=True)
-        return 128 + signal.SIGTERM if reason == "SIGTERM" else 1
+        sig = getattr(signal.Signals, reason, None)
+        return 128 + sig if sig is not None else 1  # as a shell reports a process the signal ended
     acc = summary["accounting"]
     print(f"digenrl: done in {summary['wall_s']:.1f}s, {summary['samples_per_s']:.2f} samples/s, "
           f"trained {acc['trained']} of {acc['admitted']} admitted "

@@ -149,11 +149,11 @@ def test_a_coordinator_stopped_by_its_service_manager_drains_and_the_run_resumes
         stop = notices.index("STOPPING=1")  # the watchdog may go on pinging through the drain
         assert notices[2:stop].count("WATCHDOG=1") >= 2
         stopped = json.loads((run_dir / "summary.json").read_text())
-        assert stopped["stop_reason"] == COORDINATOR_STOPPED and stopped["steps"] < 4
+        assert stopped["stop_reason"] == f"{COORDINATOR_STOPPED} (SIGTERM)" and stopped["steps"] < 4
         # told, not left to notice the silence: exit 1, for their supervisors to restart them
         for p, node_id in zip(procs[1:], ("trainer-0", "rollout-0")):
             assert p.wait(60) == 1
-            assert _final_reason(run_dir, node_id) == COORDINATOR_STOPPED
+            assert _final_reason(run_dir, node_id) == f"{COORDINATOR_STOPPED} (SIGTERM)"
         coord = _node(coord_args, run_dir, "coordinator-2")
         procs = [coord, *start_nodes()]
         assert coord.wait(240) == 0
@@ -170,9 +170,12 @@ def test_a_coordinator_stopped_by_its_service_manager_drains_and_the_run_resumes
     assert summary["resumed_from"] and summary["resumed_from"][-1] >= 1
 
 
-def test_a_launch_stopped_with_sigterm_drains_its_nodes_and_says_how_to_resume(tmp_path: Path) -> None:
-    """``docker stop``, ``kill``, a batch system's cancel: the launcher (its coordinator) stops
-    the nodes, waits for them, writes summary.json and exits 128 + SIGTERM with one line."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_launch_stopped_by_a_signal_drains_its_nodes_and_says_how_to_resume(tmp_path: Path,
+                                                                              sig: signal.Signals) -> None:
+    """``docker stop``, ``kill``, a batch system's cancel (SIGTERM to the launcher), Ctrl-C in a
+    terminal (SIGINT to the launcher and its nodes): the launcher (its coordinator) stops the
+    nodes, waits for them, writes summary.json and exits 128 + the signal with one line."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(launch_command("--mode", "digenrl", "--run-dir", str(run_dir),
                                            sets=[*SMALL, "run.steps=60", "run.checkpoint_every=1"]),
@@ -180,18 +183,21 @@ def test_a_launch_stopped_with_sigterm_drains_its_nodes_and_says_how_to_resume(t
                             stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: latest_checkpoint(run_dir) is not None, "the first checkpoint", 120)
-        proc.send_signal(signal.SIGTERM)  # the launcher only, not its process group
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # a terminal signals its whole foreground process group
+        else:
+            proc.send_signal(sig)  # the launcher only
         out, err = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert proc.returncode == 128 + sig, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     last = out.strip().splitlines()[-1]
-    assert last.startswith("digenrl: stopped (SIGTERM) after ") and f"--resume {run_dir}" in last, last
+    assert last.startswith(f"digenrl: stopped ({sig.name}) after ") and f"--resume {run_dir}" in last, last
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stop_reason"] == "SIGTERM" and 1 <= summary["steps"] < 60
+    assert summary["stop_reason"] == sig.name and 1 <= summary["steps"] < 60
     for node_id in ("trainer-0", "rollout-0"):  # drained (exit 0), not killed
-        assert _final_reason(run_dir, node_id) == "SIGTERM"
+        assert _final_reason(run_dir, node_id) == sig.name
     assert processes_of(run_dir) == []

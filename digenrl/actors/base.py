@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import os
+import signal
 import socket
 import time
 from collections import Counter
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any, Protocol, Required, TypedDict, TypeVar
 
 from digenrl.faults import NO_SLOWDOWN, Slowdown
+from digenrl.telemetry import sdnotify
 from digenrl.telemetry.trace import BusyClock, SpanRecorder
 
 T = TypeVar("T")
@@ -76,6 +78,37 @@ def _drop_stats(stats: Mapping[str, float]) -> None:
 
 
 Loop = Callable[[], Coroutine[Any, Any, None]]
+
+DRAINED = ("done", "SIGTERM", "SIGINT")
+"""Stop reasons of a node that ended as asked (exit 0): the run's end, or a drain on a signal."""
+
+
+def stop_on_signals(stop: Callable[[str], None], again: Callable[[], None] | None = None) -> Callable[[], None]:
+    """SIGTERM, or a first SIGINT (Ctrl-C), sends ``STOPPING=1`` and calls ``stop`` with the
+    signal's name: the caller's drain. A second SIGINT calls ``again`` (someone insists;
+    without it the drain goes on). Installed on the running loop; returns what removes them
+    (SIGINT is then Python's KeyboardInterrupt again)."""
+    loop = asyncio.get_running_loop()
+    interrupts = [0]
+
+    def handle(sig: signal.Signals) -> None:
+        if sig == signal.SIGINT:
+            interrupts[0] += 1
+            if interrupts[0] > 1:
+                if again is not None:
+                    again()
+                return
+        sdnotify.stopping()
+        stop(sig.name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, handle, sig)
+
+    def remove() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+    return remove
 """A background loop: called once by :meth:`Actor.run`, runs until cancelled."""
 
 

@@ -15,13 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from digenrl.actors.base import RunFailed
+from digenrl.actors.base import RunFailed, stop_on_signals
 from digenrl.actors.coordinator import CoordinatorActor
 from digenrl.config import CONFIG_ERROR_EXIT, Config
 from digenrl.core.scheduler import Scheduler, SchedulerParams
@@ -71,6 +70,7 @@ class Children:
         self.ports: dict[str, int] = {}  # reward workers' fixed ports
         self.max_restarts = max_restarts
         self.log = get_logger("launcher", "launcher")
+        self.hurry = asyncio.Event()  # a second Ctrl-C: the end of run waits for no one
 
     def specs(self) -> list[tuple[str, str]]:
         return [(f"reward-{r}", "reward") for r in range(self.cfg.cluster.rewards)] + \
@@ -173,17 +173,25 @@ class Children:
         the pids of the nodes it knows) get ``timeout`` seconds to exit on their own, then are
         killed. Any other child is terminated at once: a node restarted late in the run that
         had not joined yet will never hear the Shutdown (the launcher used to wait the whole
-        timeout for it). Before it joins a node has no SIGTERM handler, so it just exits."""
+        timeout for it). Before it joins a node has no SIGTERM handler, so it just exits.
+        :attr:`hurry` set (a second Ctrl-C) ends the wait at once: what is left is killed."""
         for node_id, p in self.procs.items():
             if p.returncode is None and p.pid not in told:
                 self.log.info("stopping a node that had not joined", node=node_id)
                 with contextlib.suppress(ProcessLookupError):  # exited by itself, not yet reaped
                     p.terminate()
-        deadline = time.monotonic() + timeout
-        for p in self.procs.values():
-            try:
-                await asyncio.wait_for(p.wait(), max(0.1, deadline - time.monotonic()))
-            except TimeoutError:
+        procs = list(self.procs.values())
+
+        async def every_exit() -> None:
+            for p in procs:
+                await p.wait()
+
+        exits, hurry = asyncio.ensure_future(every_exit()), asyncio.ensure_future(self.hurry.wait())
+        await asyncio.wait({exits, hurry}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        exits.cancel()
+        hurry.cancel()
+        for p in procs:  # those still there after the timeout, or once someone insisted
+            if p.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
                 await p.wait()
@@ -199,10 +207,11 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
 
     Its service-manager duties (docs/deployment.md; no-ops outside systemd): ``READY=1`` once
     its sockets are bound and its checkpoint restored, ``WATCHDOG=1`` while its tick loop
-    runs, and on SIGTERM ``STOPPING=1`` and a drain: the nodes are told to stop, the children
-    (``spawn``) waited for, summary.json written. Nodes it did not start (``digenrl-node``)
-    hear :data:`COORDINATOR_STOPPED` and exit non-zero, so their supervisors restart them and
-    they rejoin a restarted coordinator; children hear ``SIGTERM`` and exit 0.
+    runs, and on SIGTERM or Ctrl-C ``STOPPING=1`` and a drain: the nodes are told to stop, the
+    children (``spawn``) waited for (a second Ctrl-C kills them at once), summary.json
+    written. Nodes it did not start (``digenrl-node``) hear :data:`COORDINATOR_STOPPED` and
+    exit non-zero, so their supervisors restart them and they rejoin a restarted
+    coordinator; children hear the signal's name (``SIGTERM``, ``SIGINT``) and exit 0.
     """
     ckpt = latest_checkpoint(run_dir) if resume is not False else None
     if resume and ckpt is None:
@@ -256,13 +265,10 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
         log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path))
     print(f"digenrl: coordinator listening on {control.endpoint}", flush=True)
     children = Children(cfg, run_dir, control.endpoint) if spawn else None
-    loop = asyncio.get_running_loop()
-
-    def on_sigterm() -> None:
-        sdnotify.stopping()
-        actor.request_stop("SIGTERM" if spawn else COORDINATOR_STOPPED)
-
-    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    # a launch's children hear the signal's name and exit 0; nodes started apart exit 1
+    unhandle = stop_on_signals(actor.request_stop if spawn else
+                               lambda name: actor.request_stop(f"{COORDINATOR_STOPPED} ({name})"),
+                               again=children.hurry.set if children else None)
     sdnotify.ready()
     sdnotify.status(f"coordinator on {control.endpoint}" + (f", resumed at v{ckpt.version}" if ckpt else ""))
     t0 = time.perf_counter()
@@ -287,7 +293,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
             if sup is not None:
                 sup.cancel()
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
+        unhandle()
         if children is not None:
             await children.kill_all()  # whatever happened, no child outlives the launcher
             remove_temp_files(run_dir)  # every writer is gone: a killed one's half-written files
@@ -316,9 +322,10 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     return summary
 
 
-COORDINATOR_STOPPED = "coordinator stopped (SIGTERM)"
-"""The Shutdown reason a ``digenrl-node`` coordinator sends its nodes when it is stopped: not
-``done`` nor ``SIGTERM``, so each exits 1 and its supervisor restarts it (actors/node.py)."""
+COORDINATOR_STOPPED = "coordinator stopped"
+"""The Shutdown reason a ``digenrl-node`` coordinator stopped by a signal sends its nodes (with
+the signal's name: ``coordinator stopped (SIGTERM)``): not one of ``base.DRAINED``, so each
+exits 1 and its supervisor restarts it (actors/node.py)."""
 
 
 async def _service_watchdog(actor: CoordinatorActor) -> None:

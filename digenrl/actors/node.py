@@ -5,12 +5,13 @@ A node needs only the coordinator's address: Welcome brings the run's config and
 
 Service-manager duties live here too (docs/deployment.md): ``READY=1`` once Welcome has
 come and the model is built, watchdog pings while the node makes progress (its control
-socket keeps moving), ``STOPPING=1`` and a graceful drain on SIGTERM, exit code 0 when the
-run finished (or was drained on SIGTERM), 1 when the coordinator stopped it for another
-reason (a coordinator that was itself stopped, so that a supervisor restarts the node and it
-rejoins), 3 when it was refused. The coordinator's own duties are in
-:func:`~digenrl.actors.cluster.serve_coordinator`. Transport security is decided by the node's *own* config
-(``--config``/``--set``, ``--allow-plaintext``), never by the run config Welcome brings.
+socket keeps moving), ``STOPPING=1`` and a graceful drain on SIGTERM or Ctrl-C (a second
+Ctrl-C leaves at once). Exit code 0 when the run finished (or was drained on a signal), 1
+when the coordinator stopped it for another reason (a coordinator that was itself stopped,
+so that a supervisor restarts the node and it rejoins), 3 when it was refused. The
+coordinator's own duties are :func:`~digenrl.actors.cluster.serve_coordinator`'s. Transport
+security is decided by the node's *own* config (``--config``/``--set``,
+``--allow-plaintext``), never by the run config Welcome brings.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from digenrl.actors.base import (
+    DRAINED,
     STOP_GRACE_S,
     ActorArgs,
     Loop,
@@ -38,6 +40,7 @@ from digenrl.actors.base import (
     default_node_id,
     incarnation,
     loop_factory,
+    stop_on_signals,
 )
 from digenrl.config import Config, config_from_dict, load_config
 from digenrl.devices import resolve_device, use_device
@@ -291,13 +294,8 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                                            world_size=msg.world_size, run_dir=rdir, reward_fn=reward_fn,
                                            test_set=test_set, eval_reward=eval_reward, **kw)
             del policy  # the actor holds it (and drops it before the process group goes)
-        loop = asyncio.get_running_loop()
-
-        def on_sigterm() -> None:
-            sdnotify.stopping()
-            actor.request_stop("SIGTERM")
-
-        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        # SIGTERM or Ctrl-C drains; a second Ctrl-C leaves at once (a terminal's user insists)
+        unhandle = stop_on_signals(actor.request_stop, again=partial(hard_exit, 128 + signal.SIGINT))
         rss_ready = rss_mb()
         log.info("joined", rank=msg.rank, world_size=msg.world_size, rss_mb=rss_ready, device=str(device),
                  frozen_objects=frozen)
@@ -306,7 +304,7 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
         try:
             await actor.run()
         finally:
-            loop.remove_signal_handler(signal.SIGTERM)
+            unhandle()
             recorder.dump(trace_path)
             stuck = actor.compute_stuck()
             if stuck is not None:
@@ -325,7 +323,7 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                 gc.collect()
                 if dist.is_initialized():
                     dist.destroy_process_group()
-        code = 0 if actor.stop_reason in ("done", "SIGTERM") else 1
+        code = 0 if actor.stop_reason in DRAINED else 1
         log.info("node_final", exit_code=code, stop_reason=actor.stop_reason, rss_ready_mb=rss_ready,
                  rss_peak_mb=rss_mb("VmHWM"), **sec.counters())
         if stuck is not None:
