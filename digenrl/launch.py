@@ -352,9 +352,14 @@ def launch_from_args(args: argparse.Namespace) -> int:
     gc.freeze()
     reason = summary.get("stop_reason", "done")  # a colocated run has none: it ran to its end
     if reason != "done":  # SIGTERM, Ctrl-C: the coordinator drained the nodes, wrote summary.json
+        from digenrl.rl.checkpoint import latest_checkpoint
+        ckpt = latest_checkpoint(run_dir)
+        then = (f"`digenrl launch --resume {run_dir}` continues from its checkpoint of step "
+                f"{ckpt.version}" if ckpt is not None else
+                "it wrote no checkpoint to resume from (run.checkpoint_every = "
+                f"{cfg.run.checkpoint_every}{': only at the end' if not cfg.run.checkpoint_every else ''})")
         print(f"digenrl: stopped ({reason}) after {summary['steps']} of {cfg.run.steps} steps; "
-              f"see {run_dir}/summary.json; `digenrl launch --resume {run_dir}` continues from "
-              "its last checkpoint", flush=True)
+              f"see {run_dir}/summary.json; {then}", flush=True)
         sig = getattr(signal.Signals, reason, None)
         return 128 + sig if sig is not None else 1  # as a shell reports a process the signal ended
     acc = summary["accounting"]

@@ -195,7 +195,10 @@ def test_a_launch_stopped_by_a_signal_drains_its_nodes_and_says_how_to_resume(tm
     assert proc.returncode == 128 + sig, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     last = out.strip().splitlines()[-1]
-    assert last.startswith(f"digenrl: stopped ({sig.name}) after ") and f"--resume {run_dir}" in last, last
+    assert last.startswith(f"digenrl: stopped ({sig.name}) after "), last
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None and last.endswith(f"--resume {run_dir}` continues from its checkpoint "
+                                              f"of step {ckpt.version}"), last
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stop_reason"] == sig.name and 1 <= summary["steps"] < 60
     for node_id in ("trainer-0", "rollout-0"):  # drained (exit 0), not killed
