@@ -56,7 +56,8 @@ class RunConfig:
     steps: int = _f(30, "optimizer steps (= policy versions) to train", ge=1)
     mode: Mode = _f("digenrl", "digenrl | disagg-sync | colocated (see DESIGN.md, Modes)")
     threads: int = _f(1, "torch intra-op threads per process", ge=1)
-    checkpoint_every: int = _f(0, "write a checkpoint every N steps (0 = only at the end)", ge=0)
+    checkpoint_every: int = _f(100, "write a checkpoint every N steps, and at the end (0 = only at "
+                                    "the end: a lost trainer or a stop then rewinds to the start)", ge=0)
     sample_grid_every: int = _f(0, "also save a sample grid every N steps (0 = first and last only)", ge=0)
     eval_every: int = _f(0, "held-out evaluation ([eval]) of the policy at version 0, every N "
                          "versions and at the end; 0 = none (needs a test split, [prompts])", ge=0)

@@ -84,7 +84,7 @@ def make_run_dir(cfg: Config, run_dir: str | None) -> Path:
 def resume_config(args: argparse.Namespace) -> tuple[Config, Path]:
     """The config of the run ``--resume`` continues, with --steps / --rollouts / --set applied;
     refuses (ConfigError) what a resume cannot honour, before anything starts."""
-    from digenrl.rl.checkpoint import latest_checkpoint
+    from digenrl.rl.checkpoint import latest_checkpoint, why_no_checkpoint
     run_dir = Path(args.resume)
     for flag in ("mode", "config", "run_dir"):
         if getattr(args, flag, None) is not None:
@@ -96,8 +96,8 @@ def resume_config(args: argparse.Namespace) -> tuple[Config, Path]:
     cfg = _counts(load_config(run_dir / "config.toml", args.overrides), args, None)
     ckpt = latest_checkpoint(run_dir)  # CheckpointError (runtime) if none verifies
     if ckpt is None:
-        raise ConfigError(f"--resume {args.resume}: no checkpoint there (the run wrote none: "
-                          "run.checkpoint_every = 0 checkpoints only at the end)")
+        raise ConfigError(f"--resume {args.resume}: no checkpoint there "
+                          f"({why_no_checkpoint(saved.run.checkpoint_every)})")
     for why in ckpt.skipped:
         print(f"digenrl: skipped a checkpoint that does not verify: {why}", file=sys.stderr, flush=True)
     was_colocated = "colocated" in ckpt.coordinator
@@ -352,12 +352,11 @@ def launch_from_args(args: argparse.Namespace) -> int:
     gc.freeze()
     reason = summary.get("stop_reason", "done")  # a colocated run has none: it ran to its end
     if reason != "done":  # SIGTERM, Ctrl-C: the coordinator drained the nodes, wrote summary.json
-        from digenrl.rl.checkpoint import latest_checkpoint
+        from digenrl.rl.checkpoint import latest_checkpoint, why_no_checkpoint
         ckpt = latest_checkpoint(run_dir)
         then = (f"`digenrl launch --resume {run_dir}` continues from its checkpoint of step "
                 f"{ckpt.version}" if ckpt is not None else
-                "it wrote no checkpoint to resume from (run.checkpoint_every = "
-                f"{cfg.run.checkpoint_every}{': only at the end' if not cfg.run.checkpoint_every else ''})")
+                f"no checkpoint to resume from ({why_no_checkpoint(cfg.run.checkpoint_every)})")
         print(f"digenrl: stopped ({reason}) after {summary['steps']} of {cfg.run.steps} steps; "
               f"see {run_dir}/summary.json; {then}", flush=True)
         sig = getattr(signal.Signals, reason, None)

@@ -26,7 +26,13 @@ from digenrl.config import CONFIG_ERROR_EXIT, Config
 from digenrl.core.scheduler import Scheduler, SchedulerParams
 from digenrl.data.prompts import load_splits
 from digenrl.fileio import remove_temp_files, write_json_atomic
-from digenrl.rl.checkpoint import CheckpointError, dedupe_metrics, latest_checkpoint, trim_metrics
+from digenrl.rl.checkpoint import (
+    CheckpointError,
+    dedupe_metrics,
+    latest_checkpoint,
+    trim_metrics,
+    why_no_checkpoint,
+)
 from digenrl.telemetry import sdnotify
 from digenrl.telemetry.logging import get_logger
 from digenrl.telemetry.metrics import MetricsWriter
@@ -215,8 +221,8 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     """
     ckpt = latest_checkpoint(run_dir) if resume is not False else None
     if resume and ckpt is None:
-        raise CheckpointError(f"resume {run_dir}: no checkpoint/manifest.json there (the run "
-                              "wrote none: run.checkpoint_every = 0 checkpoints only at the end)")
+        raise CheckpointError(f"resume {run_dir}: no checkpoint/manifest.json there "
+                              f"({why_no_checkpoint(cfg.run.checkpoint_every)})")
     if ckpt is not None:
         trim_metrics(run_dir, below_step=ckpt.version)
     run_dir.mkdir(parents=True, exist_ok=True)

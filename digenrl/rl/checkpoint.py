@@ -91,6 +91,14 @@ def version_dir(run_dir: Path, version: int) -> Path:
     return checkpoint_root(run_dir) / f"v{version:06d}"
 
 
+def why_no_checkpoint(every: int) -> str:
+    """Why a run folder holds no checkpoint, for errors and the stop line (``every``: the
+    run's ``run.checkpoint_every``)."""
+    if every:
+        return f"the run wrote none: it stopped before its first, at step {every} (run.checkpoint_every)"
+    return "the run wrote none: run.checkpoint_every = 0 checkpoints only at the end"
+
+
 def checkpoint_due(version: int, *, steps: int, every: int) -> bool:
     """Is ``version`` checkpointed? Every ``every`` versions (0 = never) and the last one."""
     return version > 0 and (version == steps or (every > 0 and version % every == 0))
