@@ -211,15 +211,20 @@ def bind_host(env: Mapping[str, str]) -> str:
 
 def run(launches: Sequence[Launch], *, dry_run: bool = False) -> int:
     """Start every launch as ``python -m digenrl.cli node ARGV`` (the coordinator first), pass
-    SIGTERM/SIGINT on to them and wait for all; the first non-zero exit code, else 0.
+    SIGTERM/SIGINT on to them (the nodes drain; a second Ctrl-C makes them leave) and wait for
+    all; the first non-zero exit code, else 0.
     ``dry_run``: print one JSON line per launch instead (what the ops/ examples are tested with)."""
     if dry_run:
         for launch in launches:
             print(json.dumps({"role": launch.role, "rank": launch.rank, "argv": list(launch.argv),
                               "env": dict(launch.env)}), flush=True)
         return 0
+    # each in a process group of its own: a terminal's Ctrl-C reaches them once, through
+    # forward(), not also directly (two SIGINTs that the kernel does not merge into one would
+    # be a second Ctrl-C, which makes a draining node leave at once)
     procs = [subprocess.Popen([sys.executable, "-m", "digenrl.cli", "node", *launch.argv],
-                              env={**os.environ, **dict(launch.env)}) for launch in launches]
+                              env={**os.environ, **dict(launch.env)}, process_group=0)
+             for launch in launches]
 
     def forward(signum: int, _frame: object) -> None:
         for p in procs:

@@ -9,8 +9,12 @@ right roles, every node dialling the coordinator's address.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -218,3 +222,45 @@ def test_a_file_rendezvous_is_a_fresh_file_in_the_run_folder_for_every_group(tmp
     assert first != again  # a restarted group never meets in the old store
     assert first.startswith(f"file://{tmp_path.resolve() / 'dist'}/") and (tmp_path / "dist").is_dir()
     assert rendezvous_endpoint(load_config(None, []), tmp_path).startswith("tcp://127.0.0.1:")
+
+
+@pytest.mark.slow
+def test_one_ctrl_c_drains_every_process_a_from_env_task_started(tmp_path: Path) -> None:
+    """A terminal sends SIGINT to its whole foreground process group: the task's coordinator and
+    nodes must each hear it once (forwarded), drain and leave, not take it as a second Ctrl-C."""
+    from digenrl.actors.cluster import COORDINATOR_STOPPED
+    from digenrl.rl.checkpoint import latest_checkpoint
+    from digenrl.transport.endpoints import free_port
+    from tests.conftest import SMALL, processes_of, set_args, wait_until
+
+    port, run_dir = free_port(), tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DIGENRL_RANK="0", DIGENRL_WORLD_SIZE="1",
+               DIGENRL_COORDINATOR=f"tcp://127.0.0.1:{port}", DIGENRL_BIND_HOST="127.0.0.1")
+    proc = subprocess.Popen([sys.executable, "-m", "digenrl.cli", "node", "--from-env", "--trainers", "1",
+                             "--gpus-per-node", "2", "--coordinator-port", str(port), "--run-dir", str(run_dir),
+                             *set_args([*SMALL, "run.steps=60", "run.checkpoint_every=1"])],
+                            env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        wait_until(lambda: latest_checkpoint(run_dir) is not None, "the first checkpoint", 120)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "Traceback" not in err, err[-3000:]
+    finals = {}
+    for log in (run_dir / "logs").glob("*.log"):
+        for line in log.read_text().splitlines():
+            if '"node_final"' in line:
+                rec = json.loads(line)
+                finals[rec["node_id"]] = (rec["exit_code"], rec["stop_reason"])
+    # drained on its own Ctrl-C (exit 0), or first told by the coordinator (exit 1); never the
+    # second Ctrl-C's hard exit (130, which writes no node_final at all)
+    assert set(finals) == {"trainer-0", "rollout-1"}, err[-3000:]
+    for code, reason in finals.values():
+        assert (code, reason) in ((0, "SIGINT"), (1, f"{COORDINATOR_STOPPED} (SIGINT)")), finals
+    assert proc.returncode == max(code for code, _ in finals.values())
+    assert json.loads((run_dir / "summary.json").read_text())["stop_reason"] == f"{COORDINATOR_STOPPED} (SIGINT)"
+    assert processes_of(run_dir) == []
