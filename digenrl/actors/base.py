@@ -78,6 +78,7 @@ def _drop_stats(stats: Mapping[str, float]) -> None:
 
 
 Loop = Callable[[], Coroutine[Any, Any, None]]
+"""A background loop: called once by :meth:`Actor.run`, runs until cancelled."""
 
 DRAINED = ("done", "SIGTERM", "SIGINT")
 """Stop reasons of a node that ended as asked (exit 0): the run's end, or a drain on a signal."""
@@ -109,7 +110,6 @@ def stop_on_signals(stop: Callable[[str], None], again: Callable[[], None] | Non
             loop.remove_signal_handler(sig)
 
     return remove
-"""A background loop: called once by :meth:`Actor.run`, runs until cancelled."""
 
 
 @dataclass(frozen=True)
