@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -211,10 +212,11 @@ def test_tensorboard_is_skipped_when_not_installed(tmp_path):
     assert not (tmp_path / "tb").exists()
 
 
-def test_prometheus_without_the_extra_is_a_clear_error():
-    import importlib.util
-    if importlib.util.find_spec("prometheus_client") is not None:
-        pytest.skip("prometheus-client is installed here")
+def test_prometheus_without_the_extra_is_a_clear_error(monkeypatch):
+    # the suite installs prometheus-client (tests/test_observability.py scrapes it): here a
+    # None in sys.modules makes its import fail as it does where the extra is not installed
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    monkeypatch.setitem(sys.modules, "prometheus_client.core", None)
     with pytest.raises(MissingExtraError, match=r"digenrl\[metrics\]"):
         start_prometheus(9400, dict)
 
