@@ -8,9 +8,11 @@ with work in flight; ``digenrl launch --resume`` then continues it from the chec
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,15 @@ from digenrl.rl.checkpoint import (
     save_trainer_state,
 )
 from digenrl.telemetry.metrics import read_metrics
-from tests.conftest import SMALL, final_weights, launch_run, set_args
+from tests.conftest import (
+    SMALL,
+    final_weights,
+    launch_command,
+    launch_env,
+    launch_run,
+    set_args,
+    wait_until,
+)
 
 SETS = [*SMALL, "run.steps=4", "run.checkpoint_every=1"]
 
@@ -187,3 +197,48 @@ def test_resume_refuses_only_when_no_checkpoint_verifies_naming_each(tmp_path: P
     with pytest.raises(CheckpointError, match=r"no checkpoint .* verifies: .*v2.*optimizer\.pt.*"
                                               r"v000001: checkpoint v1: .*policy\.safetensors"):
         latest_checkpoint(tmp_path)
+
+
+def _published(run_dir: Path) -> int:
+    """The newest version trainer rank 0 has logged as published (then announced)."""
+    log = run_dir / "logs" / "trainer-0.log"
+    text = log.read_text() if log.exists() else ""
+    return max((int(json.loads(x)["version"]) for x in text.splitlines() if '"weights published"' in x),
+               default=-1)
+
+
+@pytest.mark.slow
+def test_a_k0_run_stopped_by_sigterm_between_checkpoints_resumes_bit_identical(tmp_path: Path) -> None:
+    """No checkpoint is due before the end (every 100 steps): the drain writes one of the last
+    step boundary (trainer rank 0's part as it leaves, the coordinator's cut of that version),
+    and the resumed run ends exactly where an uninterrupted one does."""
+    sets = [*SMALL, "run.steps=5", "run.checkpoint_every=100"]
+    whole = tmp_path / "whole"
+    r = launch_run(*_fresh_args("disagg-sync", whole, sets))
+    assert r.returncode == 0, r.stderr[-3000:]
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(launch_command(*_fresh_args("disagg-sync", cut, sets)), env=launch_env(),
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: _published(cut) >= 2, "version 2 published", 120)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    ckpt = latest_checkpoint(cut)
+    assert ckpt is not None and 2 <= ckpt.version < 5, out[-2000:]
+    assert out.strip().splitlines()[-1].endswith(f"continues from its checkpoint of step {ckpt.version}")
+    r = launch_run("--resume", str(cut))
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((cut / "summary.json").read_text())
+    assert summary["resumed_from"] == [ckpt.version] and summary["steps"] == 5
+    acc = summary["accounting"]
+    assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) + acc["in_flight"]
+    assert [row["step"] for row in read_metrics(cut)] == [0, 1, 2, 3, 4]
+    a, b = final_weights(whole), final_weights(cut)
+    assert a.keys() == b.keys()
+    # exact on purpose: same machine and thread count, so a resumed run must replay the same arithmetic
+    assert all(torch.equal(a[k], b[k]) for k in a)

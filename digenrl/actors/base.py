@@ -83,6 +83,17 @@ Loop = Callable[[], Coroutine[Any, Any, None]]
 DRAINED = ("done", "SIGTERM", "SIGINT")
 """Stop reasons of a node that ended as asked (exit 0): the run's end, or a drain on a signal."""
 
+COORDINATOR_STOPPED = "coordinator stopped"
+"""The Shutdown reason a ``digenrl-node`` coordinator stopped by a signal sends its nodes (with
+the signal's name: ``coordinator stopped (SIGTERM)``): not one of :data:`DRAINED`, so each
+exits 1 and its supervisor restarts it (actors/node.py)."""
+
+
+def stopped_by_signal(reason: str) -> bool:
+    """Whether a stop reason is a drain someone asked for (a signal here or at the coordinator),
+    after which the run is meant to be resumed: a trainer then writes a drain checkpoint."""
+    return reason in ("SIGTERM", "SIGINT") or reason.startswith(COORDINATOR_STOPPED + " (")
+
 
 def stop_on_signals(stop: Callable[[str], None], again: Callable[[], None] | None = None) -> Callable[[], None]:
     """SIGTERM, or a first SIGINT (Ctrl-C), sends ``STOPPING=1`` and calls ``stop`` with the

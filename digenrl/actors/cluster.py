@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from digenrl.actors.base import RunFailed, stop_on_signals
+from digenrl.actors.base import COORDINATOR_STOPPED, RunFailed, stop_on_signals, stopped_by_signal
 from digenrl.actors.coordinator import CoordinatorActor
 from digenrl.config import CONFIG_ERROR_EXIT, Config
 from digenrl.core.scheduler import Scheduler, SchedulerParams
@@ -298,6 +298,10 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
             dog.cancel()
             if sup is not None:
                 sup.cancel()
+        if stopped_by_signal(actor.stop_reason):
+            # a sharded trainer writes none (it would need a collective at the stop)
+            wait_s = 0.0 if spawn or cfg.model.fsdp else DRAIN_CHECKPOINT_WAIT_S
+            await _commit_drain_checkpoint(actor, wait_s=wait_s)
     finally:
         unhandle()
         if children is not None:
@@ -328,10 +332,21 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     return summary
 
 
-COORDINATOR_STOPPED = "coordinator stopped"
-"""The Shutdown reason a ``digenrl-node`` coordinator stopped by a signal sends its nodes (with
-the signal's name: ``coordinator stopped (SIGTERM)``): not one of ``base.DRAINED``, so each
-exits 1 and its supervisor restarts it (actors/node.py)."""
+DRAIN_CHECKPOINT_WAIT_S = 60.0
+"""How long a coordinator stopped by a signal waits for trainer rank 0's part of a drain
+checkpoint (a launch's coordinator does not wait: its children have exited by then)."""
+
+
+async def _commit_drain_checkpoint(actor: CoordinatorActor, *, wait_s: float) -> None:
+    """Commit the last step boundary's checkpoint once trainer rank 0 has written its part
+    (nodes told to stop by a signal write it as they leave: TrainerActor.drain_checkpoint)."""
+    deadline = time.monotonic() + wait_s
+    while actor.cut is not None and actor.commit_drain_checkpoint() is None:
+        if time.monotonic() >= deadline:
+            actor.log.warning("no drain checkpoint: trainer rank 0 wrote no part of the last "
+                              "step boundary", version=actor.cut[0])
+            return
+        await asyncio.sleep(0.2)
 
 
 async def _service_watchdog(actor: CoordinatorActor) -> None:

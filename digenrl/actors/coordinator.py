@@ -114,6 +114,7 @@ class CoordinatorActor(Actor):
         self.t_last_step: float | None = None
         self.watchdog = StallWatchdog(cfg.runtime.stall_timeout_s)  # monotonic clock
         self.scheduler_factory = scheduler_factory
+        self.cut: tuple[int, dict[str, Any]] | None = None  # the last boundary since a checkpoint
         self.ticks = 0  # passes of the tick loop: liveness, failures and the run's end are checked there
         self.max_resets = max_resets
         self.expect_version: int | None = None  # the version restored trainers must announce
@@ -144,21 +145,40 @@ class CoordinatorActor(Actor):
 
     def _checkpoint(self, ann: VersionAnnounce) -> None:
         v = ann.version
-        if not checkpoint_due(v, steps=self.cfg.run.steps, every=self.cfg.run.checkpoint_every):
-            return
         snap = self.sched.snapshot()
-        if not trainer_part_ready(self.run_dir, v) or any(s >= v for s, _ in snap["ledger"]["consumed"]):
-            # the trainer's files are elsewhere (no shared run dir) or a rank consumed work
-            # of step v before rank 0 announced v: this cut would not be consistent
+        # a rank that consumed work of step v before rank 0 announced v: no consistent cut here
+        consistent = not any(s >= v for s, _ in snap["ledger"]["consumed"])
+        cut = {"scheduler": snap, "announce": dataclasses.asdict(ann),
+               "staleness_hist": dict(self.staleness_hist), "resumed_from": list(self.resumed_from),
+               "wall_s": self.wall_before + time.perf_counter() - self.t0, "recovery": dict(self.recovery)}
+        if not checkpoint_due(v, steps=self.cfg.run.steps, every=self.cfg.run.checkpoint_every):
+            # kept for a drain: a stop on a signal commits it once the trainer wrote its part
+            self.cut = (v, cut) if consistent else None
+            return
+        if not trainer_part_ready(self.run_dir, v) or not consistent:
+            # the trainer's files are elsewhere (no shared run dir), or the cut is not consistent
             self.recovery["checkpoints_skipped"] += 1
             self.log.warning("checkpoint skipped", version=v)
             return
+        self.cut = None
         self.recovery["checkpoints"] += 1
-        commit_checkpoint(self.run_dir, v, {
-            "scheduler": snap, "announce": dataclasses.asdict(ann),
-            "staleness_hist": self.staleness_hist, "resumed_from": self.resumed_from,
-            "wall_s": self.wall_before + time.perf_counter() - self.t0, "recovery": self.recovery})
+        cut["recovery"] = self.recovery
+        commit_checkpoint(self.run_dir, v, cut)
         self.log.info("checkpoint written", version=v)
+
+    def commit_drain_checkpoint(self) -> int | None:
+        """After a stop on a signal: commit the last step boundary's cut if trainer rank 0 wrote
+        its part of it (TrainerActor.drain_checkpoint); the version, or None (no cut kept since
+        the last checkpoint, or no trainer part)."""
+        if self.cut is None or not trainer_part_ready(self.run_dir, self.cut[0]):
+            return None
+        v, cut = self.cut
+        self.cut = None
+        self.recovery["checkpoints"] += 1
+        cut["recovery"] = {**cut["recovery"], "checkpoints": self.recovery["checkpoints"]}
+        commit_checkpoint(self.run_dir, v, cut)
+        self.log.info("drain checkpoint committed", version=v)
+        return v
 
     async def reset(self, reason: str) -> None:
         """A trainer rank is gone: rewind to the last checkpoint and have every node restart."""
@@ -168,6 +188,7 @@ class CoordinatorActor(Actor):
             self.request_stop(f"failed: {reason} (no recovery left)")
             return
         self.recovery["trainer_resets"] += 1
+        self.cut = None  # the run goes back to its last checkpoint: a later boundary is gone
         self.watchdog.restart()  # restarted nodes load their models first: count from new work
         self.log.error("trainer lost: rewinding to the last checkpoint", reason=reason)
         await self._shutdown_all(f"restart: {reason}")

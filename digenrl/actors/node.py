@@ -41,6 +41,7 @@ from digenrl.actors.base import (
     incarnation,
     loop_factory,
     stop_on_signals,
+    stopped_by_signal,
 )
 from digenrl.config import Config, config_from_dict, load_config
 from digenrl.devices import resolve_device, use_device
@@ -303,6 +304,9 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
         stuck: str | None = None
         try:
             await actor.run()
+            if trainer is not None and stopped_by_signal(actor.stop_reason) and actor.compute_stuck() is None:
+                sdnotify.extend_timeout(120)  # a large model's write may outlast the stop timeout
+                await trainer.drain_checkpoint()  # the step boundary it holds, for the resume
         finally:
             unhandle()
             recorder.dump(trace_path)

@@ -15,7 +15,9 @@ Checkpoints (:mod:`digenrl.rl.checkpoint`): every rank loads the newest checkpoi
 dir before anything else (a fresh run dir has none; the launcher refuses to start a fresh
 run over one), and rank 0 announces the restored version, so rollouts re-sync through the
 normal VersionAnnounce/WeightsRequest path. Rank 0 writes its part of a due checkpoint at
-the step boundary, before announcing the version; the coordinator completes it.
+the step boundary, before announcing the version; the coordinator completes it. After a stop
+on a signal rank 0 (unsharded) writes its part of a checkpoint of the last boundary instead
+(:meth:`TrainerActor.drain_checkpoint`), which the stopped coordinator commits.
 
 Step discipline: fragments of step s train into the accumulated gradient as their commits
 arrive (GAP); commits of later steps (K = 1 lets them exist) wait until step s's optimizer
@@ -40,10 +42,12 @@ from digenrl.core.credits import within_staleness
 from digenrl.core.plan import FORWARD_ALGORITHMS, owners_for, plan_for_step, trajectory_seed
 from digenrl.faults import crash_point, hang_point
 from digenrl.rl.checkpoint import (
+    capture_rng,
     checkpoint_due,
     latest_checkpoint,
     load_trainer_state,
     save_trainer_state,
+    trainer_part_ready,
 )
 from digenrl.rl.evaluate import eval_due, evaluate
 from digenrl.rl.fragment import FragmentJob
@@ -98,6 +102,9 @@ class TrainerActor(Actor):
         self.pending: dict[int, list[Commit]] = defaultdict(list)        # step -> commits
         self.consumed_slots: dict[int, set[int]] = defaultdict(set)      # step -> fragments
         self.rejected_stale = 0
+        # the last step boundary as a checkpoint would hold it: (version, RNG states, counters),
+        # written by drain_checkpoint when a stop comes before the next due checkpoint
+        self._boundary: tuple[int, dict[str, Any], dict[str, Any]] | None = None
         self.revoked: set[int] = set()
         self.tag_tasks: asyncio.Queue[Assign] = asyncio.Queue()
         self._offered = False
@@ -151,7 +158,10 @@ class TrainerActor(Actor):
                 self._offered = False  # worked: offer again next time we wait (offers are one-shot)
                 for commit in ready:
                     await self._consume(commit)
-                if len(self.consumed_slots[step]) == F:
+                # a single rank takes no optimizer step once a stop is asked: the version the
+                # coordinator last heard announced stays its own (a drain checkpoint is of that
+                # boundary). Several ranks finish it: one alone in the all-reduce would hang.
+                if len(self.consumed_slots[step]) == F and not (self.stopping and self.world_size == 1):
                     await self._finish_step(step)
                 continue
             if not self.tag_tasks.empty():
@@ -435,9 +445,27 @@ class TrainerActor(Actor):
             await self.in_thread("checkpoint_save", partial(
                 save_trainer_state, self.run_dir, self.policy, {"rejected_stale": self.rejected_stale},
                 write=rank0))
+        elif rank0 and not self.policy.sharded:
+            self._boundary = (version, capture_rng(), {"rejected_stale": self.rejected_stale})
         await self._publish(version)
         if not last:  # after the publish: rollouts fetch the new version while we evaluate it
             await self._maybe_eval(version)
+
+    async def drain_checkpoint(self) -> int | None:
+        """After a stop on a signal: rank 0 of an unsharded trainer writes its part of a
+        checkpoint of the last step boundary, if no checkpoint holds it (the coordinator
+        commits it with its cut of that version: actors/cluster.py). The weights and the
+        optimizer have not moved since the boundary (a step's gradients only accumulate until
+        its optimizer step), and the RNG states are those the boundary saw. Returns the version
+        written, or None. Sharded ranks would need a collective at the stop: not written."""
+        b = self._boundary
+        if b is None or b[0] != self.policy.version or trainer_part_ready(self.run_dir, b[0]):
+            return None
+        version, rng, counters = b
+        with self.working("checkpoint_save", version=version):
+            await asyncio.to_thread(partial(save_trainer_state, self.run_dir, self.policy, counters, rng=rng))
+        self.log.info("drain checkpoint written", version=version)
+        return version
 
     async def _maybe_eval(self, version: int) -> None:
         """Held-out evaluation of ``version`` on rank 0 (a sharded policy's other ranks join its

@@ -118,9 +118,19 @@ def _describe(path: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- trainer side
 
+def capture_rng() -> dict[str, Any]:
+    """The RNG states a checkpoint holds, as they are now (trainer.json's ``rng``)."""
+    py_state = random.getstate()
+    return {"torch": torch.get_rng_state().tolist(), "python": [py_state[0], list(py_state[1]), py_state[2]]}
+
+
 def save_trainer_state(run_dir: Path, policy: Any, counters: dict[str, Any], *,
-                       write: bool = True) -> Path:
+                       write: bool = True, rng: dict[str, Any] | None = None) -> Path:
     """Rank 0 at a step boundary: weights, optimizer state, version, RNG states, ``counters``.
+
+    ``rng``: the states :func:`capture_rng` took at the step boundary, for a checkpoint of that
+    boundary written later (a drain's: the weights and optimizer have not moved since, the RNGs
+    may have); None takes them now.
 
     A sharded (FSDP) policy writes through torch.distributed.checkpoint: every trainer rank
     calls this and writes its own shard (a collective, nothing gathered), then the one with
@@ -141,7 +151,7 @@ def save_trainer_state(run_dir: Path, policy: Any, counters: dict[str, Any], *,
         save_sharded(shards, policy)
         if write:
             files = sorted(str(p.relative_to(d)) for p in shards.rglob("*") if p.is_file())
-            _write_trainer_json(d, policy, counters, files, layout="dcp")
+            _write_trainer_json(d, policy, counters, files, layout="dcp", rng=rng)
         return d
     sd = {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict_for_sync().items()}
     optimizer_state = policy.optimizer_state()
@@ -151,18 +161,15 @@ def save_trainer_state(run_dir: Path, policy: Any, counters: dict[str, Any], *,
     write_atomic(d / "policy.safetensors",
                  lambda tmp: save_file(sd, str(tmp), metadata={"version": str(policy.version)}))
     write_atomic(d / "optimizer.pt", lambda tmp: torch.save(optimizer_state, tmp))
-    _write_trainer_json(d, policy, counters, ["policy.safetensors", "optimizer.pt"], layout="whole")
+    _write_trainer_json(d, policy, counters, ["policy.safetensors", "optimizer.pt"], layout="whole", rng=rng)
     return d
 
 
 def _write_trainer_json(d: Path, policy: Any, counters: dict[str, Any], files: list[str], *,
-                        layout: str) -> None:
-    py_state = random.getstate()
+                        layout: str, rng: dict[str, Any] | None = None) -> None:
     write_json_atomic(d / "trainer.json", {
         "format": FORMAT, "version": policy.version, "counters": counters, "layout": layout,
-        "rng": {"torch": torch.get_rng_state().tolist(),
-                "python": [py_state[0], list(py_state[1]), py_state[2]]},
-        "files": {n: _describe(d / n) for n in files}})
+        "rng": capture_rng() if rng is None else rng, "files": {n: _describe(d / n) for n in files}})
 
 
 def load_trainer_state(ckpt: Checkpoint, policy: Any) -> dict[str, Any]:
