@@ -305,7 +305,6 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
         try:
             await actor.run()
             if trainer is not None and stopped_by_signal(actor.stop_reason) and actor.compute_stuck() is None:
-                sdnotify.extend_timeout(120)  # a large model's write may outlast the stop timeout
                 await trainer.drain_checkpoint()  # the step boundary it holds, for the resume
         finally:
             unhandle()

@@ -55,6 +55,7 @@ from digenrl.rl.learner import Learner, save_final
 from digenrl.rl.policy import Policy
 from digenrl.rl.sde import sigma_schedule
 from digenrl.rl.sharding import pass_count, step_passes
+from digenrl.telemetry import sdnotify
 from digenrl.telemetry.images import save_grid
 from digenrl.transport.protocol import (
     Assign,
@@ -462,6 +463,7 @@ class TrainerActor(Actor):
         if b is None or b[0] != self.policy.version or trainer_part_ready(self.run_dir, b[0]):
             return None
         version, rng, counters = b
+        sdnotify.extend_timeout(120)  # a large model's write may outlast the unit's stop timeout
         with self.working("checkpoint_save", version=version):
             await asyncio.to_thread(partial(save_trainer_state, self.run_dir, self.policy, counters, rng=rng))
         self.log.info("drain checkpoint written", version=version)
