@@ -24,11 +24,13 @@ import contextlib
 import functools
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -173,6 +175,25 @@ def launch_run(*args: str, sets: Sequence[str] = (), crash: str = "", hang: str 
     return subprocess.run(launch_command(*args, sets=sets), env=launch_env(crash=crash, hang=hang),
                           start_new_session=True, capture_output=True, text=True, timeout=timeout,
                           check=False)
+
+
+def node_final(log: Path) -> dict[str, Any]:
+    """The ``node_final`` record a node logs on exit (JSON lines); a node that left without it
+    (killed, or a hard exit) fails the assertion."""
+    finals = [json.loads(x) for x in log.read_text().splitlines() if '"node_final"' in x]
+    assert finals, f"{log} has no node_final line"
+    return dict(finals[-1])
+
+
+def datagrams(sock: socket.socket) -> list[str]:
+    """Every datagram waiting on a non-blocking socket (a stand-in for systemd's notify
+    socket), decoded, in arrival order."""
+    out = []
+    while True:
+        try:
+            out.append(sock.recv(4096).decode())
+        except BlockingIOError:
+            return out
 
 
 def processes_of(run_dir: Path) -> list[int]:

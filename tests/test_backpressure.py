@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from math import prod
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from digenrl.actors.cluster import bytes_per_trajectory
 from digenrl.config import load_config, resolve_mode
 from digenrl.launch import launch, make_run_dir
 from digenrl.models import build_model
-from tests.conftest import SMALL
+from tests.conftest import SMALL, node_final
 
 pytestmark = pytest.mark.slow
 
@@ -20,13 +19,6 @@ WINDOW_MB = 0.02
 # What a rollout may grow by after it is ready besides the latents in flight: allocator
 # arenas and activations of its first generations (measured 20-40 MiB on the tiny model).
 MARGIN_MB = 96.0
-
-
-def node_final(log: Path) -> dict:
-    """The ``node_final`` record a node logs on exit (JSON lines)."""
-    finals = [json.loads(x) for x in log.read_text().splitlines() if '"node_final"' in x]
-    assert finals, f"{log} has no node_final line"
-    return finals[-1]
 
 
 def test_a_tenfold_slower_trainer_keeps_rollout_memory_within_the_byte_window(tmp_path: Path) -> None:

@@ -22,7 +22,15 @@ import pytest
 from digenrl.actors.cluster import COORDINATOR_STOPPED
 from digenrl.rl.checkpoint import latest_checkpoint
 from digenrl.transport.endpoints import free_port
-from tests.conftest import SMALL, launch_command, launch_env, processes_of, wait_until
+from tests.conftest import (
+    SMALL,
+    datagrams,
+    launch_command,
+    launch_env,
+    node_final,
+    processes_of,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -45,129 +53,104 @@ heartbeat_misses = 10
 """
 
 
-def _node(args: list[str], run_dir: Path, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    log = open(run_dir / f"{name}.out", "ab")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen([sys.executable, "-m", "digenrl.cli", "node", *args], stdout=log, stderr=log,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+class _ByHand:
+    """A run of nodes started by hand, the test playing their supervisor: a coordinator bound
+    on a free port, a trainer and a rollout dialling it, all on one run folder."""
 
+    def __init__(self, tmp_path: Path) -> None:
+        self.run_dir = tmp_path / "run"
+        self.run_dir.mkdir()
+        self.cfg = tmp_path / "cfg.toml"
+        self.cfg.write_text(CONFIG)
+        self.addr = f"tcp://127.0.0.1:{free_port()}"
+        self.procs: list[subprocess.Popen] = []
 
-def _steps_done(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    def _node(self, args: list[str], name: str, env: dict[str, str] | None) -> subprocess.Popen:
+        log = open(self.run_dir / f"{name}.out", "ab")  # noqa: SIM115 - the child owns it
+        p = subprocess.Popen([sys.executable, "-m", "digenrl.cli", "node", *args, "--run-dir", str(self.run_dir),
+                              "--config", str(self.cfg)], stdout=log, stderr=log,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        self.procs.append(p)
+        return p
 
+    def start(self, coordinator: str = "coordinator", env: dict[str, str] | None = None
+              ) -> tuple[subprocess.Popen, list[subprocess.Popen]]:
+        """The coordinator (its output in ``coordinator``.out) and the two nodes."""
+        coord = self._node(["--role", "coordinator", "--bind", self.addr], coordinator, env)
+        return coord, [self._node(["--role", role, "--coordinator", self.addr, "--node-id", f"{role}-0"],
+                                  f"{role}-0", None) for role in ("trainer", "rollout")]
 
-def test_a_restarted_coordinator_resumes_and_the_nodes_rejoin(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    cfg = tmp_path / "cfg.toml"
-    cfg.write_text(CONFIG)
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    coord_args = ["--role", "coordinator", "--bind", addr, "--run-dir", str(run_dir), "--config", str(cfg)]
-
-    def start_nodes() -> list[subprocess.Popen]:
-        return [_node(["--role", role, "--coordinator", addr, "--node-id", f"{role}-0",
-                       "--run-dir", str(run_dir), "--config", str(cfg)], run_dir, f"{role}-0")
-                for role in ("trainer", "rollout")]
-
-    procs: list[subprocess.Popen] = []
-    try:
-        coord = _node(coord_args, run_dir, "coordinator")
-        procs = [coord, *start_nodes()]
+    def checkpointed(self) -> bool:
         # a committed checkpoint, not just a metrics line: a step's metrics are sent before its
         # checkpoint is written, and a coordinator killed in between rightly starts over
-        wait_until(lambda: _steps_done(run_dir) >= 1 and latest_checkpoint(run_dir) is not None,
-                   "the first checkpoint", 120)
-        coord.send_signal(signal.SIGKILL)
-        coord.wait(10)
-        # the nodes hear nothing back and stop on their own, non-zero (for a supervisor)
-        for p in procs[1:]:
-            assert p.wait(60) != 0
-        coord = _node(coord_args, run_dir, "coordinator-2")
-        procs = [coord, *start_nodes()]
+        metrics = self.run_dir / "metrics.jsonl"
+        return metrics.exists() and bool(metrics.read_text().strip()) and latest_checkpoint(self.run_dir) is not None
+
+    def restart_and_finish(self) -> dict:
+        """Start everything again; the run resumes from its checkpoint and ends: its summary."""
+        coord, nodes = self.start("coordinator-2")
         assert coord.wait(240) == 0
-        for p in procs[1:]:
+        for p in nodes:
             p.wait(60)
-    finally:
-        for p in procs:
+        summary = json.loads((self.run_dir / "summary.json").read_text())
+        acc = summary["accounting"]
+        assert summary["steps"] == 4 and summary["stop_reason"] == "done"
+        assert summary["resumed_from"] and summary["resumed_from"][-1] >= 1  # from a checkpoint, not 0
+        assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) + acc["in_flight"]
+        assert acc["in_flight"] == 0
+        return summary
+
+    def kill_all(self) -> None:
+        for p in self.procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    acc = summary["accounting"]
-    assert summary["steps"] == 4
-    assert summary["resumed_from"] and summary["resumed_from"][-1] >= 1  # from a checkpoint, not 0
-    assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) + acc["in_flight"]
-    assert acc["in_flight"] == 0
 
 
-def _notices(sock: socket.socket) -> list[str]:
-    out = []
-    while True:
-        try:
-            out.append(sock.recv(4096).decode())
-        except BlockingIOError:
-            return out
-
-
-def _final_reason(run_dir: Path, node_id: str) -> str:
-    """The stop reason in the node's last ``node_final`` log record."""
-    lines = [json.loads(x) for x in (run_dir / "logs" / f"{node_id}.log").read_text().splitlines()
-             if '"node_final"' in x]
-    return str(lines[-1]["stop_reason"])
+def test_a_restarted_coordinator_resumes_and_the_nodes_rejoin(tmp_path: Path) -> None:
+    run = _ByHand(tmp_path)
+    try:
+        coord, nodes = run.start()
+        wait_until(run.checkpointed, "the first checkpoint", 120)
+        coord.send_signal(signal.SIGKILL)
+        coord.wait(10)
+        # the nodes hear nothing back and stop on their own, non-zero (for a supervisor)
+        for p in nodes:
+            assert p.wait(60) != 0
+        run.restart_and_finish()
+    finally:
+        run.kill_all()
 
 
 def test_a_coordinator_stopped_by_its_service_manager_drains_and_the_run_resumes(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    cfg = tmp_path / "cfg.toml"
-    cfg.write_text(CONFIG)
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    coord_args = ["--role", "coordinator", "--bind", addr, "--run-dir", str(run_dir), "--config", str(cfg)]
+    run = _ByHand(tmp_path)
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "notify.sock"))
     notify.setblocking(False)
     # a 1 s watchdog: pinged every 0.5 s while the tick loop (every heartbeat_s / 2) runs
     service = {"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "1000000"}
-
-    def start_nodes() -> list[subprocess.Popen]:
-        return [_node(["--role", role, "--coordinator", addr, "--node-id", f"{role}-0",
-                       "--run-dir", str(run_dir), "--config", str(cfg)], run_dir, f"{role}-0")
-                for role in ("trainer", "rollout")]
-
-    procs: list[subprocess.Popen] = []
+    stopped_reason = f"{COORDINATOR_STOPPED} (SIGTERM)"
     try:
-        coord = _node(coord_args, run_dir, "coordinator", env=service)
-        procs = [coord, *start_nodes()]
+        coord, nodes = run.start(env=service)
         notices: list[str] = []  # read as systemd does, all along (its queue holds ~10 datagrams)
-        wait_until(lambda: notices.extend(_notices(notify)) or (
-            _steps_done(run_dir) >= 1 and latest_checkpoint(run_dir) is not None), "the first checkpoint", 120)
+        wait_until(lambda: notices.extend(datagrams(notify)) or run.checkpointed(), "the first checkpoint", 120)
         coord.send_signal(signal.SIGTERM)
-        wait_until(lambda: notices.extend(_notices(notify)) or coord.poll() is not None, "the drain", 60)
+        wait_until(lambda: notices.extend(datagrams(notify)) or coord.poll() is not None, "the drain", 60)
         assert coord.returncode == 0  # a drain on request is not a failure: no restart for it
-        notices.extend(_notices(notify))
-        assert notices[0] == "READY=1" and notices[1].startswith(f"STATUS=coordinator on {addr}")
+        notices.extend(datagrams(notify))
+        assert notices[0] == "READY=1" and notices[1].startswith(f"STATUS=coordinator on {run.addr}")
         stop = notices.index("STOPPING=1")  # the watchdog may go on pinging through the drain
         assert notices[2:stop].count("WATCHDOG=1") >= 2
-        stopped = json.loads((run_dir / "summary.json").read_text())
-        assert stopped["stop_reason"] == f"{COORDINATOR_STOPPED} (SIGTERM)" and stopped["steps"] < 4
+        stopped = json.loads((run.run_dir / "summary.json").read_text())
+        assert stopped["stop_reason"] == stopped_reason and stopped["steps"] < 4
         # told, not left to notice the silence: exit 1, for their supervisors to restart them
-        for p, node_id in zip(procs[1:], ("trainer-0", "rollout-0")):
+        for p, node_id in zip(nodes, ("trainer-0", "rollout-0")):
             assert p.wait(60) == 1
-            assert _final_reason(run_dir, node_id) == f"{COORDINATOR_STOPPED} (SIGTERM)"
-        coord = _node(coord_args, run_dir, "coordinator-2")
-        procs = [coord, *start_nodes()]
-        assert coord.wait(240) == 0
-        for p in procs[1:]:
-            p.wait(60)
+            assert node_final(run.run_dir / "logs" / f"{node_id}.log")["stop_reason"] == stopped_reason
+        run.restart_and_finish()
     finally:
         notify.close()
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["stop_reason"] == "done"
-    assert summary["resumed_from"] and summary["resumed_from"][-1] >= 1
+        run.kill_all()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -202,5 +185,5 @@ def test_a_launch_stopped_by_a_signal_drains_its_nodes_and_says_how_to_resume(tm
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stop_reason"] == sig.name and 1 <= summary["steps"] < 60
     for node_id in ("trainer-0", "rollout-0"):  # drained (exit 0), not killed
-        assert _final_reason(run_dir, node_id) == sig.name
+        assert node_final(run_dir / "logs" / f"{node_id}.log")["stop_reason"] == sig.name
     assert processes_of(run_dir) == []

@@ -22,6 +22,7 @@ import pytest
 
 from digenrl.telemetry import sdnotify
 from digenrl.telemetry.sdnotify import NotifyError, Watchdog
+from tests.conftest import datagrams
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ROOT / "ops"
@@ -45,22 +46,13 @@ def notify_socket(tmp_path: Path) -> Iterator[tuple[socket.socket, dict[str, str
         sock.close()
 
 
-def _received(sock: socket.socket) -> list[str]:
-    out = []
-    while True:
-        try:
-            out.append(sock.recv(4096).decode())
-        except BlockingIOError:
-            return out
-
-
 def test_ready_status_and_stopping_arrive_as_datagrams(notify_socket) -> None:
     sock, env = notify_socket
     assert sdnotify.ready(environ=env) is True
     assert sdnotify.status("step 3\npolicy v3", environ=env) is True
     assert sdnotify.extend_timeout(90, environ=env) is True
     assert sdnotify.stopping(environ=env) is True
-    assert _received(sock) == [
+    assert datagrams(sock) == [
         "READY=1", "STATUS=step 3 policy v3", "EXTEND_TIMEOUT_USEC=90000000", "STOPPING=1",
     ]
 
@@ -71,7 +63,7 @@ def test_abstract_namespace_address_reaches_the_socket(tmp_path: Path) -> None:
         sock.bind("\0" + name)
         sock.setblocking(False)
         assert sdnotify.notify("READY=1", environ={"NOTIFY_SOCKET": "@" + name}) is True
-        assert _received(sock) == ["READY=1"]
+        assert datagrams(sock) == ["READY=1"]
 
 
 def test_without_notify_socket_every_call_is_a_noop_returning_false() -> None:
@@ -106,7 +98,7 @@ def test_watchdog_interval_is_half_the_period_and_ping_sends_watchdog(notify_soc
     dog = Watchdog(environ={**env, "WATCHDOG_USEC": "60000000", "WATCHDOG_PID": "4242"}, pid=4242)
     assert dog.interval_s == 30.0
     assert dog.ping() is True
-    assert _received(sock) == ["WATCHDOG=1"]
+    assert datagrams(sock) == ["WATCHDOG=1"]
     assert dog.statistics() == {"interval_s": 30.0, "pings": 1, "missed": 0}
 
 
@@ -118,7 +110,7 @@ def test_watchdog_armed_for_another_pid_or_unset_is_disabled(notify_socket) -> N
     for dog in (other, unset, zero):
         assert dog.interval_s is None and not dog.enabled
         assert dog.ping() is False
-    assert _received(sock) == []
+    assert datagrams(sock) == []
 
 
 def test_malformed_watchdog_variables_are_named_in_the_error() -> None:
@@ -145,7 +137,7 @@ async def test_watchdog_run_pings_while_alive_and_withholds_when_wedged(notify_s
     with pytest.raises(_Done):
         await dog.run(lambda: next(health), sleep=virtual_sleep)
     assert sleeps == [1.0, 1.0, 1.0, 1.0]
-    assert _received(sock) == ["WATCHDOG=1"] * 3
+    assert datagrams(sock) == ["WATCHDOG=1"] * 3
     assert (dog.pings, dog.missed) == (3, 1)
 
 
