@@ -11,8 +11,8 @@ Two kinds of knob:
   pulls of the sampler; training spans (``fragment_train``, ``optimizer_step``) after the
   compute thread returns.
 * **Crash and hang points**, from the environment of the process meant to fail:
-  ``DIGENRL_TEST_CRASH=point:N`` and ``DIGENRL_TEST_HANG=point:N`` fire at ``point`` once the
-  step (or version) reaches ``N``. An environment variable and not a config key because the
+  ``DIGENRL_TEST_CRASH=point:N``, ``DIGENRL_TEST_HANG=point:N`` and
+  ``DIGENRL_TEST_SIGTERM=point:N`` fire at ``point`` once the step (or version) reaches ``N``. An environment variable and not a config key because the
   fault is meant for one process invocation: a run resumed from its checkpoint reads the same
   config and must not crash again.
 
@@ -23,6 +23,7 @@ Two kinds of knob:
 | ``trainer``  | hang_point  | trainer compute thread, training step >= N      | blocks for good, once per run: a wedged GPU or collective |
 | ``generate`` | crash_point | colocated loop, after generating step >= N      | SIGKILL |
 | ``teardown`` | crash_point | colocated rank >= N, its run done, before the group's teardown | SIGKILL (a rank aborting as it exits) |
+| ``stepdone`` | signal_point | coordinator, trainer rank 0's StepDone of version >= N | SIGTERM to itself: a stop while that version's announcement is still on its way |
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from digenrl.config import FaultsConfig
 
 CRASH_ENV = "DIGENRL_TEST_CRASH"
 HANG_ENV = "DIGENRL_TEST_HANG"
+SIGNAL_ENV = "DIGENRL_TEST_SIGTERM"
 
 GENERATION_SPANS = ("denoise_step", "tag_generate")
 """Spans of generating work: a rollout's pulls of the sampler, a trainer's TAG pulls."""
@@ -115,3 +117,16 @@ def hang_point(point: str, version: int, once: Path | None = None) -> None:
         return
     while True:
         time.sleep(3600)
+
+
+def signal_point(point: str, version: int, once: Path | None = None) -> None:
+    """SIGTERM this process at ``point:version``: a stop (``kill``, ``docker stop``) that lands
+    at an exact moment of the protocol instead of whenever a test's poll notices a version.
+
+    ``DIGENRL_TEST_SIGTERM=stepdone:2`` stops a coordinator as it handles the StepDone of
+    version 2, before trainer rank 0's announcement of that version arrives. The process's
+    own handler (``actors/base.py``, stop_on_signals) drains as for any SIGTERM. With
+    ``once`` (a marker file) it fires a single time per run. Unset: a no-op.
+    """
+    if _fault_due(SIGNAL_ENV, point, version, once):
+        os.kill(os.getpid(), signal.SIGTERM)

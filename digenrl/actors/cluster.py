@@ -341,12 +341,21 @@ async def _commit_drain_checkpoint(actor: CoordinatorActor, *, wait_s: float) ->
     """Commit the last step boundary's checkpoint once trainer rank 0 has written its part
     (nodes told to stop by a signal write it as they leave: TrainerActor.drain_checkpoint)."""
     deadline = time.monotonic() + wait_s
-    while actor.cut is not None and actor.commit_drain_checkpoint() is None:
-        if time.monotonic() >= deadline:
-            actor.log.warning("no drain checkpoint: trainer rank 0 wrote no part of the last "
-                              "step boundary", version=actor.cut[0])
+    silent_s = 2 * actor.cfg.runtime.heartbeat_s
+    while True:
+        # an announcement sent as the stop landed holds the cut of the boundary the trainer kept
+        await actor.read_late(quiet_s=0.2)
+        if actor.cut is not None and actor.commit_drain_checkpoint() is not None:
             return
-        await asyncio.sleep(0.2)
+        now = time.monotonic()
+        if now >= deadline:
+            if actor.cut is not None:
+                actor.log.warning("no drain checkpoint: trainer rank 0 wrote no part of the last "
+                                  "step boundary", version=actor.cut[0])
+            return
+        assert actor.rank0_heard is not None  # read_late set it
+        if actor.cut is None and now - actor.rank0_heard > silent_s:
+            return  # rank 0 stopped without announcing a boundary past the last checkpoint
 
 
 async def _service_watchdog(actor: CoordinatorActor) -> None:

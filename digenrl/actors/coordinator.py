@@ -49,7 +49,7 @@ from digenrl.config import Config, to_toml
 from digenrl.core.credits import CreditError
 from digenrl.core.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerError, ShutdownCmd
 from digenrl.core.watchdog import StallWatchdog
-from digenrl.faults import crash_point
+from digenrl.faults import crash_point, signal_point
 from digenrl.rl.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -115,6 +115,7 @@ class CoordinatorActor(Actor):
         self.watchdog = StallWatchdog(cfg.runtime.stall_timeout_s)  # monotonic clock
         self.scheduler_factory = scheduler_factory
         self.cut: tuple[int, dict[str, Any]] | None = None  # the last boundary since a checkpoint
+        self.rank0_heard: float | None = None  # after a stop: when trainer rank 0 last sent anything
         self.ticks = 0  # passes of the tick loop: liveness, failures and the run's end are checked there
         self.max_resets = max_resets
         self.expect_version: int | None = None  # the version restored trainers must announce
@@ -179,6 +180,38 @@ class CoordinatorActor(Actor):
         commit_checkpoint(self.run_dir, v, cut)
         self.log.info("drain checkpoint committed", version=v)
         return v
+
+    LATE = (Commit, Consumed, VersionAnnounce, StepDone)
+    """What :meth:`read_late` still handles: the messages that move the ledger or the version."""
+
+    async def read_late(self, quiet_s: float) -> int:
+        """After a stop on a signal: handle what the nodes sent after the main loop stopped
+        reading, until ``quiet_s`` pass without a message; returns how many were handled.
+
+        Trainer rank 0 may be announcing a version as the stop lands (its optimizer step
+        done, the weights on their way); the drain checkpoint needs the cut of that version,
+        and the ledger the commits and consumptions before it, in the order they were sent.
+        ZeroMQ keeps a peer's unread messages after the peer leaves, so this also works once
+        the nodes have exited. Nothing is sent: :meth:`_run` is quiet once stopping."""
+        handled = 0
+        if self.rank0_heard is None:
+            self.rank0_heard = time.monotonic()
+        while True:
+            try:
+                async with asyncio.timeout(quiet_s):
+                    peer, user, msg = await self.control.recv_authenticated()
+            except TimeoutError:
+                return handled
+            if peer == self.trainers.get(0, {}).get("peer"):
+                self.rank0_heard = time.monotonic()  # its heartbeats stop once it stops working
+            if isinstance(msg, self.LATE) and self._gate(peer, msg, user) is None:
+                try:
+                    await self._handle(peer, msg)
+                    handled += 1
+                except (SchedulerError, CreditError) as e:
+                    self.rejected += 1
+                    self.log.error("late message rejected by the scheduler", peer=peer,
+                                   msg=type(msg).__name__, error=str(e))
 
     async def reset(self, reason: str) -> None:
         """A trainer rank is gone: rewind to the last checkpoint and have every node restart."""
@@ -337,6 +370,7 @@ class CoordinatorActor(Actor):
             await self._run(cmds)
         elif isinstance(msg, StepDone):
             self._step_done(msg)
+            signal_point("stepdone", msg.version)  # TEST-ONLY (digenrl/faults.py)
         elif isinstance(msg, WeightsHeld):
             self.weights.held(msg.node_id, msg.version, now)
             self._maybe_finish(now)
@@ -442,6 +476,8 @@ class CoordinatorActor(Actor):
 
     # ------------------------------------------------------------------ scheduler commands
     async def _run(self, cmds: list[Any]) -> None:
+        if self.stopping:  # the nodes were told to stop: nothing more to assign, revoke or rewind
+            return
         for cmd in cmds:
             if isinstance(cmd, AssignCmd):
                 if self.t_first_assign is None:
