@@ -39,7 +39,8 @@ class FakeSocket:
         self.sent.append(msg)
 
 
-def _trainer(tmp_path: Path, *sets: str) -> tuple[TrainerActor, FakeSocket]:
+def _trainer(tmp_path: Path, *sets: str, restored: bool = True) -> tuple[TrainerActor, FakeSocket]:
+    """A rank 0 trainer on fake sockets; ``restored``: as after its (empty) restore."""
     from digenrl.rl.policy import build_policy
     cfg = resolve_mode(load_config(None, ["model.path=\"random\"", "train.prompts_per_step=2",
                                           "sampler.num_steps=4", "run.steps=4", *sets]), "digenrl")
@@ -48,6 +49,8 @@ def _trainer(tmp_path: Path, *sets: str) -> tuple[TrainerActor, FakeSocket]:
     actor = TrainerActor(peers=peers, cfg=cfg, policy=build_policy(cfg), rank=0, world_size=1,
                          run_dir=tmp_path, reward_fn=None, node_id="trainer-0",
                          recorder=SpanRecorder("trainer-0", "trainer"), log=structlog.get_logger())
+    if restored:
+        actor.restored.set()
     return actor, data
 
 
@@ -83,6 +86,34 @@ async def test_a_commit_for_a_slot_outside_the_run_never_reaches_training(tmp_pa
     assert actor.refused == {"bad_fragment": 1, "step_out_of_window": 3, "not_owner": 1}
     assert [c.fragment for c in actor.pending[0]] == [0] and list(actor.pending) == [0]
     assert set(actor.staged) == {1} and actor.consumed_slots[0] == set()
+
+
+async def test_work_that_arrives_while_a_rank_restores_is_judged_at_the_restored_version(tmp_path: Path) -> None:
+    """Two ranks resume from version 2: rank 0 restores and announces, rollouts send step 2's
+    work, and this rank is still loading. Judged against version 0, step 2 is out of the
+    window at K = 0: the commit was refused, the step never completed, the resumed run hung
+    (seen by hand with cluster.trainers=2). It must wait in the socket until the restore."""
+    from digenrl.rl.checkpoint import commit_checkpoint, save_trainer_state
+    actor, data = _trainer(tmp_path, "runtime.staleness=0", restored=False)
+    actor.policy.version = 2
+    save_trainer_state(tmp_path, actor.policy, {})
+    commit_checkpoint(tmp_path, 2, {"scheduler": {}})
+    actor.policy.version = 0  # as a freshly started rank
+    loop = asyncio.create_task(actor._data_loop())
+    commit = _commit(step=2)
+    data.inbox.put_nowait(commit)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not actor.refused and not actor.pending  # not judged yet
+    await actor.restore()
+    while not data.inbox.empty():
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    loop.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await loop
+    assert actor.policy.version == 2 and not actor.refused
+    assert actor.pending[2] == [commit]
 
 
 async def test_chunks_of_a_revoked_attempt_are_refused_at_arrival(tmp_path: Path) -> None:

@@ -211,18 +211,25 @@ DRAIN_SETS = [*SMALL, "run.steps=5", "run.checkpoint_every=100"]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The final weights of the drain tests' run, uninterrupted."""
-    whole = tmp_path_factory.mktemp("drain") / "whole"
-    r = launch_run(*_fresh_args("disagg-sync", whole, DRAIN_SETS))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return final_weights(whole)
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The final weights of the drain tests' run, uninterrupted, by trainer count (run once each)."""
+    runs: dict[int, dict[str, torch.Tensor]] = {}
+
+    def weights(trainers: int) -> dict[str, torch.Tensor]:
+        if trainers not in runs:
+            whole = tmp_path_factory.mktemp("drain") / "whole"
+            r = launch_run(*_fresh_args("disagg-sync", whole, [*DRAIN_SETS, f"cluster.trainers={trainers}"]))
+            assert r.returncode == 0, r.stderr[-3000:]
+            runs[trainers] = final_weights(whole)
+        return runs[trainers]
+    return weights
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("when", ["after_publish", "announce_in_flight"])
+@pytest.mark.parametrize(("when", "trainers"), [
+    ("after_publish", 1), ("announce_in_flight", 1), ("announce_in_flight", 2)])
 def test_a_k0_run_stopped_by_sigterm_between_checkpoints_resumes_bit_identical(
-        tmp_path: Path, when: str, uninterrupted: dict[str, torch.Tensor]) -> None:
+        tmp_path: Path, when: str, trainers: int, uninterrupted: Any) -> None:
     """No checkpoint is due before the end (every 100 steps): the drain writes one of the last
     step boundary (trainer rank 0's part as it leaves, the coordinator's cut of that version),
     and the resumed run ends exactly where an uninterrupted one does.
@@ -233,10 +240,12 @@ def test_a_k0_run_stopped_by_sigterm_between_checkpoints_resumes_bit_identical(
     version 2 (digenrl/faults.py), before rank 0's announcement of version 2 arrives; the
     coordinator stops reading, so the cut must come from the messages it reads after the
     stop (CoordinatorActor.read_late). Without them no drain checkpoint is written (seen in
-    CI as a flaky ``after_publish``)."""
+    CI as a flaky ``after_publish``). Two ranks: both finish the step in progress, and the
+    resumed ranks restore before they judge work (TrainerActor.restore)."""
+    sets = [*DRAIN_SETS, f"cluster.trainers={trainers}"]
     cut = tmp_path / "cut"
     env = launch_env(sigterm="stepdone:2" if when == "announce_in_flight" else "")
-    proc = subprocess.Popen(launch_command(*_fresh_args("disagg-sync", cut, DRAIN_SETS)), env=env,
+    proc = subprocess.Popen(launch_command(*_fresh_args("disagg-sync", cut, sets)), env=env,
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if when == "after_publish":
@@ -262,7 +271,7 @@ def test_a_k0_run_stopped_by_sigterm_between_checkpoints_resumes_bit_identical(
     acc = summary["accounting"]
     assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) + acc["in_flight"]
     assert [row["step"] for row in read_metrics(cut)] == [0, 1, 2, 3, 4]
-    a, b = uninterrupted, final_weights(cut)
+    a, b = uninterrupted(trainers), final_weights(cut)
     assert a.keys() == b.keys()
     # exact on purpose: same machine and thread count, so a resumed run must replay the same arithmetic
     assert all(torch.equal(a[k], b[k]) for k in a)

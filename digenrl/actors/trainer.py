@@ -112,6 +112,10 @@ class TrainerActor(Actor):
         self._step_t0 = time.perf_counter()
         self.wake = asyncio.Event()
         self._trained_steps: dict[int, list[int]] = {}  # step -> its plan's trained timesteps
+        # set once the checkpoint (if any) is loaded: work is judged against the restored
+        # version, not version 0 (rank 0 may announce, and rollouts send, before this rank
+        # has restored; what they send waits in the socket)
+        self.restored = asyncio.Event()
 
     @property
     def policy_version(self) -> int:
@@ -135,7 +139,8 @@ class TrainerActor(Actor):
             loops.append(self._weights_loop)
         return loops
 
-    async def main(self) -> None:
+    async def restore(self) -> None:
+        """Load the run's latest checkpoint, if any, then let the data loop judge work."""
         ckpt = await asyncio.to_thread(latest_checkpoint, self.run_dir)
         if ckpt is not None:
             counters = await self.in_thread("checkpoint_load", load_trainer_state, ckpt, self.policy)
@@ -145,6 +150,10 @@ class TrainerActor(Actor):
                 self.log.warning("checkpoint skipped", reason=why)
             self.log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path),
                           layout=ckpt.trainer.get("layout"), trainers=self.world_size)
+        self.restored.set()
+
+    async def main(self) -> None:
+        await self.restore()
         if self.rank == 0 or self.policy.sharded:
             await self._publish(self.policy.version)
         await self._maybe_eval(self.policy.version)
@@ -255,6 +264,7 @@ class TrainerActor(Actor):
     async def _data_loop(self) -> None:
         data = self.peers.data
         assert data is not None, "a trainer's peers hold its data PULL (actors/node.py)"
+        await self.restored.wait()
         while True:
             _, msg = await data.recv()
             if not isinstance(msg, (Chunk, CleanSample, Commit)):
