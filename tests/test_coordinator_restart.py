@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from digenrl.actors.cluster import COORDINATOR_STOPPED
+from digenrl.faults import SIGNAL_ENV
 from digenrl.rl.checkpoint import latest_checkpoint
 from digenrl.transport.endpoints import free_port
 from tests.conftest import (
@@ -57,11 +58,11 @@ class _ByHand:
     """A run of nodes started by hand, the test playing their supervisor: a coordinator bound
     on a free port, a trainer and a rollout dialling it, all on one run folder."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, config: str = CONFIG) -> None:
         self.run_dir = tmp_path / "run"
         self.run_dir.mkdir()
         self.cfg = tmp_path / "cfg.toml"
-        self.cfg.write_text(CONFIG)
+        self.cfg.write_text(config)
         self.addr = f"tcp://127.0.0.1:{free_port()}"
         self.procs: list[subprocess.Popen] = []
 
@@ -150,6 +151,24 @@ def test_a_coordinator_stopped_by_its_service_manager_drains_and_the_run_resumes
         run.restart_and_finish()
     finally:
         notify.close()
+        run.kill_all()
+
+
+def test_a_stopped_coordinator_between_checkpoints_commits_the_drain_checkpoint(tmp_path: Path) -> None:
+    """No checkpoint is due before the end: the coordinator, stopped by SIGTERM as it handles
+    version 2's StepDone (digenrl/faults.py: before rank 0's announcement of it arrives),
+    reads that announcement after the stop, waits for trainer rank 0's part of the boundary
+    (written as the trainer leaves) and commits it; the restarted run resumes from version 2."""
+    run = _ByHand(tmp_path, CONFIG.replace("checkpoint_every = 1", "checkpoint_every = 100"))
+    try:
+        coord, nodes = run.start(env={SIGNAL_ENV: "stepdone:2"})
+        assert coord.wait(120) == 0
+        for p in nodes:
+            assert p.wait(60) == 1
+        ckpt = latest_checkpoint(run.run_dir)
+        assert ckpt is not None and ckpt.version == 2, (run.run_dir / "coordinator.out").read_text()[-2000:]
+        assert run.restart_and_finish()["resumed_from"] == [2]
+    finally:
         run.kill_all()
 
 
