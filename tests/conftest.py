@@ -228,3 +228,21 @@ def heavy_imports_after(code: str) -> list[str]:
     assert out.returncode == 0, out.stderr[-2000:]
     loaded: list[str] = json.loads(out.stdout.strip().splitlines()[-1])
     return loaded
+
+
+def bare_coordinator(tmp_path: Path, sets: Sequence[str] = (), trainers: int = 1) -> Any:
+    """A CoordinatorActor with no sockets (control and pub None), for tests that call its
+    decisions directly: the run's config with ``sets``, ``trainers`` expected."""
+    import structlog
+
+    from digenrl.actors.cluster import make_scheduler
+    from digenrl.actors.coordinator import CoordinatorActor
+    from digenrl.config import load_config
+    from digenrl.telemetry.trace import SpanRecorder
+    cfg = load_config(None, [*sets, f"cluster.trainers={trainers}"])
+    return CoordinatorActor(cfg=cfg, scheduler=make_scheduler(cfg, prompt_count=8), control=None,
+                            pub=None, prompts=[], run_dir=tmp_path, dist_endpoint="tcp://127.0.0.1:1",
+                            metrics=None, expected_trainers=trainers, node_id="coordinator",
+                            recorder=SpanRecorder("coordinator", "coordinator"),
+                            log=structlog.get_logger())
+

@@ -28,8 +28,10 @@ from digenrl.rl.checkpoint import (
     save_trainer_state,
 )
 from digenrl.telemetry.metrics import read_metrics
+from digenrl.transport.protocol import VersionAnnounce
 from tests.conftest import (
     SMALL,
+    bare_coordinator,
     final_weights,
     launch_command,
     launch_env,
@@ -205,6 +207,18 @@ def _published(run_dir: Path) -> int:
     text = log.read_text() if log.exists() else ""
     return max((int(json.loads(x)["version"]) for x in text.splitlines() if '"weights published"' in x),
                default=-1)
+
+
+def test_a_drain_keeps_no_cut_of_the_version_the_run_started_from(tmp_path: Path) -> None:
+    """Version 0 (or the version a resume restored) is where the run starts: a stop before
+    the first optimizer step has no boundary to keep, and must not log one as missing (a
+    2-trainer launch stopped while loading said "no drain checkpoint" for version 0)."""
+    actor = bare_coordinator(tmp_path, ["run.steps=10", "run.checkpoint_every=100"])
+    actor.restore_from(None)
+    for v, kept in ((0, None), (1, 1), (2, 2)):
+        actor._checkpoint(VersionAnnounce(version=v, step=v, nparts=1, nbytes=4, checksum="c"))
+        assert (actor.cut[0] if actor.cut else None) == kept
+    assert checkpoint_root(tmp_path).exists() is False  # none was due: only kept
 
 
 DRAIN_SETS = [*SMALL, "run.steps=5", "run.checkpoint_every=100"]

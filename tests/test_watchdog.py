@@ -9,23 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import structlog
-
-from digenrl.actors.cluster import make_scheduler
 from digenrl.actors.coordinator import CoordinatorActor
-from digenrl.config import load_config
-from digenrl.telemetry.trace import SpanRecorder
+from tests.conftest import bare_coordinator
 
 
 def _coordinator(tmp_path: Path, timeout: float, trainers: int = 1,
                  whole: bool = True) -> tuple[CoordinatorActor, list[str]]:
     """A coordinator whose resets are recorded; ``whole``: trainer 0 and rollout 0 joined."""
-    cfg = load_config(None, [f"runtime.stall_timeout_s={timeout}", f"cluster.trainers={trainers}"])
-    actor = CoordinatorActor(cfg=cfg, scheduler=make_scheduler(cfg, prompt_count=8), control=None,
-                             pub=None, prompts=[], run_dir=tmp_path, dist_endpoint="tcp://127.0.0.1:1",
-                             metrics=None, expected_trainers=trainers, node_id="coordinator",
-                             recorder=SpanRecorder("coordinator", "coordinator"),
-                             log=structlog.get_logger())
+    actor = bare_coordinator(tmp_path, [f"runtime.stall_timeout_s={timeout}"], trainers=trainers)
     resets: list[str] = []
 
     async def reset(reason: str) -> None:  # the rewind itself is tested end to end elsewhere

@@ -119,6 +119,7 @@ class CoordinatorActor(Actor):
         self.ticks = 0  # passes of the tick loop: liveness, failures and the run's end are checked there
         self.max_resets = max_resets
         self.expect_version: int | None = None  # the version restored trainers must announce
+        self.start_version = 0  # the version the run (re)started from: no drain checkpoint of it
         self.wall_before = 0.0                    # run wall time before the last resume
         self.resumed_from: list[int] = []
         self.recovery: dict[str, int] = {"trainer_resets": 0, "rollouts_lost": 0,
@@ -134,6 +135,7 @@ class CoordinatorActor(Actor):
     def restore_from(self, ckpt: Checkpoint | None) -> None:
         """Take the run's state from ``ckpt`` (None: the start of the run) into a fresh scheduler."""
         self.expect_version = ckpt.version if ckpt else 0
+        self.start_version = self.expect_version
         if ckpt is None:
             return
         c = ckpt.coordinator
@@ -154,7 +156,7 @@ class CoordinatorActor(Actor):
                "wall_s": self.wall_before + time.perf_counter() - self.t0, "recovery": dict(self.recovery)}
         if not checkpoint_due(v, steps=self.cfg.run.steps, every=self.cfg.run.checkpoint_every):
             # kept for a drain: a stop on a signal commits it once the trainer wrote its part
-            self.cut = (v, cut) if consistent else None
+            self.cut = (v, cut) if consistent and v > self.start_version else None
             return
         if not trainer_part_ready(self.run_dir, v) or not consistent:
             # the trainer's files are elsewhere (no shared run dir), or the cut is not consistent
