@@ -209,6 +209,41 @@ def _published(run_dir: Path) -> int:
                default=-1)
 
 
+def _vote_worker(rank: int, store: str, out: str) -> None:
+    """One of two gloo ranks: a step where no rank votes, then one where rank 1 votes to stop."""
+    from digenrl.config import load_config
+    from digenrl.rl.learner import Learner
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        learner = Learner(_tiny_policy(), load_config(None, ['model.path="random"']))
+        params = learner.policy.params
+
+        def all_reduce(t: torch.Tensor) -> None:
+            torch.distributed.all_reduce(t)
+
+        results = []
+        for stop in (False, rank == 1):
+            for p in params:
+                p.grad = torch.full_like(p, float(rank + 1))
+            took = learner.reduce_gradients(all_reduce, stop=stop)
+            results.append({"took": took, "grads": sorted({float(v) for p in params for v in p.grad.unique()})})
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_rank_told_to_stop_votes_in_the_steps_all_reduce_and_no_rank_steps(tmp_path: Path) -> None:
+    """Two real gloo ranks. Rank 0 is inside the step's all-reduce; rank 1 was told to stop
+    before its own. Rank 1 joins with a vote instead of leaving (which stranded rank 0:
+    "Connection closed by peer", a traceback and no drain checkpoint, 1 of 5 two-rank stops
+    by hand): both learn the step is off, and both keep their own gradients (no rank steps)."""
+    torch.multiprocessing.spawn(_vote_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0[0] == r1[0] == {"took": True, "grads": [3.0]}  # summed: 1 + 2
+    assert r0[1] == {"took": False, "grads": [1.0]} and r1[1] == {"took": False, "grads": [2.0]}
+
+
 def test_a_drain_keeps_no_cut_of_the_version_the_run_started_from(tmp_path: Path) -> None:
     """Version 0 (or the version a resume restored) is where the run starts: a stop before
     the first optimizer step has no boundary to keep, and must not log one as missing (a

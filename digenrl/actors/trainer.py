@@ -8,7 +8,8 @@
 |-----------------------------|------------------------------------------|-------------------------------|
 | data ``recv()``             | a chunk or commit                        | a rollout (or TAG) sending    |
 | ``in_thread(train)``        | one fragment's forward/backward          | torch                         |
-| ``in_thread(all_reduce)``   | every rank finishing the step            | the slowest rank              |
+| ``in_thread(all_reduce)``   | every rank finishing the step, or voting | the slowest rank              |
+|                             | to stop (Learner.reduce_gradients)       |                               |
 | control ``recv()``          | Welcome, Assign (TAG), Revoke, Shutdown  | the coordinator               |
 
 Checkpoints (:mod:`digenrl.rl.checkpoint`): every rank loads the newest checkpoint of its run
@@ -17,7 +18,9 @@ run over one), and rank 0 announces the restored version, so rollouts re-sync th
 normal VersionAnnounce/WeightsRequest path. Rank 0 writes its part of a due checkpoint at
 the step boundary, before announcing the version; the coordinator completes it. After a stop
 on a signal rank 0 (unsharded) writes its part of a checkpoint of the last boundary instead
-(:meth:`TrainerActor.drain_checkpoint`), which the stopped coordinator commits.
+(:meth:`TrainerActor.drain_checkpoint`), which the stopped coordinator commits. Once a stop
+is asked no rank takes another optimizer step: unsharded ranks learn it in the step's
+all-reduce, where a stopping rank votes (one leaving alone would strand the others in it).
 
 Step discipline: fragments of step s train into the accumulated gradient as their commits
 arrive (GAP); commits of later steps (K = 1 lets them exist) wait until step s's optimizer
@@ -28,11 +31,13 @@ versions behind is rejected and counted: the defence-in-depth oracle that must n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import defaultdict
 from functools import partial
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from digenrl.actors.base import Actor, Loop
@@ -72,6 +77,10 @@ from digenrl.transport.protocol import (
 )
 from digenrl.transport.staging import HostToDevice, Landed
 from digenrl.transport.weights import publish_parts, serve_weights
+
+TRAINER_RANK_STOPPED = "a trainer rank stopped"
+"""Stop reason of a rank whose peer voted to stop in a step's all-reduce while the run's own
+stop never reached it (only that peer was stopped): the group cannot train on without it."""
 
 
 class TrainerActor(Actor):
@@ -116,6 +125,10 @@ class TrainerActor(Actor):
         # version, not version 0 (rank 0 may announce, and rollouts send, before this rank
         # has restored; what they send waits in the socket)
         self.restored = asyncio.Event()
+        # unsharded ranks carry a stop vote in each step's gradient all-reduce (Learner.
+        # reduce_gradients); _voted: this rank's last collective was a vote to stop
+        self.votes = world_size > 1 and not policy.sharded
+        self._voted = False
 
     @property
     def policy_version(self) -> int:
@@ -168,11 +181,16 @@ class TrainerActor(Actor):
                 self._offered = False  # worked: offer again next time we wait (offers are one-shot)
                 for commit in ready:
                     await self._consume(commit)
-                # a single rank takes no optimizer step once a stop is asked: the version the
-                # coordinator last heard announced stays its own (a drain checkpoint is of that
-                # boundary). Several ranks finish it: one alone in the all-reduce would hang.
-                if len(self.consumed_slots[step]) == F and not (self.stopping and self.world_size == 1):
-                    await self._finish_step(step)
+                # No optimizer step once a stop is asked: the version the coordinator last
+                # heard announced stays the trainer's (a drain checkpoint is of that boundary).
+                # Unsharded ranks vote in the step's all-reduce (one rank leaving alone would
+                # strand the others in it); sharded ranks finish the step together.
+                if len(self.consumed_slots[step]) == F:
+                    if self.votes:
+                        if not await self._finish_step(step):
+                            break  # a rank voted to stop: no rank stepped
+                    elif not (self.stopping and self.world_size == 1):
+                        await self._finish_step(step)
                 continue
             if not self.tag_tasks.empty():
                 await self._generate(self.tag_tasks.get_nowait())
@@ -183,6 +201,8 @@ class TrainerActor(Actor):
                                                        free_mb=self.peers.gpu_free_mb()))
             with self.recorder.span("wait"):
                 await self.wake.wait()
+        if self.votes and not self._voted and self.policy.version < self.cfg.run.steps:
+            await self._vote_stop()  # the step's all-reduce other ranks may be waiting in
         await self.wait_stopped()
 
     def _arrival_check(self, msg: Chunk | CleanSample | Commit) -> str | None:
@@ -419,12 +439,53 @@ class TrainerActor(Actor):
                                     sigma_max=self.sigma_max, reward_terms=commit.reward_terms,
                                     passes=passes, final=final, seeds=seeds)
 
-    async def _finish_step(self, step: int) -> None:
-        reduce = (lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM)) if self.world_size > 1 else None
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+
+    def _step_unless_voted(self, stop: bool, pad_to: int) -> dict[str, float] | None:
+        """Compute thread, unsharded ranks: the step's all-reduce with this rank's stop vote,
+        then the optimizer step; None (and no step on any rank) if a rank voted to stop."""
+        if not self.learner.reduce_gradients(self._all_reduce, stop=stop):
+            return None
+        return self.learner.finish_step(None, pad_to=pad_to)
+
+    async def _vote_stop(self) -> None:
+        """Leaving on a stop before this step's all-reduce: join it with a vote to stop, so a
+        rank already inside it takes no step and leaves too instead of waiting for good."""
+        try:
+            await self.in_thread("stop_vote", partial(self.learner.reduce_gradients, self._all_reduce,
+                                                      stop=True))
+        except RuntimeError as e:  # a peer already gone (gloo: "Connection closed by peer")
+            self.log.warning("stop vote not delivered: a trainer rank is gone", error=str(e))
+        self._voted = True
+
+    async def _peer_voted_to_stop(self, step: int) -> None:
+        """Another rank voted to stop in step ``step``'s all-reduce: this group trains no more.
+        The run's stop usually reaches this rank a moment later (the same SIGTERM, the
+        coordinator's Shutdown); if it does not (only that rank was stopped), leave anyway."""
+        self._voted = True
+        self.log.info("a trainer rank voted to stop: no optimizer step", step=step)
+        rt = self.cfg.runtime
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wait_stopped(), rt.heartbeat_s * rt.heartbeat_misses)
+        self.request_stop(TRAINER_RANK_STOPPED)  # a no-op when the run's stop came first
+
+    async def _finish_step(self, step: int) -> bool:
+        """The step's optimizer step, then its report, checkpoint and publish; False if a rank
+        voted to stop instead (unsharded ranks: no rank stepped)."""
         pad_to = step_passes(self._trained_of(step), self.world_size, self.cfg.runtime.tsp,
                              self.cfg.runtime.fragments_per_step)
-        metrics = await self.in_thread("optimizer_step", partial(self.learner.finish_step, reduce,
-                                                                 pad_to=pad_to), step=step)
+        if self.votes:
+            voted = await self.in_thread("optimizer_step", partial(self._step_unless_voted, self.stopping,
+                                                                   pad_to), step=step)
+            if voted is None:
+                await self._peer_voted_to_stop(step)
+                return False
+            metrics = voted
+        else:
+            reduce = self._all_reduce if self.world_size > 1 else None
+            metrics = await self.in_thread("optimizer_step", partial(self.learner.finish_step, reduce,
+                                                                     pad_to=pad_to), step=step)
         metrics["rejected_stale"] = self.rejected_stale
         dt = time.perf_counter() - self._step_t0
         self._step_t0 = time.perf_counter()
@@ -446,7 +507,7 @@ class TrainerActor(Actor):
             # metrics first: the coordinator may stop as soon as the last version is announced
             await self.peers.control.send(StepDone(step=step, version=version, metrics=metrics))
         if not (rank0 or self.policy.sharded):
-            return
+            return True
         # Rank 0 saves and publishes. A sharded policy's gathers are collectives, so then every
         # rank runs them, in this order, and only rank 0 writes.
         if version == self.cfg.run.steps:
@@ -461,6 +522,7 @@ class TrainerActor(Actor):
         await self._publish(version)
         if not last:  # after the publish: rollouts fetch the new version while we evaluate it
             await self._maybe_eval(version)
+        return True
 
     async def drain_checkpoint(self) -> int | None:
         """After a stop on a signal: rank 0 of an unsharded trainer writes its part of a

@@ -143,6 +143,30 @@ class Learner:
             self.policy.idle_pass()
         self.stats.passes += passes
 
+    def reduce_gradients(self, all_reduce: Callable[[torch.Tensor], None], *, stop: bool = False) -> bool:
+        """Sum the accumulated gradients over ranks (unsharded), in one all-reduce that also
+        carries each rank's vote to stop: True if no rank voted, and the summed gradients are
+        then in place; False if one did, and every rank's gradients are left as they were.
+
+        A rank told to stop joins this all-reduce with ``stop`` instead of leaving at once:
+        another rank may already be inside it for the step in progress, and would otherwise
+        wait for a peer that never comes (gloo: "Connection closed by peer"; NCCL: a hang).
+        With the vote, every rank learns in the same collective that the step is not taken,
+        so all of them stay at the same version (the boundary a drain checkpoint keeps)."""
+        params = self.policy.params  # the float32 masters where the model computes in bf16
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        vote = grads[0].new_full((1,), 1.0 if stop else 0.0)
+        flat = torch.cat([*(g_.reshape(-1) for g_ in grads), vote])
+        all_reduce(flat)
+        if float(flat[-1]) > 0:
+            return False
+        offset = 0
+        for p in params:
+            numel = p.numel()
+            p.grad = flat[offset:offset + numel].view_as(p).clone()
+            offset += numel
+        return True
+
     def finish_step(self, all_reduce: Callable[[torch.Tensor], None] | None = None, *,
                     pad_to: int | None = None) -> dict[str, float]:
         """All-reduce (sum) the accumulated gradients over ranks, step the optimizer.
@@ -157,16 +181,9 @@ class Learner:
                     raise RuntimeError(f"this rank ran {self.stats.passes} passes, more than the "
                                        f"step's {pad_to}: sharded ranks fell out of lockstep")
                 self.idle(pad_to - self.stats.passes)
-        elif all_reduce is not None:
-            params = self.policy.params  # the float32 masters where the model computes in bf16
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g_.reshape(-1) for g_ in grads])
-            all_reduce(flat)
-            offset = 0
-            for p in params:
-                numel = p.numel()
-                p.grad = flat[offset:offset + numel].view_as(p).clone()
-                offset += numel
+        elif all_reduce is not None and not self.reduce_gradients(all_reduce):
+            # only TrainerActor's ranks vote, and they call reduce_gradients themselves
+            raise RuntimeError("a rank voted to stop in an all-reduce that carries no votes")
         opt = self.policy.optimizer_step()
         st = self.stats
         rewards = torch.tensor(st.rewards) if st.rewards else torch.zeros(1)
