@@ -184,7 +184,9 @@ class TrainerActor(Actor):
                 # No optimizer step once a stop is asked: the version the coordinator last
                 # heard announced stays the trainer's (a drain checkpoint is of that boundary).
                 # Unsharded ranks vote in the step's all-reduce (one rank leaving alone would
-                # strand the others in it); sharded ranks finish the step together.
+                # strand the others in it). Sharded ranks are not voted on: their collectives
+                # run inside every pass, and one that leaves mid-step strands the others until
+                # the stop grace (actors/base.py), after which they exit hard.
                 if len(self.consumed_slots[step]) == F:
                     if self.votes:
                         if not await self._finish_step(step):
