@@ -244,6 +244,72 @@ def test_a_rank_told_to_stop_votes_in_the_steps_all_reduce_and_no_rank_steps(tmp
     assert r0[1] == {"took": False, "grads": [1.0]} and r1[1] == {"took": False, "grads": [2.0]}
 
 
+def _agree_worker(rank: int, store: str, root: str) -> None:
+    """One of two gloo trainer ranks restoring from its own run dir (rank r's holds r + 1 versions)."""
+    import asyncio
+
+    import structlog
+
+    from digenrl.actors.peers import NodePeers
+    from digenrl.actors.trainer import TrainerActor
+    from digenrl.config import load_config
+    from digenrl.telemetry.trace import SpanRecorder
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        cfg = load_config(None, ['model.path="random"', "cluster.trainers=2"])
+        run_dir = Path(root, f"rank{rank}")
+        policy = _tiny_policy()
+        for v in range(1, rank + 2):
+            policy.version = v
+            save_trainer_state(run_dir, policy, {})
+            commit_checkpoint(run_dir, v, {"scheduler": {}})
+        policy.version = 0
+        actor = TrainerActor(peers=NodePeers(node_id=f"trainer-{rank}", incarnation=1, cfg=cfg, control=None),
+                             cfg=cfg, policy=policy, rank=rank, world_size=2, run_dir=run_dir, reward_fn=None,
+                             node_id=f"trainer-{rank}", recorder=SpanRecorder(f"trainer-{rank}", "trainer"),
+                             log=structlog.get_logger())
+        ok = asyncio.run(actor.restore())
+        Path(root, f"rank{rank}.json").write_text(json.dumps(
+            {"ok": ok, "version": policy.version, "reason": actor.stop_reason, "restored": actor.restored.is_set()}))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_trainer_ranks_that_verified_different_checkpoints_stop_instead_of_waiting(tmp_path: Path) -> None:
+    """Seen by hand (two ranks, kill -9, resume): the coordinator re-committed the checkpoint
+    it had just restored while rank 1 was verifying it; rank 1 saw it torn and restored the
+    one before, then refused every commit of the run's step as out of its window, and the
+    resumed run waited for good. The re-commit is gone (next test); the ranks also compare
+    what they verified before loading anything, and fail the node (the coordinator rewinds)
+    rather than hang. Here rank 0's newest checkpoint is version 1, rank 1's version 2."""
+    torch.multiprocessing.spawn(_agree_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["ok"] is False and got["version"] == 0 and not got["restored"]
+        assert got["reason"].startswith("failed: trainer ranks verified different checkpoints "
+                                        "(version by rank: [1, 2])"), got["reason"]
+
+
+def test_a_resumed_coordinator_does_not_commit_the_checkpoint_it_restored_again(tmp_path: Path) -> None:
+    sets = ["run.steps=10", "run.checkpoint_every=1"]
+    policy = _tiny_policy()
+    for v in (1, 2):
+        policy.version = v
+        save_trainer_state(tmp_path, policy, {})
+        commit_checkpoint(tmp_path, v, {"scheduler": bare_coordinator(tmp_path, sets).sched.snapshot()})
+    before = {p.name: p.stat().st_mtime_ns for p in checkpoint_root(tmp_path).rglob("*.json")}
+    actor = bare_coordinator(tmp_path, sets)
+    actor.restore_from(latest_checkpoint(tmp_path))
+    actor._checkpoint(VersionAnnounce(version=2, step=2, nparts=1, nbytes=4, checksum="c"))  # rank 0, restored
+    assert {p.name: p.stat().st_mtime_ns for p in checkpoint_root(tmp_path).rglob("*.json")} == before
+    assert actor.recovery["checkpoints"] == 0
+    policy.version = 3
+    save_trainer_state(tmp_path, policy, {})
+    actor._checkpoint(VersionAnnounce(version=3, step=3, nparts=1, nbytes=4, checksum="c"))  # the next one is
+    assert latest_checkpoint(tmp_path).version == 3 and actor.recovery["checkpoints"] == 1
+
+
 def test_a_drain_keeps_no_cut_of_the_version_the_run_started_from(tmp_path: Path) -> None:
     """Version 0 (or the version a resume restored) is where the run starts: a stop before
     the first optimizer step has no boundary to keep, and must not log one as missing (a

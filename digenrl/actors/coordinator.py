@@ -148,6 +148,13 @@ class CoordinatorActor(Actor):
 
     def _checkpoint(self, ann: VersionAnnounce) -> None:
         v = ann.version
+        if v <= self.start_version:
+            # the version this run restored (or 0): its checkpoint is already on disk, and a
+            # slower trainer rank may be verifying it right now; committing it again rewrote
+            # scheduler.json and the manifests under that rank, which then saw a torn
+            # checkpoint, restored an older one and waited for good for its step's work
+            self.cut = None
+            return
         snap = self.sched.snapshot()
         # a rank that consumed work of step v before rank 0 announced v: no consistent cut here
         consistent = not any(s >= v for s, _ in snap["ledger"]["consumed"])
@@ -156,7 +163,7 @@ class CoordinatorActor(Actor):
                "wall_s": self.wall_before + time.perf_counter() - self.t0, "recovery": dict(self.recovery)}
         if not checkpoint_due(v, steps=self.cfg.run.steps, every=self.cfg.run.checkpoint_every):
             # kept for a drain: a stop on a signal commits it once the trainer wrote its part
-            self.cut = (v, cut) if consistent and v > self.start_version else None
+            self.cut = (v, cut) if consistent else None
             return
         if not trainer_part_ready(self.run_dir, v) or not consistent:
             # the trainer's files are elsewhere (no shared run dir), or the cut is not consistent

@@ -152,9 +152,20 @@ class TrainerActor(Actor):
             loops.append(self._weights_loop)
         return loops
 
-    async def restore(self) -> None:
-        """Load the run's latest checkpoint, if any, then let the data loop judge work."""
+    async def restore(self) -> bool:
+        """Load the run's latest checkpoint, if any, then let the data loop judge work. Several
+        ranks first check that each verified the same checkpoint: one that restored another
+        version would refuse its step's work as out of the window, and the run would wait for
+        good. False (and a failed stop) if they differ."""
         ckpt = await asyncio.to_thread(latest_checkpoint, self.run_dir)
+        if self.world_size > 1:
+            versions = await self.in_thread("checkpoint_agree", self._gathered, ckpt.version if ckpt else 0)
+            if len(set(versions)) > 1:
+                self.log.error("trainer ranks verified different checkpoints", versions_by_rank=versions,
+                               skipped=list(ckpt.skipped) if ckpt else [])
+                self.request_stop(f"failed: trainer ranks verified different checkpoints (version by "
+                                  f"rank: {versions}); see each rank's log for what it skipped")
+                return False
         if ckpt is not None:
             counters = await self.in_thread("checkpoint_load", load_trainer_state, ckpt, self.policy)
             self.rejected_stale = int(counters.get("rejected_stale", 0))
@@ -164,9 +175,19 @@ class TrainerActor(Actor):
             self.log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path),
                           layout=ckpt.trainer.get("layout"), trainers=self.world_size)
         self.restored.set()
+        return True
+
+    def _gathered(self, value: int) -> list[int]:
+        """Compute thread: ``value`` from every rank, by rank (a device tensor: NCCL needs one)."""
+        device = self.policy.params[0].device
+        mine = torch.tensor([value], dtype=torch.int64, device=device)
+        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine)
+        return [int(t.item()) for t in out]
 
     async def main(self) -> None:
-        await self.restore()
+        if not await self.restore():
+            return
         if self.rank == 0 or self.policy.sharded:
             await self._publish(self.policy.version)
         await self._maybe_eval(self.policy.version)
