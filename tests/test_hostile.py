@@ -116,6 +116,23 @@ async def test_work_that_arrives_while_a_rank_restores_is_judged_at_the_restored
     assert actor.pending[2] == [commit]
 
 
+async def test_a_rank_whose_peer_alone_voted_to_stop_leaves_for_its_supervisor(tmp_path: Path) -> None:
+    """Only the peer was stopped (its own SIGTERM): this rank's stop never comes, so after a
+    heartbeat-miss period it leaves as "a trainer rank stopped" (not a drain: exit 1, so its
+    supervisor restarts it). When the run's stop does come, its reason is kept (a drain)."""
+    from digenrl.actors.base import DRAINED
+    from digenrl.actors.trainer import TRAINER_RANK_STOPPED
+    alone, _ = _trainer(tmp_path, "runtime.heartbeat_s=0.01", "runtime.heartbeat_misses=2")
+    await alone._peer_voted_to_stop(3)
+    assert alone.stop_reason == TRAINER_RANK_STOPPED and TRAINER_RANK_STOPPED not in DRAINED
+    whole, _ = _trainer(tmp_path, "runtime.heartbeat_s=5")
+    waiting = asyncio.create_task(whole._peer_voted_to_stop(3))
+    await asyncio.sleep(0)
+    whole.request_stop("SIGTERM")  # the same stop reaches this rank a moment later
+    await asyncio.wait_for(waiting, 1.0)
+    assert whole.stop_reason == "SIGTERM"
+
+
 async def test_chunks_of_a_revoked_attempt_are_refused_at_arrival(tmp_path: Path) -> None:
     actor, data = _trainer(tmp_path)
     actor.revoked.add(5)
