@@ -121,7 +121,7 @@ async def test_a_rank_whose_peer_alone_voted_to_stop_leaves_for_its_supervisor(t
     heartbeat-miss period it leaves as "a trainer rank stopped" (not a drain: exit 1, so its
     supervisor restarts it). When the run's stop does come, its reason is kept (a drain)."""
     from digenrl.actors.base import DRAINED
-    from digenrl.actors.trainer import TRAINER_RANK_STOPPED
+    from digenrl.actors.resume import TRAINER_RANK_STOPPED
     alone, _ = _trainer(tmp_path, "runtime.heartbeat_s=0.01", "runtime.heartbeat_misses=2")
     await alone._peer_voted_to_stop(3)
     assert alone.stop_reason == TRAINER_RANK_STOPPED and TRAINER_RANK_STOPPED not in DRAINED

@@ -22,6 +22,7 @@ from typing import Any
 
 from digenrl.actors.base import COORDINATOR_STOPPED, RunFailed, stop_on_signals, stopped_by_signal
 from digenrl.actors.coordinator import CoordinatorActor
+from digenrl.actors.resume import DRAIN_CHECKPOINT_WAIT_S
 from digenrl.config import CONFIG_ERROR_EXIT, Config
 from digenrl.core.scheduler import Scheduler, SchedulerParams
 from digenrl.data.prompts import load_splits
@@ -301,7 +302,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
         if stopped_by_signal(actor.stop_reason):
             # a sharded trainer writes none (it would need a collective at the stop)
             wait_s = 0.0 if spawn or cfg.model.fsdp else DRAIN_CHECKPOINT_WAIT_S
-            await _commit_drain_checkpoint(actor, wait_s=wait_s)
+            await actor.drain(wait_s=wait_s)
     finally:
         unhandle()
         if children is not None:
@@ -330,32 +331,6 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
     if actor.stop_reason.startswith("failed"):
         raise RunFailed(f"run failed: {actor.stop_reason.removeprefix('failed: ')}; see {run_dir}/logs")
     return summary
-
-
-DRAIN_CHECKPOINT_WAIT_S = 60.0
-"""How long a coordinator stopped by a signal waits for trainer rank 0's part of a drain
-checkpoint (a launch's coordinator does not wait: its children have exited by then)."""
-
-
-async def _commit_drain_checkpoint(actor: CoordinatorActor, *, wait_s: float) -> None:
-    """Commit the last step boundary's checkpoint once trainer rank 0 has written its part
-    (nodes told to stop by a signal write it as they leave: TrainerActor.drain_checkpoint)."""
-    deadline = time.monotonic() + wait_s
-    silent_s = 2 * actor.cfg.runtime.heartbeat_s
-    while True:
-        # an announcement sent as the stop landed holds the cut of the boundary the trainer kept
-        await actor.read_late(quiet_s=0.2)
-        if actor.cut is not None and actor.commit_drain_checkpoint() is not None:
-            return
-        now = time.monotonic()
-        if now >= deadline:
-            if actor.cut is not None:
-                actor.log.warning("no drain checkpoint: trainer rank 0 wrote no part of the last "
-                                  "step boundary", version=actor.cut[0])
-            return
-        assert actor.rank0_heard is not None  # read_late set it
-        if actor.cut is None and now - actor.rank0_heard > silent_s:
-            return  # rank 0 stopped without announcing a boundary past the last checkpoint
 
 
 async def _service_watchdog(actor: CoordinatorActor) -> None:

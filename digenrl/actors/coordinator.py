@@ -24,8 +24,9 @@ Failures (every one logged and counted in ``recovery``, reported in summary.json
   scheduler is rebuilt from the checkpoint with task ids moved past every id issued so
   far (late messages of dead processes are then fenced as zombies), and the trainers load
   the same checkpoint and re-announce its version, which is checked.
-* the version announcement of a checkpointed version completes the checkpoint
-  (:mod:`digenrl.rl.checkpoint`): the scheduler snapshot is taken right there, at the cut.
+* the version announcement of a checkpointed version completes the checkpoint: the
+  scheduler snapshot is taken right there, at the cut (:mod:`digenrl.actors.resume`, with
+  the drain checkpoint after a stop on a signal).
 
 Pieces that need no actor live apart: the identity gate every control message passes
 (:mod:`digenrl.transport.identity`), metrics.jsonl's step rows
@@ -43,7 +44,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from digenrl.actors.base import Actor
+from digenrl.actors.resume import CoordinatorCheckpoints
 from digenrl.actors.weightsync import WeightSync
 from digenrl.config import Config, to_toml
 from digenrl.core.credits import CreditError
@@ -51,12 +52,8 @@ from digenrl.core.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerErr
 from digenrl.core.watchdog import StallWatchdog
 from digenrl.faults import crash_point, signal_point
 from digenrl.rl.checkpoint import (
-    Checkpoint,
     CheckpointError,
-    checkpoint_due,
-    commit_checkpoint,
     latest_checkpoint,
-    trainer_part_ready,
 )
 from digenrl.telemetry.steprows import StepRows
 from digenrl.transport.endpoints import rendezvous_endpoint
@@ -78,7 +75,7 @@ from digenrl.transport.protocol import (
 )
 
 
-class CoordinatorActor(Actor):
+class CoordinatorActor(CoordinatorCheckpoints):
     role = "coordinator"
 
     def __init__(self, *, cfg: Config, scheduler: Scheduler, control: Any, pub: Any, prompts: list[str],
@@ -131,97 +128,7 @@ class CoordinatorActor(Actor):
         self.weights = WeightSync(cfg.runtime.weights_fanout, self._send_node)
         self.finish_by: float | None = None  # done: waiting (until then) for rollouts to hold the last version
 
-    # ------------------------------------------------------------------ checkpoints / recovery
-    def restore_from(self, ckpt: Checkpoint | None) -> None:
-        """Take the run's state from ``ckpt`` (None: the start of the run) into a fresh scheduler."""
-        self.expect_version = ckpt.version if ckpt else 0
-        self.start_version = self.expect_version
-        if ckpt is None:
-            return
-        c = ckpt.coordinator
-        self.sched.restore(c["scheduler"])
-        self.staleness_hist = {str(k): int(v) for k, v in c.get("staleness_hist", {}).items()}
-        self.wall_before = float(c.get("wall_s", 0.0))
-        self.resumed_from = [*c.get("resumed_from", []), ckpt.version]
-        for k, v in c.get("recovery", {}).items():
-            self.recovery[k] = int(v)
-
-    def _checkpoint(self, ann: VersionAnnounce) -> None:
-        v = ann.version
-        if v <= self.start_version:
-            # the version this run restored (or 0): its checkpoint is already on disk, and a
-            # slower trainer rank may be verifying it right now; committing it again rewrote
-            # scheduler.json and the manifests under that rank, which then saw a torn
-            # checkpoint, restored an older one and waited for good for its step's work
-            self.cut = None
-            return
-        snap = self.sched.snapshot()
-        # a rank that consumed work of step v before rank 0 announced v: no consistent cut here
-        consistent = not any(s >= v for s, _ in snap["ledger"]["consumed"])
-        cut = {"scheduler": snap, "announce": dataclasses.asdict(ann),
-               "staleness_hist": dict(self.staleness_hist), "resumed_from": list(self.resumed_from),
-               "wall_s": self.wall_before + time.perf_counter() - self.t0, "recovery": dict(self.recovery)}
-        if not checkpoint_due(v, steps=self.cfg.run.steps, every=self.cfg.run.checkpoint_every):
-            # kept for a drain: a stop on a signal commits it once the trainer wrote its part
-            self.cut = (v, cut) if consistent else None
-            return
-        if not trainer_part_ready(self.run_dir, v) or not consistent:
-            # the trainer's files are elsewhere (no shared run dir), or the cut is not consistent
-            self.recovery["checkpoints_skipped"] += 1
-            self.log.warning("checkpoint skipped", version=v)
-            return
-        self.cut = None
-        self.recovery["checkpoints"] += 1
-        cut["recovery"] = self.recovery
-        commit_checkpoint(self.run_dir, v, cut)
-        self.log.info("checkpoint written", version=v)
-
-    def commit_drain_checkpoint(self) -> int | None:
-        """After a stop on a signal: commit the last step boundary's cut if trainer rank 0 wrote
-        its part of it (TrainerActor.drain_checkpoint); the version, or None (no cut kept since
-        the last checkpoint, or no trainer part)."""
-        if self.cut is None or not trainer_part_ready(self.run_dir, self.cut[0]):
-            return None
-        v, cut = self.cut
-        self.cut = None
-        self.recovery["checkpoints"] += 1
-        cut["recovery"] = {**cut["recovery"], "checkpoints": self.recovery["checkpoints"]}
-        commit_checkpoint(self.run_dir, v, cut)
-        self.log.info("drain checkpoint committed", version=v)
-        return v
-
-    LATE = (Commit, Consumed, VersionAnnounce, StepDone)
-    """What :meth:`read_late` still handles: the messages that move the ledger or the version."""
-
-    async def read_late(self, quiet_s: float) -> int:
-        """After a stop on a signal: handle what the nodes sent after the main loop stopped
-        reading, until ``quiet_s`` pass without a message; returns how many were handled.
-
-        Trainer rank 0 may be announcing a version as the stop lands (its optimizer step
-        done, the weights on their way); the drain checkpoint needs the cut of that version,
-        and the ledger the commits and consumptions before it, in the order they were sent.
-        ZeroMQ keeps a peer's unread messages after the peer leaves, so this also works once
-        the nodes have exited. Nothing is sent: :meth:`_run` is quiet once stopping."""
-        handled = 0
-        if self.rank0_heard is None:
-            self.rank0_heard = time.monotonic()
-        while True:
-            try:
-                async with asyncio.timeout(quiet_s):
-                    peer, user, msg = await self.control.recv_authenticated()
-            except TimeoutError:
-                return handled
-            if peer == self.trainers.get(0, {}).get("peer"):
-                self.rank0_heard = time.monotonic()  # its heartbeats stop once it stops working
-            if isinstance(msg, self.LATE) and self._gate(peer, msg, user) is None:
-                try:
-                    await self._handle(peer, msg)
-                    handled += 1
-                except (SchedulerError, CreditError) as e:
-                    self.rejected += 1
-                    self.log.error("late message rejected by the scheduler", peer=peer,
-                                   msg=type(msg).__name__, error=str(e))
-
+    # ------------------------------------------------------------------ recovery
     async def reset(self, reason: str) -> None:
         """A trainer rank is gone: rewind to the last checkpoint and have every node restart."""
         if self.stopping:

@@ -12,15 +12,12 @@
 |                             | to stop (Learner.reduce_gradients)       |                               |
 | control ``recv()``          | Welcome, Assign (TAG), Revoke, Shutdown  | the coordinator               |
 
-Checkpoints (:mod:`digenrl.rl.checkpoint`): every rank loads the newest checkpoint of its run
-dir before anything else (a fresh run dir has none; the launcher refuses to start a fresh
-run over one), and rank 0 announces the restored version, so rollouts re-sync through the
-normal VersionAnnounce/WeightsRequest path. Rank 0 writes its part of a due checkpoint at
-the step boundary, before announcing the version; the coordinator completes it. After a stop
-on a signal rank 0 (unsharded) writes its part of a checkpoint of the last boundary instead
-(:meth:`TrainerActor.drain_checkpoint`), which the stopped coordinator commits. Once a stop
-is asked no rank takes another optimizer step: unsharded ranks learn it in the step's
-all-reduce, where a stopping rank votes (one leaving alone would strand the others in it).
+Checkpoints, the drain after a stop and the stop vote in a step's all-reduce are
+:mod:`digenrl.actors.resume` (:class:`~digenrl.actors.resume.TrainerCheckpoints`): every rank
+loads the newest checkpoint of its run dir before it judges any work, and rank 0 announces
+the restored version, so rollouts re-sync through the normal VersionAnnounce/WeightsRequest
+path. Rank 0 writes its part of a due checkpoint at the step boundary, before announcing the
+version; the coordinator completes it.
 
 Step discipline: fragments of step s train into the accumulated gradient as their commits
 arrive (GAP); commits of later steps (K = 1 lets them exist) wait until step s's optimizer
@@ -31,17 +28,14 @@ versions behind is rejected and counted: the defence-in-depth oracle that must n
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import defaultdict
 from functools import partial
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from digenrl.actors.base import Actor, Loop
+from digenrl.actors.base import Loop
 from digenrl.actors.peers import NodePeers
+from digenrl.actors.resume import TrainerCheckpoints
 from digenrl.config import Config
 from digenrl.core.credits import within_staleness
 from digenrl.core.plan import FORWARD_ALGORITHMS, owners_for, plan_for_step, trajectory_seed
@@ -49,10 +43,7 @@ from digenrl.faults import crash_point, hang_point
 from digenrl.rl.checkpoint import (
     capture_rng,
     checkpoint_due,
-    latest_checkpoint,
-    load_trainer_state,
     save_trainer_state,
-    trainer_part_ready,
 )
 from digenrl.rl.evaluate import eval_due, evaluate
 from digenrl.rl.fragment import FragmentJob
@@ -60,7 +51,6 @@ from digenrl.rl.learner import Learner, save_final
 from digenrl.rl.policy import Policy
 from digenrl.rl.sde import sigma_schedule
 from digenrl.rl.sharding import pass_count, step_passes
-from digenrl.telemetry import sdnotify
 from digenrl.telemetry.images import save_grid
 from digenrl.transport.protocol import (
     Assign,
@@ -78,12 +68,8 @@ from digenrl.transport.protocol import (
 from digenrl.transport.staging import HostToDevice, Landed
 from digenrl.transport.weights import publish_parts, serve_weights
 
-TRAINER_RANK_STOPPED = "a trainer rank stopped"
-"""Stop reason of a rank whose peer voted to stop in a step's all-reduce while the run's own
-stop never reached it (only that peer was stopped): the group cannot train on without it."""
 
-
-class TrainerActor(Actor):
+class TrainerActor(TrainerCheckpoints):
     role = "trainer"
 
     def __init__(self, *, peers: NodePeers, cfg: Config, policy: Policy, rank: int, world_size: int,
@@ -151,39 +137,6 @@ class TrainerActor(Actor):
         if self.rank == 0:
             loops.append(self._weights_loop)
         return loops
-
-    async def restore(self) -> bool:
-        """Load the run's latest checkpoint, if any, then let the data loop judge work. Several
-        ranks first check that each verified the same checkpoint: one that restored another
-        version would refuse its step's work as out of the window, and the run would wait for
-        good. False (and a failed stop) if they differ."""
-        ckpt = await asyncio.to_thread(latest_checkpoint, self.run_dir)
-        if self.world_size > 1:
-            versions = await self.in_thread("checkpoint_agree", self._gathered, ckpt.version if ckpt else 0)
-            if len(set(versions)) > 1:
-                self.log.error("trainer ranks verified different checkpoints", versions_by_rank=versions,
-                               skipped=list(ckpt.skipped) if ckpt else [])
-                self.request_stop(f"failed: trainer ranks verified different checkpoints (version by "
-                                  f"rank: {versions}); see each rank's log for what it skipped")
-                return False
-        if ckpt is not None:
-            counters = await self.in_thread("checkpoint_load", load_trainer_state, ckpt, self.policy)
-            self.rejected_stale = int(counters.get("rejected_stale", 0))
-            self.log = self.log.bind(policy_version=self.policy.version)
-            for why in ckpt.skipped:
-                self.log.warning("checkpoint skipped", reason=why)
-            self.log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path),
-                          layout=ckpt.trainer.get("layout"), trainers=self.world_size)
-        self.restored.set()
-        return True
-
-    def _gathered(self, value: int) -> list[int]:
-        """Compute thread: ``value`` from every rank, by rank (a device tensor: NCCL needs one)."""
-        device = self.policy.params[0].device
-        mine = torch.tensor([value], dtype=torch.int64, device=device)
-        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine)
-        return [int(t.item()) for t in out]
 
     async def main(self) -> None:
         if not await self.restore():
@@ -462,37 +415,6 @@ class TrainerActor(Actor):
                                     sigma_max=self.sigma_max, reward_terms=commit.reward_terms,
                                     passes=passes, final=final, seeds=seeds)
 
-    def _all_reduce(self, t: torch.Tensor) -> None:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-
-    def _step_unless_voted(self, stop: bool, pad_to: int) -> dict[str, float] | None:
-        """Compute thread, unsharded ranks: the step's all-reduce with this rank's stop vote,
-        then the optimizer step; None (and no step on any rank) if a rank voted to stop."""
-        if not self.learner.reduce_gradients(self._all_reduce, stop=stop):
-            return None
-        return self.learner.finish_step(None, pad_to=pad_to)
-
-    async def _vote_stop(self) -> None:
-        """Leaving on a stop before this step's all-reduce: join it with a vote to stop, so a
-        rank already inside it takes no step and leaves too instead of waiting for good."""
-        try:
-            await self.in_thread("stop_vote", partial(self.learner.reduce_gradients, self._all_reduce,
-                                                      stop=True))
-        except RuntimeError as e:  # a peer already gone (gloo: "Connection closed by peer")
-            self.log.warning("stop vote not delivered: a trainer rank is gone", error=str(e))
-        self._voted = True
-
-    async def _peer_voted_to_stop(self, step: int) -> None:
-        """Another rank voted to stop in step ``step``'s all-reduce: this group trains no more.
-        The run's stop usually reaches this rank a moment later (the same SIGTERM, the
-        coordinator's Shutdown); if it does not (only that rank was stopped), leave anyway."""
-        self._voted = True
-        self.log.info("a trainer rank voted to stop: no optimizer step", step=step)
-        rt = self.cfg.runtime
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.wait_stopped(), rt.heartbeat_s * rt.heartbeat_misses)
-        self.request_stop(TRAINER_RANK_STOPPED)  # a no-op when the run's stop came first
-
     async def _finish_step(self, step: int) -> bool:
         """The step's optimizer step, then its report, checkpoint and publish; False if a rank
         voted to stop instead (unsharded ranks: no rank stepped)."""
@@ -546,23 +468,6 @@ class TrainerActor(Actor):
         if not last:  # after the publish: rollouts fetch the new version while we evaluate it
             await self._maybe_eval(version)
         return True
-
-    async def drain_checkpoint(self) -> int | None:
-        """After a stop on a signal: rank 0 of an unsharded trainer writes its part of a
-        checkpoint of the last step boundary, if no checkpoint holds it (the coordinator
-        commits it with its cut of that version: actors/cluster.py). The weights and the
-        optimizer have not moved since the boundary (a step's gradients only accumulate until
-        its optimizer step), and the RNG states are those the boundary saw. Returns the version
-        written, or None. Sharded ranks would need a collective at the stop: not written."""
-        b = self._boundary
-        if b is None or b[0] != self.policy.version or trainer_part_ready(self.run_dir, b[0]):
-            return None
-        version, rng, counters = b
-        sdnotify.extend_timeout(120)  # a large model's write may outlast the unit's stop timeout
-        with self.working("checkpoint_save", version=version):
-            await asyncio.to_thread(partial(save_trainer_state, self.run_dir, self.policy, counters, rng=rng))
-        self.log.info("drain checkpoint written", version=version)
-        return version
 
     async def _maybe_eval(self, version: int) -> None:
         """Held-out evaluation of ``version`` on rank 0 (a sharded policy's other ranks join its

@@ -1,0 +1,310 @@
+"""Stopping and resuming: checkpoint cuts, the drain checkpoint, the trainers' stop vote.
+
+A checkpoint has two writers (:mod:`digenrl.rl.checkpoint`): trainer rank 0 writes its part
+(weights, optimizer, RNG states) at a step boundary, before it announces the version; the
+coordinator completes it with its *cut* of that version, the scheduler's snapshot taken as
+the announcement arrives. Both sides of that story live here, mixed into the two actors:
+
+    trainer rank 0                              coordinator
+    ------------------------------------------  ------------------------------------------
+    optimizer step -> version v                 (reads commits, consumptions, StepDone)
+    due: write its part of v                    VersionAnnounce(v) -> cut of v
+    not due: keep v's RNG states (_boundary)    due: commit v; not due: keep the cut
+    VersionAnnounce(v)
+    on a signal: write its part of the kept     on a signal: read what the nodes sent
+      boundary (drain_checkpoint)                 before leaving (read_late), then commit
+                                                  the kept cut once rank 0's part is there
+                                                  (commit_drain_checkpoint)
+
+On a restart every rank loads the newest checkpoint that verifies; several ranks first agree
+that they verified the same one (:meth:`TrainerCheckpoints.restore`), and the coordinator
+restores its scheduler from the same checkpoint (:meth:`CoordinatorCheckpoints.restore_from`)
+and never commits that version again (a slower rank may be verifying it).
+
+Once a stop is asked no trainer rank takes another optimizer step, so the version the
+coordinator last heard announced stays the trainers' and the kept cut matches rank 0's part.
+Unsharded ranks learn of a stop in the step's gradient all-reduce, where a stopping rank
+votes (:meth:`Learner.reduce_gradients`): one rank leaving alone would strand the others
+inside the collective. Sharded (FSDP) ranks have collectives inside every pass and are not
+voted on; they write no drain checkpoint (docs/deployment.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from digenrl.actors.base import Actor
+from digenrl.config import Config
+from digenrl.core.credits import CreditError
+from digenrl.core.scheduler import Scheduler, SchedulerError
+from digenrl.rl.checkpoint import (
+    Checkpoint,
+    checkpoint_due,
+    commit_checkpoint,
+    latest_checkpoint,
+    load_trainer_state,
+    save_trainer_state,
+    trainer_part_ready,
+)
+from digenrl.rl.learner import Learner
+from digenrl.rl.policy import Policy
+from digenrl.telemetry import sdnotify
+from digenrl.transport.protocol import Commit, Consumed, StepDone, VersionAnnounce
+
+TRAINER_RANK_STOPPED = "a trainer rank stopped"
+"""Stop reason of a rank whose peer voted to stop in a step's all-reduce while the run's own
+stop never reached it (only that peer was stopped): the group cannot train on without it."""
+
+DRAIN_CHECKPOINT_WAIT_S = 60.0
+"""How long a coordinator stopped by a signal waits for trainer rank 0's part of a drain
+checkpoint (a launch's coordinator does not wait: its children have exited by then)."""
+
+
+class CoordinatorCheckpoints(Actor):
+    """The coordinator's side: restoring from a checkpoint, cutting at each announced
+    version, and the drain checkpoint after a stop on a signal."""
+
+    cfg: Config
+    sched: Scheduler
+    control: Any
+    run_dir: Path
+    recovery: dict[str, int]
+    trainers: dict[int, dict[str, Any]]
+    staleness_hist: dict[str, int]
+    resumed_from: list[int]
+    wall_before: float
+    t0: float
+    rejected: int
+    cut: tuple[int, dict[str, Any]] | None      # the last boundary kept since a checkpoint
+    rank0_heard: float | None                   # after a stop: when trainer rank 0 last sent
+    expect_version: int | None                  # the version restored trainers must announce
+    start_version: int                          # the version the run (re)started from
+
+    if TYPE_CHECKING:
+        def _gate(self, peer: bytes, msg: Any, user: str | None = None) -> str | None: ...
+        async def _handle(self, peer: bytes, msg: Any) -> None: ...
+
+    def restore_from(self, ckpt: Checkpoint | None) -> None:
+        """Take the run's state from ``ckpt`` (None: the start of the run) into a fresh scheduler."""
+        self.expect_version = ckpt.version if ckpt else 0
+        self.start_version = self.expect_version
+        if ckpt is None:
+            return
+        c = ckpt.coordinator
+        self.sched.restore(c["scheduler"])
+        self.staleness_hist = {str(k): int(v) for k, v in c.get("staleness_hist", {}).items()}
+        self.wall_before = float(c.get("wall_s", 0.0))
+        self.resumed_from = [*c.get("resumed_from", []), ckpt.version]
+        for k, v in c.get("recovery", {}).items():
+            self.recovery[k] = int(v)
+
+    def _checkpoint(self, ann: VersionAnnounce) -> None:
+        v = ann.version
+        if v <= self.start_version:
+            # the version this run restored (or 0): its checkpoint is already on disk, and a
+            # slower trainer rank may be verifying it right now; committing it again rewrote
+            # scheduler.json and the manifests under that rank, which then saw a torn
+            # checkpoint, restored an older one and waited for good for its step's work
+            self.cut = None
+            return
+        snap = self.sched.snapshot()
+        # a rank that consumed work of step v before rank 0 announced v: no consistent cut here
+        consistent = not any(s >= v for s, _ in snap["ledger"]["consumed"])
+        cut = {"scheduler": snap, "announce": dataclasses.asdict(ann),
+               "staleness_hist": dict(self.staleness_hist), "resumed_from": list(self.resumed_from),
+               "wall_s": self.wall_before + time.perf_counter() - self.t0, "recovery": dict(self.recovery)}
+        if not checkpoint_due(v, steps=self.cfg.run.steps, every=self.cfg.run.checkpoint_every):
+            # kept for a drain: a stop on a signal commits it once the trainer wrote its part
+            self.cut = (v, cut) if consistent else None
+            return
+        if not trainer_part_ready(self.run_dir, v) or not consistent:
+            # the trainer's files are elsewhere (no shared run dir), or the cut is not consistent
+            self.recovery["checkpoints_skipped"] += 1
+            self.log.warning("checkpoint skipped", version=v)
+            return
+        self.cut = None
+        self.recovery["checkpoints"] += 1
+        cut["recovery"] = self.recovery
+        commit_checkpoint(self.run_dir, v, cut)
+        self.log.info("checkpoint written", version=v)
+
+    def commit_drain_checkpoint(self) -> int | None:
+        """After a stop on a signal: commit the last step boundary's cut if trainer rank 0 wrote
+        its part of it (TrainerCheckpoints.drain_checkpoint); the version, or None (no cut kept
+        since the last checkpoint, or no trainer part)."""
+        if self.cut is None or not trainer_part_ready(self.run_dir, self.cut[0]):
+            return None
+        v, cut = self.cut
+        self.cut = None
+        self.recovery["checkpoints"] += 1
+        cut["recovery"] = {**cut["recovery"], "checkpoints": self.recovery["checkpoints"]}
+        commit_checkpoint(self.run_dir, v, cut)
+        self.log.info("drain checkpoint committed", version=v)
+        return v
+
+    LATE = (Commit, Consumed, VersionAnnounce, StepDone)
+    """What :meth:`read_late` still handles: the messages that move the ledger or the version."""
+
+    async def read_late(self, quiet_s: float) -> int:
+        """After a stop on a signal: handle what the nodes sent after the main loop stopped
+        reading, until ``quiet_s`` pass without a message; returns how many were handled.
+
+        Trainer rank 0 may be announcing a version as the stop lands (its optimizer step
+        done, the weights on their way); the drain checkpoint needs the cut of that version,
+        and the ledger the commits and consumptions before it, in the order they were sent.
+        ZeroMQ keeps a peer's unread messages after the peer leaves, so this also works once
+        the nodes have exited. Nothing is sent: the coordinator's ``_run`` is quiet once
+        stopping."""
+        handled = 0
+        if self.rank0_heard is None:
+            self.rank0_heard = time.monotonic()
+        while True:
+            try:
+                async with asyncio.timeout(quiet_s):
+                    peer, user, msg = await self.control.recv_authenticated()
+            except TimeoutError:
+                return handled
+            if peer == self.trainers.get(0, {}).get("peer"):
+                self.rank0_heard = time.monotonic()  # its heartbeats stop once it stops working
+            if isinstance(msg, self.LATE) and self._gate(peer, msg, user) is None:
+                try:
+                    await self._handle(peer, msg)
+                    handled += 1
+                except (SchedulerError, CreditError) as e:
+                    self.rejected += 1
+                    self.log.error("late message rejected by the scheduler", peer=peer,
+                                   msg=type(msg).__name__, error=str(e))
+
+    async def drain(self, *, wait_s: float) -> None:
+        """After a stop on a signal: commit the last step boundary's checkpoint once trainer
+        rank 0 has written its part (nodes told to stop by a signal write it as they leave),
+        reading late messages meanwhile; gives up after ``wait_s``, or at once when no
+        boundary is kept and rank 0 has been silent for two heartbeats."""
+        deadline = time.monotonic() + wait_s
+        silent_s = 2 * self.cfg.runtime.heartbeat_s
+        while True:
+            # an announcement sent as the stop landed holds the cut of the boundary the trainer kept
+            await self.read_late(quiet_s=0.2)
+            if self.cut is not None and self.commit_drain_checkpoint() is not None:
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                if self.cut is not None:
+                    self.log.warning("no drain checkpoint: trainer rank 0 wrote no part of the last "
+                                     "step boundary", version=self.cut[0])
+                return
+            assert self.rank0_heard is not None  # read_late set it
+            if self.cut is None and now - self.rank0_heard > silent_s:
+                return  # rank 0 stopped without announcing a boundary past the last checkpoint
+
+
+class TrainerCheckpoints(Actor):
+    """A trainer rank's side: restoring (ranks agreeing on the checkpoint first), the drain
+    checkpoint of rank 0, and the stop vote in a step's all-reduce."""
+
+    cfg: Config
+    policy: Policy
+    learner: Learner
+    rank: int
+    world_size: int
+    run_dir: Any
+    rejected_stale: int
+    restored: asyncio.Event   # set once the checkpoint (if any) is loaded
+    votes: bool               # unsharded ranks > 1: a stop vote rides on each step's all-reduce
+    _voted: bool              # this rank's last collective was a vote to stop
+    # the last step boundary as a checkpoint would hold it: (version, RNG states, counters)
+    _boundary: tuple[int, dict[str, Any], dict[str, Any]] | None
+
+    async def restore(self) -> bool:
+        """Load the run's latest checkpoint, if any, then let the data loop judge work. Several
+        ranks first check that each verified the same checkpoint: one that restored another
+        version would refuse its step's work as out of the window, and the run would wait for
+        good. False (and a failed stop) if they differ."""
+        ckpt = await asyncio.to_thread(latest_checkpoint, self.run_dir)
+        if self.world_size > 1:
+            versions = await self.in_thread("checkpoint_agree", self._gathered, ckpt.version if ckpt else 0)
+            if len(set(versions)) > 1:
+                self.log.error("trainer ranks verified different checkpoints", versions_by_rank=versions,
+                               skipped=list(ckpt.skipped) if ckpt else [])
+                self.request_stop(f"failed: trainer ranks verified different checkpoints (version by "
+                                  f"rank: {versions}); see each rank's log for what it skipped")
+                return False
+        if ckpt is not None:
+            counters = await self.in_thread("checkpoint_load", load_trainer_state, ckpt, self.policy)
+            self.rejected_stale = int(counters.get("rejected_stale", 0))
+            self.log = self.log.bind(policy_version=self.policy.version)
+            for why in ckpt.skipped:
+                self.log.warning("checkpoint skipped", reason=why)
+            self.log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path),
+                          layout=ckpt.trainer.get("layout"), trainers=self.world_size)
+        self.restored.set()
+        return True
+
+    def _gathered(self, value: int) -> list[int]:
+        """Compute thread: ``value`` from every rank, by rank (a device tensor: NCCL needs one)."""
+        device = self.policy.params[0].device
+        mine = torch.tensor([value], dtype=torch.int64, device=device)
+        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine)
+        return [int(t.item()) for t in out]
+
+    async def drain_checkpoint(self) -> int | None:
+        """After a stop on a signal: rank 0 of an unsharded trainer writes its part of a
+        checkpoint of the last step boundary, if no checkpoint holds it (the coordinator
+        commits it with its cut of that version: :meth:`CoordinatorCheckpoints.drain`). The
+        weights and the optimizer have not moved since the boundary (a step's gradients only
+        accumulate until its optimizer step), and the RNG states are those the boundary saw.
+        Returns the version written, or None. Sharded ranks would need a collective at the
+        stop: not written."""
+        b = self._boundary
+        if b is None or b[0] != self.policy.version or trainer_part_ready(self.run_dir, b[0]):
+            return None
+        version, rng, counters = b
+        sdnotify.extend_timeout(120)  # a large model's write may outlast the unit's stop timeout
+        with self.working("checkpoint_save", version=version):
+            await asyncio.to_thread(partial(save_trainer_state, self.run_dir, self.policy, counters, rng=rng))
+        self.log.info("drain checkpoint written", version=version)
+        return version
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+
+    def _step_unless_voted(self, stop: bool, pad_to: int) -> dict[str, float] | None:
+        """Compute thread, unsharded ranks: the step's all-reduce with this rank's stop vote,
+        then the optimizer step; None (and no step on any rank) if a rank voted to stop."""
+        if not self.learner.reduce_gradients(self._all_reduce, stop=stop):
+            return None
+        return self.learner.finish_step(None, pad_to=pad_to)
+
+    async def _vote_stop(self) -> None:
+        """Leaving on a stop before this step's all-reduce: join it with a vote to stop, so a
+        rank already inside it takes no step and leaves too instead of waiting for good."""
+        try:
+            await self.in_thread("stop_vote", partial(self.learner.reduce_gradients, self._all_reduce,
+                                                      stop=True))
+        except RuntimeError as e:  # a peer already gone (gloo: "Connection closed by peer")
+            self.log.warning("stop vote not delivered: a trainer rank is gone", error=str(e))
+        self._voted = True
+
+    async def _peer_voted_to_stop(self, step: int) -> None:
+        """Another rank voted to stop in step ``step``'s all-reduce: this group trains no more.
+        The run's stop usually reaches this rank a moment later (the same SIGTERM, the
+        coordinator's Shutdown); if it does not (only that rank was stopped), leave anyway."""
+        self._voted = True
+        self.log.info("a trainer rank voted to stop: no optimizer step", step=step)
+        rt = self.cfg.runtime
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wait_stopped(), rt.heartbeat_s * rt.heartbeat_misses)
+        self.request_stop(TRAINER_RANK_STOPPED)  # a no-op when the run's stop came first
+
+
+__all__ = ["DRAIN_CHECKPOINT_WAIT_S", "TRAINER_RANK_STOPPED", "CoordinatorCheckpoints", "TrainerCheckpoints"]
