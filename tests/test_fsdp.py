@@ -242,3 +242,46 @@ def test_a_launch_without_its_summary_fails_whatever_the_exit_codes(tmp_path: Pa
             colocated_outcome(codes, summary, tmp_path)
     summary.write_text('{"trained": 8}')
     assert colocated_outcome([0, 0], summary, tmp_path) == {"trained": 8}
+
+
+def _sharded_vote_worker(rank: int, store: str, out: str) -> None:
+    """One of two gloo ranks of a sharded policy: a step's end with no vote, then one where
+    rank 1 was told to stop (a drain) before any of the step's passes while rank 0 trained."""
+    from digenrl.actors.resume import sharded_vote
+    from digenrl.rl.policy import build_policy
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        cfg = load_config(None, ["model.path=\"random\"", "model.fsdp=true", "train.group_size=2"])
+        learner = Learner(build_policy(cfg, world_size=2), cfg)
+
+        def all_reduce(t: torch.Tensor) -> None:
+            dist.all_reduce(t)
+
+        results: list[object] = []
+        learner.idle(1 if rank == 0 else 0)  # step 0: rank 0 ran one pass, rank 1 none
+        results.append(sharded_vote(learner, all_reduce, stop=False, drain=False, pad_to=2))
+        learner.finish_step(pad_to=2)
+        results.append(learner.policy.version)
+        # step 1: rank 0 runs two passes, then reaches the step's end; rank 1, stopping, pads
+        # all three of the step's passes (two of them pair with rank 0's) and votes
+        if rank == 0:
+            learner.idle(2)
+        results.append(sharded_vote(learner, all_reduce, stop=rank == 1, drain=rank == 1, pad_to=3))
+        results.append([learner.policy.version, learner.stats.passes])
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_rank_told_to_stop_pads_the_steps_passes_and_votes_so_no_rank_steps(tmp_path: Path) -> None:
+    """Sharded ranks' collectives run inside every pass and pair up pass for pass only at the
+    step's end. A rank told to stop therefore pads to the step's pass count before it votes:
+    the other rank's remaining passes pair with its idle ones instead of waiting for good.
+    Both learn that a rank stopped, and that the stop was a drain (so that both write their
+    shard of the drain checkpoint), and neither takes the step."""
+    torch.multiprocessing.spawn(_sharded_vote_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0[:2] == r1[:2] == [[False, False], 1]  # no vote: the step is taken
+    assert r0[2] == r1[2] == [True, True]
+    assert r0[3] == r1[3] == [1, 3]  # still version 1; every rank ran the step's 3 passes

@@ -133,6 +133,31 @@ async def test_a_rank_whose_peer_alone_voted_to_stop_leaves_for_its_supervisor(t
     assert whole.stop_reason == "SIGTERM"
 
 
+async def test_a_sharded_drain_write_a_rank_never_joins_gives_up_and_marks_the_node_for_a_hard_exit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sharded ranks write a drain checkpoint together, after the actor's run (no stop grace
+    applies there). A rank killed meanwhile leaves the others in the collective write, in a
+    thread nothing can interrupt: the write is given up after DRAIN_SAVE_TIMEOUT_S and the
+    node is marked to exit hard (actors/node.py) instead of waiting for the group's timeout."""
+    import threading
+
+    import digenrl.actors.resume as resume
+    release = threading.Event()
+    monkeypatch.setattr(resume, "DRAIN_SAVE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(resume, "save_trainer_state", lambda *a, **k: release.wait(30))
+    actor, _ = _trainer(tmp_path)
+    actor.policy.sharded = True
+    actor._boundary = (actor.policy.version, {}, {})
+    try:
+        assert await asyncio.wait_for(actor.drain_checkpoint(), 5.0) is None  # the vote said no drain
+        assert not actor.drain_stuck
+        actor._drain_voted = True
+        assert await asyncio.wait_for(actor.drain_checkpoint(), 5.0) is None
+        assert actor.drain_stuck
+    finally:
+        release.set()
+
+
 async def test_chunks_of_a_revoked_attempt_are_refused_at_arrival(tmp_path: Path) -> None:
     actor, data = _trainer(tmp_path)
     actor.revoked.add(5)

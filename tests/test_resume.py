@@ -327,24 +327,26 @@ DRAIN_SETS = [*SMALL, "run.steps=5", "run.checkpoint_every=100"]
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The final weights of the drain tests' run, uninterrupted, by trainer count (run once each)."""
-    runs: dict[int, dict[str, torch.Tensor]] = {}
+    """The final weights of the drain tests' run, uninterrupted, by its settings past
+    DRAIN_SETS (run once each)."""
+    runs: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
 
-    def weights(trainers: int) -> dict[str, torch.Tensor]:
-        if trainers not in runs:
+    def weights(extra: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        if extra not in runs:
             whole = tmp_path_factory.mktemp("drain") / "whole"
-            r = launch_run(*_fresh_args("disagg-sync", whole, [*DRAIN_SETS, f"cluster.trainers={trainers}"]))
+            r = launch_run(*_fresh_args("disagg-sync", whole, [*DRAIN_SETS, *extra]))
             assert r.returncode == 0, r.stderr[-3000:]
-            runs[trainers] = final_weights(whole)
-        return runs[trainers]
+            runs[extra] = final_weights(whole)
+        return runs[extra]
     return weights
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("when", "trainers"), [
-    ("after_publish", 1), ("announce_in_flight", 1), ("announce_in_flight", 2)])
+@pytest.mark.parametrize(("when", "trainers", "fsdp"), [
+    ("after_publish", 1, False), ("announce_in_flight", 1, False), ("announce_in_flight", 2, False),
+    ("announce_in_flight", 2, True)])
 def test_a_k0_run_stopped_by_sigterm_between_checkpoints_resumes_bit_identical(
-        tmp_path: Path, when: str, trainers: int, uninterrupted: Any) -> None:
+        tmp_path: Path, when: str, trainers: int, fsdp: bool, uninterrupted: Any) -> None:
     """No checkpoint is due before the end (every 100 steps): the drain writes one of the last
     step boundary (trainer rank 0's part as it leaves, the coordinator's cut of that version),
     and the resumed run ends exactly where an uninterrupted one does.
@@ -356,8 +358,11 @@ def test_a_k0_run_stopped_by_sigterm_between_checkpoints_resumes_bit_identical(
     coordinator stops reading, so the cut must come from the messages it reads after the
     stop (CoordinatorActor.read_late). Without them no drain checkpoint is written (seen in
     CI as a flaky ``after_publish``). Two ranks: both finish the step in progress, and the
-    resumed ranks restore before they judge work (TrainerActor.restore)."""
-    sets = [*DRAIN_SETS, f"cluster.trainers={trainers}"]
+    resumed ranks restore before they judge work (TrainerActor.restore). Sharded (FSDP)
+    ranks: the one told to stop first pads the step's passes, the ranks vote, and every rank
+    writes its shard of the drain checkpoint (actors/resume.py)."""
+    extra = (f"cluster.trainers={trainers}", *(["model.fsdp=true"] if fsdp else []))
+    sets = [*DRAIN_SETS, *extra]
     cut = tmp_path / "cut"
     env = launch_env(sigterm="stepdone:2" if when == "announce_in_flight" else "")
     proc = subprocess.Popen(launch_command(*_fresh_args("disagg-sync", cut, sets)), env=env,
@@ -386,7 +391,9 @@ def test_a_k0_run_stopped_by_sigterm_between_checkpoints_resumes_bit_identical(
     acc = summary["accounting"]
     assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) + acc["in_flight"]
     assert [row["step"] for row in read_metrics(cut)] == [0, 1, 2, 3, 4]
-    a, b = uninterrupted(trainers), final_weights(cut)
+    a, b = uninterrupted(extra), final_weights(cut)
+    if fsdp:
+        assert ckpt.trainer["layout"] == "dcp"  # every rank wrote its shard
     assert a.keys() == b.keys()
     # exact on purpose: same machine and thread count, so a resumed run must replay the same arithmetic
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -300,8 +300,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
             if sup is not None:
                 sup.cancel()
         if stopped_by_signal(actor.stop_reason):
-            # a sharded trainer writes none (it would need a collective at the stop)
-            wait_s = 0.0 if spawn or cfg.model.fsdp else DRAIN_CHECKPOINT_WAIT_S
+            wait_s = 0.0 if spawn else DRAIN_CHECKPOINT_WAIT_S
             await actor.drain(wait_s=wait_s)
     finally:
         unhandle()

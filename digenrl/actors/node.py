@@ -41,7 +41,6 @@ from digenrl.actors.base import (
     incarnation,
     loop_factory,
     stop_on_signals,
-    stopped_by_signal,
 )
 from digenrl.config import Config, config_from_dict, load_config
 from digenrl.devices import resolve_device, use_device
@@ -304,12 +303,13 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
         stuck: str | None = None
         try:
             await actor.run()
-            if trainer is not None and stopped_by_signal(actor.stop_reason) and actor.compute_stuck() is None:
-                await trainer.drain_checkpoint()  # the step boundary it holds, for the resume
+            if trainer is not None and actor.compute_stuck() is None:
+                await trainer.drain_checkpoint()  # after a drain: the step boundary it holds, for the resume
         finally:
             unhandle()
             recorder.dump(trace_path)
-            stuck = actor.compute_stuck()
+            stuck = actor.compute_stuck() or ("checkpoint_save" if trainer is not None and trainer.drain_stuck
+                                              else None)
             if stuck is not None:
                 # a torch call that never returns cannot be interrupted, and the interpreter
                 # would wait for its thread at exit (or hang in the group's teardown): the node

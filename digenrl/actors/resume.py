@@ -23,10 +23,17 @@ and never commits that version again (a slower rank may be verifying it).
 
 Once a stop is asked no trainer rank takes another optimizer step, so the version the
 coordinator last heard announced stays the trainers' and the kept cut matches rank 0's part.
-Unsharded ranks learn of a stop in the step's gradient all-reduce, where a stopping rank
-votes (:meth:`Learner.reduce_gradients`): one rank leaving alone would strand the others
-inside the collective. Sharded (FSDP) ranks have collectives inside every pass and are not
-voted on; they write no drain checkpoint (docs/deployment.md).
+Several ranks learn of a stop in a vote at the step's end, where a stopping rank joins
+instead of leaving (one rank leaving alone would strand the others inside a collective):
+
+* unsharded ranks vote in the step's gradient all-reduce, one element more
+  (:meth:`Learner.reduce_gradients`);
+* sharded (FSDP) ranks have collectives inside every pass, paired pass for pass only at the
+  step's end (ranks train different timesteps, then pad with idle passes). A stopping rank
+  therefore first pads to the step's pass count, then votes in a two-element all-reduce
+  (:func:`sharded_vote`): the others' remaining passes pair with its idle ones. The vote
+  also says whether a stop is a drain (a signal): then every rank writes its shard of the
+  boundary's checkpoint together, since the write is a collective too.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from digenrl.actors.base import Actor
+from digenrl.actors.base import Actor, stopped_by_signal
 from digenrl.config import Config
 from digenrl.core.credits import CreditError
 from digenrl.core.scheduler import Scheduler, SchedulerError
@@ -64,9 +72,26 @@ TRAINER_RANK_STOPPED = "a trainer rank stopped"
 """Stop reason of a rank whose peer voted to stop in a step's all-reduce while the run's own
 stop never reached it (only that peer was stopped): the group cannot train on without it."""
 
+DRAIN_SAVE_TIMEOUT_S = 300.0
+"""How long sharded ranks' collective write of a drain checkpoint may take: a rank gone from it
+(killed meanwhile) leaves the others waiting in it, in a thread nothing can interrupt; past
+this the rank gives up on the drain checkpoint and its node exits hard (actors/node.py)."""
+
 DRAIN_CHECKPOINT_WAIT_S = 60.0
 """How long a coordinator stopped by a signal waits for trainer rank 0's part of a drain
 checkpoint (a launch's coordinator does not wait: its children have exited by then)."""
+
+
+def sharded_vote(learner: Learner, all_reduce: Callable[[torch.Tensor], None], *, stop: bool,
+                 drain: bool, pad_to: int) -> tuple[bool, bool]:
+    """Compute thread, sharded ranks at a step's end: pad with idle passes to ``pad_to`` (the
+    step's pass count on the busiest rank), then all-reduce [stop, drain]. Returns whether any
+    rank voted to stop, and whether any of those stops is a drain; the same on every rank."""
+    learner.pad(pad_to)
+    # on the parameters' device (NCCL needs one); a plain tensor, not a sharded one's DTensor
+    flags = torch.tensor([float(stop), float(drain)], device=learner.policy.params[0].device)
+    all_reduce(flags)
+    return bool(flags[0] > 0), bool(flags[1] > 0)
 
 
 class CoordinatorCheckpoints(Actor):
@@ -219,10 +244,15 @@ class TrainerCheckpoints(Actor):
     run_dir: Any
     rejected_stale: int
     restored: asyncio.Event   # set once the checkpoint (if any) is loaded
-    votes: bool               # unsharded ranks > 1: a stop vote rides on each step's all-reduce
+    votes: bool               # ranks > 1: a stop vote at each step's end (module doc)
     _voted: bool              # this rank's last collective was a vote to stop
+    _drain_voted: bool        # sharded: a rank's stop in the last vote was a drain
+    drain_stuck = False       # sharded: the drain checkpoint's collective write never finished
     # the last step boundary as a checkpoint would hold it: (version, RNG states, counters)
     _boundary: tuple[int, dict[str, Any], dict[str, Any]] | None
+
+    if TYPE_CHECKING:
+        def _step_passes(self, step: int) -> int: ...
 
     async def restore(self) -> bool:
         """Load the run's latest checkpoint, if any, then let the data loop judge work. Several
@@ -258,39 +288,78 @@ class TrainerCheckpoints(Actor):
         return [int(t.item()) for t in out]
 
     async def drain_checkpoint(self) -> int | None:
-        """After a stop on a signal: rank 0 of an unsharded trainer writes its part of a
-        checkpoint of the last step boundary, if no checkpoint holds it (the coordinator
-        commits it with its cut of that version: :meth:`CoordinatorCheckpoints.drain`). The
-        weights and the optimizer have not moved since the boundary (a step's gradients only
-        accumulate until its optimizer step), and the RNG states are those the boundary saw.
-        Returns the version written, or None. Sharded ranks would need a collective at the
-        stop: not written."""
+        """After the actor stopped: write this rank's part of a checkpoint of the last step
+        boundary, if the stop was a drain and no checkpoint holds that boundary (the
+        coordinator commits it with its cut of that version: :meth:`CoordinatorCheckpoints.drain`).
+        The weights and the optimizer have not moved since the boundary (a step's gradients
+        only accumulate until its optimizer step), and the RNG states are those the boundary
+        saw. Returns the version written, or None.
+
+        Unsharded: rank 0 alone writes, if its own stop came from a signal. Sharded: the write
+        is a collective, so every rank writes its shard if any rank's stop in the step's vote
+        was a drain; each decides alike (the vote's result, the boundary every rank keeps)."""
         b = self._boundary
-        if b is None or b[0] != self.policy.version or trainer_part_ready(self.run_dir, b[0]):
+        if b is None or b[0] != self.policy.version:
+            return None
+        if self.policy.sharded:
+            if not self._drain_voted:
+                return None
+        elif not stopped_by_signal(self.stop_reason) or trainer_part_ready(self.run_dir, b[0]):
             return None
         version, rng, counters = b
-        sdnotify.extend_timeout(120)  # a large model's write may outlast the unit's stop timeout
+        timeout = DRAIN_SAVE_TIMEOUT_S if self.policy.sharded else None
+        sdnotify.extend_timeout(timeout or 120)  # a large model's write may outlast the unit's stop timeout
+        save = partial(save_trainer_state, self.run_dir, self.policy, counters, write=self.rank == 0, rng=rng)
         with self.working("checkpoint_save", version=version):
-            await asyncio.to_thread(partial(save_trainer_state, self.run_dir, self.policy, counters, rng=rng))
-        self.log.info("drain checkpoint written", version=version)
+            # after the actor's run: its compute thread is gone, so on a thread set up alike
+            write = asyncio.ensure_future(asyncio.to_thread(self._on_compute_device, save))
+            try:
+                await asyncio.wait_for(asyncio.shield(write), timeout)
+            except TimeoutError:  # sharded: a rank never joined the collective write
+                self.drain_stuck = True
+                self.log.error("drain checkpoint not written: a trainer rank never joined its write",
+                               version=version, timeout_s=timeout)
+                return None
+            except RuntimeError as e:  # sharded: a rank gone from the collective write
+                self.log.error("drain checkpoint not written: a trainer rank is gone", version=version,
+                               error=str(e))
+                return None
+        self.log.info("drain checkpoint written", version=version, sharded=self.policy.sharded)
         return version
+
+    def _on_compute_device(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on a thread set up as the compute thread is (its CUDA device: NCCL)."""
+        if self.hooks.compute_init is not None:
+            self.hooks.compute_init()
+        return fn()
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
-    def _step_unless_voted(self, stop: bool, pad_to: int) -> dict[str, float] | None:
-        """Compute thread, unsharded ranks: the step's all-reduce with this rank's stop vote,
-        then the optimizer step; None (and no step on any rank) if a rank voted to stop."""
-        if not self.learner.reduce_gradients(self._all_reduce, stop=stop):
+    def _step_unless_voted(self, stop: bool, pad_to: int, drain: bool = False) -> dict[str, float] | None:
+        """Compute thread: the step's vote with this rank's stop (and, sharded, whether it is a
+        drain), then the optimizer step; None (and no step on any rank) if a rank voted to stop."""
+        if self.policy.sharded:
+            stopped, self._drain_voted = sharded_vote(self.learner, self._all_reduce, stop=stop,
+                                                      drain=drain, pad_to=pad_to)
+            if stopped:
+                return None
+        elif not self.learner.reduce_gradients(self._all_reduce, stop=stop):
             return None
         return self.learner.finish_step(None, pad_to=pad_to)
 
     async def _vote_stop(self) -> None:
-        """Leaving on a stop before this step's all-reduce: join it with a vote to stop, so a
-        rank already inside it takes no step and leaves too instead of waiting for good."""
+        """Leaving on a stop before this step's vote: join it with a vote to stop, so a rank
+        already waiting in it (or, sharded, in a pass this rank pads) takes no step and leaves
+        too instead of waiting for good."""
         try:
-            await self.in_thread("stop_vote", partial(self.learner.reduce_gradients, self._all_reduce,
-                                                      stop=True))
+            if self.policy.sharded:
+                _, self._drain_voted = await self.in_thread("stop_vote", partial(
+                    sharded_vote, self.learner, self._all_reduce, stop=True,
+                    drain=stopped_by_signal(self.stop_reason), pad_to=self._step_passes(self.policy.version)))
+            else:
+                await self.in_thread("stop_vote", partial(self.learner.reduce_gradients, self._all_reduce,
+                                                          stop=True))
         except RuntimeError as e:  # a peer already gone (gloo: "Connection closed by peer")
             self.log.warning("stop vote not delivered: a trainer rank is gone", error=str(e))
         self._voted = True
@@ -307,4 +376,5 @@ class TrainerCheckpoints(Actor):
         self.request_stop(TRAINER_RANK_STOPPED)  # a no-op when the run's stop came first
 
 
-__all__ = ["DRAIN_CHECKPOINT_WAIT_S", "TRAINER_RANK_STOPPED", "CoordinatorCheckpoints", "TrainerCheckpoints"]
+__all__ = ["DRAIN_CHECKPOINT_WAIT_S", "DRAIN_SAVE_TIMEOUT_S", "TRAINER_RANK_STOPPED", "CoordinatorCheckpoints", "TrainerCheckpoints",
+           "sharded_vote"]

@@ -33,7 +33,7 @@ from collections import defaultdict
 from functools import partial
 from typing import Any
 
-from digenrl.actors.base import Loop
+from digenrl.actors.base import Loop, stopped_by_signal
 from digenrl.actors.peers import NodePeers
 from digenrl.actors.resume import TrainerCheckpoints
 from digenrl.config import Config
@@ -111,10 +111,11 @@ class TrainerActor(TrainerCheckpoints):
         # version, not version 0 (rank 0 may announce, and rollouts send, before this rank
         # has restored; what they send waits in the socket)
         self.restored = asyncio.Event()
-        # unsharded ranks carry a stop vote in each step's gradient all-reduce (Learner.
-        # reduce_gradients); _voted: this rank's last collective was a vote to stop
-        self.votes = world_size > 1 and not policy.sharded
+        # several ranks vote at each step's end whether to stop (actors/resume.py); _voted: this
+        # rank's last collective was that vote; _drain_voted: sharded, a rank's stop was a drain
+        self.votes = world_size > 1
         self._voted = False
+        self._drain_voted = False
 
     @property
     def policy_version(self) -> int:
@@ -157,10 +158,8 @@ class TrainerActor(TrainerCheckpoints):
                     await self._consume(commit)
                 # No optimizer step once a stop is asked: the version the coordinator last
                 # heard announced stays the trainer's (a drain checkpoint is of that boundary).
-                # Unsharded ranks vote in the step's all-reduce (one rank leaving alone would
-                # strand the others in it). Sharded ranks are not voted on: their collectives
-                # run inside every pass, and one that leaves mid-step strands the others until
-                # the stop grace (actors/base.py), after which they exit hard.
+                # Several ranks vote at the step's end (one rank leaving alone would strand
+                # the others in a collective): actors/resume.py.
                 if len(self.consumed_slots[step]) == F:
                     if self.votes:
                         if not await self._finish_step(step):
@@ -379,6 +378,11 @@ class TrainerActor(TrainerCheckpoints):
         self.consumed_slots[step].add(commit.fragment)
         await self._report(commit, trained, discarded, time.perf_counter() - t0)
 
+    def _step_passes(self, step: int) -> int:
+        """Training passes of ``step`` on its busiest rank (sharded ranks pad to it)."""
+        return step_passes(self._trained_of(step), self.world_size, self.cfg.runtime.tsp,
+                           self.cfg.runtime.fragments_per_step)
+
     def _trained_of(self, step: int) -> list[int]:
         """The trained timesteps of ``step``'s plan, computed once per step (consuming each
         fragment, reporting it and the optimizer step all need them)."""
@@ -418,11 +422,10 @@ class TrainerActor(TrainerCheckpoints):
     async def _finish_step(self, step: int) -> bool:
         """The step's optimizer step, then its report, checkpoint and publish; False if a rank
         voted to stop instead (unsharded ranks: no rank stepped)."""
-        pad_to = step_passes(self._trained_of(step), self.world_size, self.cfg.runtime.tsp,
-                             self.cfg.runtime.fragments_per_step)
+        pad_to = self._step_passes(step)
         if self.votes:
-            voted = await self.in_thread("optimizer_step", partial(self._step_unless_voted, self.stopping,
-                                                                   pad_to), step=step)
+            voted = await self.in_thread("optimizer_step", partial(
+                self._step_unless_voted, self.stopping, pad_to, stopped_by_signal(self.stop_reason)), step=step)
             if voted is None:
                 await self._peer_voted_to_stop(step)
                 return False
@@ -462,7 +465,7 @@ class TrainerActor(TrainerCheckpoints):
             await self.in_thread("checkpoint_save", partial(
                 save_trainer_state, self.run_dir, self.policy, {"rejected_stale": self.rejected_stale},
                 write=rank0))
-        elif rank0 and not self.policy.sharded:
+        else:  # rank 0, or every sharded rank (their drain checkpoint is a collective write)
             self._boundary = (version, capture_rng(), {"rejected_stale": self.rejected_stale})
         await self._publish(version)
         if not last:  # after the publish: rollouts fetch the new version while we evaluate it

@@ -143,6 +143,14 @@ class Learner:
             self.policy.idle_pass()
         self.stats.passes += passes
 
+    def pad(self, pad_to: int) -> None:
+        """Sharded: idle passes up to ``pad_to``, the step's pass count on the busiest rank, so
+        that every rank's FSDP collectives have paired up pass for pass (a no-op once there)."""
+        if self.stats.passes > pad_to:
+            raise RuntimeError(f"this rank ran {self.stats.passes} passes, more than the "
+                               f"step's {pad_to}: sharded ranks fell out of lockstep")
+        self.idle(pad_to - self.stats.passes)
+
     def reduce_gradients(self, all_reduce: Callable[[torch.Tensor], None], *, stop: bool = False) -> bool:
         """Sum the accumulated gradients over ranks (unsharded), in one all-reduce that also
         carries each rank's vote to stop: True if no rank voted, and the summed gradients are
@@ -177,10 +185,7 @@ class Learner:
         t0 = time.perf_counter()
         if self.policy.sharded:
             if pad_to is not None:
-                if self.stats.passes > pad_to:
-                    raise RuntimeError(f"this rank ran {self.stats.passes} passes, more than the "
-                                       f"step's {pad_to}: sharded ranks fell out of lockstep")
-                self.idle(pad_to - self.stats.passes)
+                self.pad(pad_to)
         elif all_reduce is not None and not self.reduce_gradients(all_reduce):
             # only TrainerActor's ranks vote, and they call reduce_gradients themselves
             raise RuntimeError("a rank voted to stop in an all-reduce that carries no votes")
