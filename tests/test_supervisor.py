@@ -88,12 +88,16 @@ def assert_finished(run_dir: Path, steps: int) -> dict:
 
 @pytest.mark.skipif(shutil.which("supervisord", path=str(BIN)) is None, reason="supervisor not installed")
 def test_supervisord_restarts_a_killed_rollout_and_the_run_finishes(tmp_path: Path) -> None:
-    sup, conf, env, run_dir = start_supervisord(tmp_path, [])
+    # the tiny run's 4 steps take ~1 s on a fast machine: with the rollout's denoising slowed
+    # 20x and its pid read before the first step, the kill lands with fragments still to
+    # generate, so the restarted rollout re-joins (a kill after the last fragment went unseen)
+    sup, conf, env, run_dir = start_supervisord(tmp_path, ["faults.slowdown=20"])
     rollout = "digenrl:digenrl-rollout-0"
     try:
-        metrics = run_dir / "metrics.jsonl"
-        wait_until(lambda: metrics.is_file() and metrics.read_text().strip(), "the first step", 90)
+        wait_until(lambda: ctl(conf, env, "pid", rollout) not in ("0", ""), "the rollout to start", 90)
         old_pid = int(ctl(conf, env, "pid", rollout))
+        metrics = run_dir / "metrics.jsonl"
+        wait_until(lambda: metrics.is_file() and metrics.read_text().strip(), "the first step", 90, poll_s=0.05)
         os.kill(old_pid, signal.SIGKILL)
         wait_until(lambda: ctl(conf, env, "pid", rollout) not in ("0", str(old_pid), ""), "the restart", 30)
         wait_until(lambda: "EXITED" in ctl(conf, env, "status", "digenrl:digenrl-coordinator"),
@@ -102,6 +106,8 @@ def test_supervisord_restarts_a_killed_rollout_and_the_run_finishes(tmp_path: Pa
         assert "FATAL" not in status and "BACKOFF" not in status, status
         summary = assert_finished(run_dir, 4)
         assert any("#lost" in k for k in summary["nodes"]), summary["nodes"]
+        restarted = [n for k, n in summary["nodes"].items() if n["role"] == "rollout" and "#lost" not in k]
+        assert restarted and restarted[0]["committed"] > 0, summary["nodes"]  # it took over the work
         # exit 0 at the end of the run: supervisord (autorestart=unexpected) leaves them down
         wait_until(lambda: "RUNNING" not in ctl(conf, env, "status"), "every node to exit", 30)
         assert ctl(conf, env, "status").count("EXITED") == 3, ctl(conf, env, "status")
