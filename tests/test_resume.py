@@ -369,7 +369,7 @@ def test_a_k0_run_stopped_by_sigterm_between_checkpoints_resumes_bit_identical(
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if when == "after_publish":
-            wait_until(lambda: _published(cut) >= 2, "version 2 published", 120)
+            wait_until(lambda: _published(cut) >= 2, "version 2 published", 120, poll_s=0.05)
             proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
