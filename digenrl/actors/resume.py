@@ -321,6 +321,8 @@ class TrainerCheckpoints(Actor):
                                version=version, timeout_s=timeout)
                 return None
             except RuntimeError as e:  # sharded: a rank gone from the collective write
+                if not self.policy.sharded:
+                    raise
                 self.log.error("drain checkpoint not written: a trainer rank is gone", version=version,
                                error=str(e))
                 return None
