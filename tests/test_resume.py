@@ -356,9 +356,9 @@ def test_a_k0_run_stopped_by_sigterm_between_checkpoints_resumes_bit_identical(
     ``announce_in_flight``: the coordinator SIGTERMs itself as it handles the StepDone of
     version 2 (digenrl/faults.py), before rank 0's announcement of version 2 arrives; the
     coordinator stops reading, so the cut must come from the messages it reads after the
-    stop (CoordinatorActor.read_late). Without them no drain checkpoint is written (seen in
-    CI as a flaky ``after_publish``). Two ranks: both finish the step in progress, and the
-    resumed ranks restore before they judge work (TrainerActor.restore). Sharded (FSDP)
+    stop (CoordinatorCheckpoints.read_late, actors/resume.py). Without them no drain
+    checkpoint is written (seen in CI as a flaky ``after_publish``). Two ranks: both finish the step in progress, and the
+    resumed ranks restore before they judge work (TrainerCheckpoints.restore). Sharded (FSDP)
     ranks: the one told to stop first pads the step's passes, the ranks vote, and every rank
     writes its shard of the drain checkpoint (actors/resume.py)."""
     extra = (f"cluster.trainers={trainers}", *(["model.fsdp=true"] if fsdp else []))
