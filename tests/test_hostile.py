@@ -158,6 +158,20 @@ async def test_a_sharded_drain_write_a_rank_never_joins_gives_up_and_marks_the_n
         release.set()
 
 
+async def test_an_unsharded_rank_0_writes_a_drain_checkpoint_only_after_a_signal(tmp_path: Path) -> None:
+    """The drain checkpoint is of a stop someone asked for (a signal, or a coordinator stopped
+    by one): a rank stopped by a failure or a rewind writes none, and none is written twice."""
+    from digenrl.rl.checkpoint import capture_rng, trainer_part_ready
+    actor, _ = _trainer(tmp_path)
+    actor.policy.version = 3
+    actor._boundary = (3, capture_rng(), {})
+    actor.request_stop("restart: trainer_lost: rank 1")
+    assert await actor.drain_checkpoint() is None and not trainer_part_ready(tmp_path, 3)
+    actor.stop_reason = "SIGTERM"
+    assert await actor.drain_checkpoint() == 3 and trainer_part_ready(tmp_path, 3)
+    assert await actor.drain_checkpoint() is None  # the boundary's part is there already
+
+
 async def test_chunks_of_a_revoked_attempt_are_refused_at_arrival(tmp_path: Path) -> None:
     actor, data = _trainer(tmp_path)
     actor.revoked.add(5)
