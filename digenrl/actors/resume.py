@@ -234,7 +234,7 @@ class CoordinatorCheckpoints(Actor):
 
 class TrainerCheckpoints(Actor):
     """A trainer rank's side: restoring (ranks agreeing on the checkpoint first), the drain
-    checkpoint of rank 0, and the stop vote in a step's all-reduce."""
+    checkpoint (rank 0's part, or every sharded rank's shard), and the stop vote at a step's end."""
 
     cfg: Config
     policy: Policy
@@ -312,9 +312,8 @@ class TrainerCheckpoints(Actor):
         save = partial(save_trainer_state, self.run_dir, self.policy, counters, write=self.rank == 0, rng=rng)
         with self.working("checkpoint_save", version=version):
             # after the actor's run: its compute thread is gone, so on a thread set up alike
-            write = asyncio.ensure_future(asyncio.to_thread(self._on_compute_device, save))
-            try:
-                await asyncio.wait_for(asyncio.shield(write), timeout)
+            try:  # a timeout abandons the thread (it cannot be interrupted): node.py exits hard
+                await asyncio.wait_for(asyncio.to_thread(self._on_compute_device, save), timeout)
             except TimeoutError:  # sharded: a rank never joined the collective write
                 self.drain_stuck = True
                 self.log.error("drain checkpoint not written: a trainer rank never joined its write",
@@ -378,5 +377,5 @@ class TrainerCheckpoints(Actor):
         self.request_stop(TRAINER_RANK_STOPPED)  # a no-op when the run's stop came first
 
 
-__all__ = ["DRAIN_CHECKPOINT_WAIT_S", "DRAIN_SAVE_TIMEOUT_S", "TRAINER_RANK_STOPPED", "CoordinatorCheckpoints", "TrainerCheckpoints",
-           "sharded_vote"]
+__all__ = ["DRAIN_CHECKPOINT_WAIT_S", "DRAIN_SAVE_TIMEOUT_S", "TRAINER_RANK_STOPPED", "CoordinatorCheckpoints",
+           "TrainerCheckpoints", "sharded_vote"]

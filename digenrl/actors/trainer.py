@@ -164,7 +164,7 @@ class TrainerActor(TrainerCheckpoints):
                     if self.votes:
                         if not await self._finish_step(step):
                             break  # a rank voted to stop: no rank stepped
-                    elif not (self.stopping and self.world_size == 1):
+                    elif not self.stopping:  # one rank: nobody to vote with
                         await self._finish_step(step)
                 continue
             if not self.tag_tasks.empty():
@@ -421,7 +421,7 @@ class TrainerActor(TrainerCheckpoints):
 
     async def _finish_step(self, step: int) -> bool:
         """The step's optimizer step, then its report, checkpoint and publish; False if a rank
-        voted to stop instead (unsharded ranks: no rank stepped)."""
+        voted to stop instead (then no rank stepped)."""
         pad_to = self._step_passes(step)
         if self.votes:
             voted = await self.in_thread("optimizer_step", partial(
@@ -431,8 +431,8 @@ class TrainerActor(TrainerCheckpoints):
                 return False
             metrics = voted
         else:
-            reduce = self._all_reduce if self.world_size > 1 else None
-            metrics = await self.in_thread("optimizer_step", partial(self.learner.finish_step, reduce,
+            # one rank (several vote): nothing to all-reduce
+            metrics = await self.in_thread("optimizer_step", partial(self.learner.finish_step, None,
                                                                      pad_to=pad_to), step=step)
         metrics["rejected_stale"] = self.rejected_stale
         dt = time.perf_counter() - self._step_t0
