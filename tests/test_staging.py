@@ -131,9 +131,13 @@ def test_on_cuda_staging_never_blocks_the_producers_stream() -> None:
     assert staged.tensors[0].is_pinned()
     torch.cuda.current_stream().synchronize()
     staged.event.synchronize()
-    landed = h2d.stage(staged.tensors).wait()
+    odd = torch.arange(3, dtype=torch.float64)  # a size off the 64-byte grid, another dtype
+    landed = h2d.stage([*staged.tensors, odd]).wait()
     torch.cuda.current_stream().synchronize()
     assert torch.equal(landed[0], x) and torch.equal(landed[1], x * 2)
+    assert torch.equal(landed[2].cpu(), odd)
+    # one host-to-device copy: the landed tensors are views of one device buffer
+    assert len({t.untyped_storage().data_ptr() for t in landed}) == 1
     staged.release()
 
 

@@ -5,10 +5,10 @@
               ``Push.send(..., track=True)`` zero-copy --> ``staged.release(tracker)``: the
               buffer is reused only once ZeroMQ has let go of it (``tracker.done``; at
               once for frames under ``options.COPY_BELOW``, which ZeroMQ copies).
-    trainer:  received frames --memcpy--> pooled pinned buffer --copy stream: host-to-device,
-              event recorded--> ``landed.wait()`` on the training thread: its stream waits on
-              the event (a GPU-side wait; the host never blocks); the pinned buffer is reused
-              once the event has passed.
+    trainer:  received frames --memcpy--> pooled pinned buffer --copy stream: one
+              host-to-device copy of the whole buffer, event recorded--> ``landed.wait()``
+              on the training thread: its stream waits on the event (a GPU-side wait; the
+              host never blocks); the pinned buffer is reused once the event has passed.
 
 The sampler's stream is never made to wait for a send: its only dependency is the copy
 stream's wait on *it*, and its host thread returns from :meth:`DeviceToHost.stage` as soon
@@ -229,9 +229,12 @@ class HostToDevice:
         for v, t in zip(views, tensors):
             v.copy_(t)
         with torch.cuda.stream(self.stream):
-            out = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in tensors]
-            for o, v in zip(out, views):
-                o.copy_(v, non_blocking=True)
+            # one host-to-device copy of the whole buffer (not one per tensor: each copy is a
+            # launch and a DMA set-up); the tensors are views of one device buffer laid out
+            # like the pinned one, so the allocator frees it when the last of them goes
+            dev = torch.empty(size, dtype=torch.uint8, device=self.device)
+            dev.copy_(buf, non_blocking=True)
+            out = _views(dev, tensors, offsets)
             event = torch.cuda.Event()
             event.record(self.stream)
         self.pool.release(buf, event.query)
