@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from digenrl.actors.cluster import COORDINATOR_STOPPED
+from digenrl.actors.resume import DRAIN_CHECKPOINT_WAIT_S
 from digenrl.faults import SIGNAL_ENV
 from digenrl.rl.checkpoint import latest_checkpoint
 from digenrl.transport.endpoints import free_port
@@ -142,6 +143,8 @@ def test_a_coordinator_stopped_by_its_service_manager_drains_and_the_run_resumes
         assert notices[0] == "READY=1" and notices[1].startswith(f"STATUS=coordinator on {run.addr}")
         stop = notices.index("STOPPING=1")  # the watchdog may go on pinging through the drain
         assert notices[2:stop].count("WATCHDOG=1") >= 2
+        # the wait for trainer rank 0's drain part (60 s) may outlast the unit's stop timeout
+        assert f"EXTEND_TIMEOUT_USEC={int((DRAIN_CHECKPOINT_WAIT_S + 30) * 1e6)}" in notices[stop:]
         stopped = json.loads((run.run_dir / "summary.json").read_text())
         assert stopped["stop_reason"] == stopped_reason and stopped["steps"] < 4
         # told, not left to notice the silence: exit 1, for their supervisors to restart them

@@ -158,6 +158,20 @@ async def test_a_sharded_drain_write_a_rank_never_joins_gives_up_and_marks_the_n
         release.set()
 
 
+def test_a_stopped_coordinator_waits_for_the_drain_parts_as_long_as_their_write_may_take() -> None:
+    """A coordinator started by hand (digenrl-node) and stopped by a signal waits for the drain
+    checkpoint's parts: a sharded write is bounded by DRAIN_SAVE_TIMEOUT_S, and the coordinator
+    must not give up before the ranks do (it would leave their shards uncommitted). A launch
+    has waited for its children to exit already and waits no more."""
+    from digenrl.actors.resume import DRAIN_CHECKPOINT_WAIT_S, DRAIN_SAVE_TIMEOUT_S, drain_wait_s
+    unsharded = load_config(None, ["model.path=\"random\""])
+    sharded = load_config(None, ["model.path=\"random\"", "model.fsdp=true"])
+    assert drain_wait_s(sharded, spawned_nodes=False) == DRAIN_SAVE_TIMEOUT_S
+    assert drain_wait_s(unsharded, spawned_nodes=False) == DRAIN_CHECKPOINT_WAIT_S
+    assert DRAIN_SAVE_TIMEOUT_S > DRAIN_CHECKPOINT_WAIT_S > 0
+    assert drain_wait_s(sharded, spawned_nodes=True) == drain_wait_s(unsharded, spawned_nodes=True) == 0
+
+
 async def test_an_unsharded_rank_0_writes_a_drain_checkpoint_only_after_a_signal(tmp_path: Path) -> None:
     """The drain checkpoint is of a stop someone asked for (a signal, or a coordinator stopped
     by one): a rank stopped by a failure or a rewind writes none, and none is written twice."""

@@ -22,7 +22,7 @@ from typing import Any
 
 from digenrl.actors.base import COORDINATOR_STOPPED, RunFailed, stop_on_signals, stopped_by_signal
 from digenrl.actors.coordinator import CoordinatorActor
-from digenrl.actors.resume import DRAIN_CHECKPOINT_WAIT_S, DRAIN_SAVE_TIMEOUT_S
+from digenrl.actors.resume import drain_wait_s
 from digenrl.config import CONFIG_ERROR_EXIT, Config
 from digenrl.core.scheduler import Scheduler, SchedulerParams
 from digenrl.data.prompts import load_splits
@@ -300,8 +300,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
             if sup is not None:
                 sup.cancel()
         if stopped_by_signal(actor.stop_reason):
-            # sharded ranks first pad the step's passes, then write their shards together
-            wait_s = 0.0 if spawn else DRAIN_SAVE_TIMEOUT_S if cfg.model.fsdp else DRAIN_CHECKPOINT_WAIT_S
+            wait_s = drain_wait_s(cfg, spawned_nodes=spawn)
             if wait_s:
                 sdnotify.extend_timeout(wait_s + 30)  # the wait may outlast the unit's stop timeout
             await actor.drain(wait_s=wait_s)

@@ -82,6 +82,18 @@ DRAIN_CHECKPOINT_WAIT_S = 60.0
 checkpoint (a launch's coordinator does not wait: its children have exited by then)."""
 
 
+def drain_wait_s(cfg: Config, *, spawned_nodes: bool) -> float:
+    """How long a coordinator stopped by a signal waits for the drain checkpoint's parts.
+
+    A launch that spawned its nodes has waited for them to exit already: nothing is left to
+    wait for. Nodes started by hand: sharded ranks first pad the step's passes, then write
+    their shards together, bounded by :data:`DRAIN_SAVE_TIMEOUT_S`; an unsharded rank 0
+    writes its part as it leaves (:data:`DRAIN_CHECKPOINT_WAIT_S`)."""
+    if spawned_nodes:
+        return 0.0
+    return DRAIN_SAVE_TIMEOUT_S if cfg.model.fsdp else DRAIN_CHECKPOINT_WAIT_S
+
+
 def sharded_vote(learner: Learner, all_reduce: Callable[[torch.Tensor], None], *, stop: bool,
                  drain: bool, pad_to: int) -> tuple[bool, bool]:
     """Compute thread, sharded ranks at a step's end: pad with idle passes to ``pad_to`` (the
@@ -378,4 +390,4 @@ class TrainerCheckpoints(Actor):
 
 
 __all__ = ["DRAIN_CHECKPOINT_WAIT_S", "DRAIN_SAVE_TIMEOUT_S", "TRAINER_RANK_STOPPED", "CoordinatorCheckpoints",
-           "TrainerCheckpoints", "sharded_vote"]
+           "TrainerCheckpoints", "drain_wait_s", "sharded_vote"]
