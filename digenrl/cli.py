@@ -173,7 +173,10 @@ def build_node_parser() -> argparse.ArgumentParser:
                    help="trainer: informational rank hint (ranks are assigned in join order)")
     p.add_argument("--run-dir", default=None, help="run folder (coordinator writes metrics there)")
     p.add_argument("--prometheus-port", type=int, default=None,
-                   help="serve this node's counters and NVML readings for Prometheus (metrics extra)")
+                   help="serve this node's counters and NVML readings for Prometheus (metrics extra); "
+                        "a coordinator serves the run's last step record")
+    p.add_argument("--prometheus-addr", default="0.0.0.0",
+                   help="address the Prometheus endpoint binds (default every interface; 127.0.0.1 keeps it local)")
     p.add_argument("--allow-plaintext", action="store_true",
                    help="permit an unencrypted bind on a non-loopback address (warns)")
     g = p.add_argument_group("cluster launchers (digenrl/clusterenv.py, ops/)")

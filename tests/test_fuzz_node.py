@@ -33,6 +33,7 @@ from digenrl.actors.coordinator import CoordinatorActor
 from digenrl.config import Config
 from digenrl.transport import factory as zs
 from digenrl.transport import hostile
+from digenrl.transport.endpoints import free_port
 from digenrl.transport.errors import ProtocolError
 from digenrl.transport.protocol import Heartbeat, Welcome, decode, encode
 from tests.conftest import wait_until_async
@@ -123,15 +124,29 @@ class RecordingCoordinator(CoordinatorActor):
         await super()._handle(peer, msg)
 
 
-def spawn_trainer(endpoint: str, run_dir: Path, notify: Path) -> subprocess.Popen[bytes]:
-    """A trainer node under a fake service manager: sd_notify datagrams go to ``notify``."""
+def spawn_trainer(endpoint: str, run_dir: Path, notify: Path, prometheus_port: int) -> subprocess.Popen[bytes]:
+    """A trainer node under a fake service manager (sd_notify datagrams go to ``notify``),
+    serving its counters for Prometheus on ``prometheus_port`` (loopback)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", NOTIFY_SOCKET=str(notify),
                WATCHDOG_USEC="400000")
     env.pop("WATCHDOG_PID", None)
     log = open(run_dir / "trainer.stderr", "wb")  # noqa: SIM115 - the child owns it
     return subprocess.Popen(
         [sys.executable, "-m", "digenrl.cli", "node", "--role", "trainer", "--coordinator", endpoint,
-         "--node-id", "trainer-0", "--run-dir", str(run_dir)], stdout=log, stderr=log, env=env)
+         "--node-id", "trainer-0", "--run-dir", str(run_dir), "--prometheus-port", str(prometheus_port),
+         "--prometheus-addr", "127.0.0.1"], stdout=log, stderr=log, env=env)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A Prometheus scrape of ``http://127.0.0.1:port/metrics``, parsed by prometheus-client's
+    own parser: {(gauge name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+            for fam in text_string_to_metric_families(text) for smp in fam.samples}
 
 
 def _trainer_counted(stats: dict[str, Any]) -> float:
@@ -174,7 +189,8 @@ async def run_storm(tmp_path: Path, n: int, cfg: Config | None = None,
                 notices.append(manager.recv(4096).decode())
 
     asyncio.get_running_loop().add_reader(manager.fileno(), read_notices)
-    trainer = spawn_trainer(actor.control.endpoint, run_dir, run_dir / "notify.sock")
+    prometheus_port = free_port()
+    trainer = spawn_trainer(actor.control.endpoint, run_dir, run_dir / "notify.sock", prometheus_port)
     counted = threading.Event()
     probe = zs.connect(probe_ctx, "dealer", actor.control.endpoint, cfg, identity=b"rollout-9")
     try:
@@ -204,6 +220,7 @@ async def run_storm(tmp_path: Path, n: int, cfg: Config | None = None,
             # ... and the trainer keeps heartbeating
             await wait_until_async(lambda: actor.heartbeats["trainer-0"].seq > seq_after_storm + 1,
                              "heartbeats after the storm", 30)
+            scraped = await asyncio.to_thread(scrape, prometheus_port)  # what an operator's Prometheus sees
             run.cancel()
         trainer.terminate()  # SIGTERM: a graceful drain, exit code 0
         code = await asyncio.to_thread(trainer.wait, 60)
@@ -213,7 +230,7 @@ async def run_storm(tmp_path: Path, n: int, cfg: Config | None = None,
                 "coordinator_by_reason": actor.control.statistics().bad_by_reason,
                 "trainer_bad": actor.heartbeats["trainer-0"].stats["bad_frames"],
                 "trainer_counted": _trainer_counted(actor.heartbeats["trainer-0"].stats),
-                "welcome": welcome, "trainer_exit": code, "seconds": seconds}
+                "welcome": welcome, "trainer_exit": code, "seconds": seconds, "scraped": scraped}
     finally:
         if trainer.poll() is None:
             trainer.kill()
@@ -241,6 +258,18 @@ async def test_a_node_tells_its_service_manager_ready_alive_and_stopping(tmp_pat
     assert notices[0] == "READY=1"  # after Welcome and the model build, before any ping
     assert notices.count("WATCHDOG=1") >= 2
     assert notices[-1] == "STOPPING=1" and seen["trainer_exit"] == 0
+    # its Prometheus endpoint, scraped after the storm (gauges as docs/metrics.md names them)
+    got, node = seen["scraped"], (("node", "trainer-0"),)
+
+    def sock(counter: str, name: str) -> float:
+        return got[(f"digenrl_node_socket_{counter}", (("node", "trainer-0"), ("socket", name)))]
+
+    assert sock("bad_frames", "data") == 10 and got[("digenrl_node_bad_frames", node)] == 10
+    assert sock("bad_frames", "control") == 0 and sock("received", "control") >= 2  # Welcome, replies
+    assert sock("sent", "control") >= 3 and sock("waits", "control") >= 1  # Hello, heartbeats
+    assert got[("digenrl_node_policy_version", node)] == 0  # no step was trained
+    assert got[("digenrl_node_gpu_available", node)] == 0  # this machine has no NVML
+    assert got[("digenrl_node_busy_s", node)] >= 0 and got[("digenrl_node_rss_mb", node)] > 0
 
 
 def test_mutated_frames_never_raise_anything_but_protocol_error() -> None:

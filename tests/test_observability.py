@@ -139,6 +139,44 @@ def test_the_last_step_record_is_served_with_node_and_term_labels():
     assert got["digenrl_reward_mean"] == 0.4
 
 
+@needs_prometheus
+def test_a_coordinator_nodes_endpoint_serves_each_step_record_as_it_is_written(tmp_path):
+    """``digenrl-node --role coordinator --prometheus-port``: the run's MetricsWriter hands each
+    record it writes to the endpoint (actors/node.py), nothing before the first."""
+    import argparse
+
+    from digenrl.actors.node import LatestStats, _start_prometheus
+    from digenrl.telemetry.metrics import MetricsWriter
+    latest = LatestStats()
+    args = argparse.Namespace(role="coordinator", prometheus_port=0, prometheus_addr="127.0.0.1")
+    server = _start_prometheus(args, latest, "coordinator-0")
+    assert server is not None
+    try:
+        assert not any(k.startswith("digenrl_reward") for k in _scrape(server.url))
+        writer = MetricsWriter(tmp_path, tensorboard=False, sink=latest.update)
+        writer.write(StepMetrics.from_record(_row()))
+        writer.write(StepMetrics.from_record(_row(step=3, policy_version=4, reward_mean=0.5)))
+        got = _scrape(server.url)
+    finally:
+        server.close()
+    assert got["digenrl_policy_version"] == 4.0 and got["digenrl_reward_mean"] == 0.5
+    assert got['digenrl_busy{node="trainer-0"}'] == 0.6
+
+
+@needs_prometheus
+def test_a_nodes_prometheus_port_already_taken_is_a_one_line_error_naming_it():
+    import argparse
+
+    from digenrl.actors.node import LatestStats, _start_prometheus
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = argparse.Namespace(role="trainer", prometheus_port=port, prometheus_addr="127.0.0.1")
+        with pytest.raises(SystemExit, match=rf"--prometheus-port {port} on 127.0.0.1: .*in use"):
+            _start_prometheus(args, LatestStats(), "trainer-0")
+
+
 def test_node_metrics_without_prometheus_client_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # what an absent package looks like
     with pytest.raises(MissingExtraError, match=r"pip install 'digenrl\[metrics\]'"):

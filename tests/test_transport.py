@@ -358,6 +358,18 @@ async def test_sends_at_the_high_water_mark_wait_in_order_and_go_when_the_peer_r
         got = [(await asyncio.wait_for(pull.recv(), WAIT))[1] for _ in range(n)]
         await asyncio.wait_for(sender, WAIT)
         assert got == [Shutdown(reason=str(i)) for i in range(n)]
+        assert push.statistics().waits >= 1  # each parked send counted as a wait
+        # a receive that finds a message waits for nothing; one that finds none is counted
+        before = pull.statistics().waits
+        await push.send(Shutdown(reason="queued"))
+        await _until(lambda: bool(pull.zmq_socket.getsockopt(zmq.EVENTS) & zmq.POLLIN))
+        await asyncio.wait_for(pull.recv(), WAIT)
+        assert pull.statistics().waits == before
+        later = asyncio.ensure_future(pull.recv())
+        await _until(lambda: bool(pull._recv_waiters))
+        await push.send(Shutdown(reason="awaited"))
+        assert (await asyncio.wait_for(later, WAIT))[1] == Shutdown(reason="awaited")
+        assert pull.statistics().waits == before + 1
     finally:
         push.close()
         pull.close()

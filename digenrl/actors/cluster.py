@@ -17,6 +17,7 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -205,7 +206,8 @@ class Children:
 
 
 async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spawn: bool,
-                            allow_plaintext: bool = False, resume: bool | None = None) -> dict[str, Any]:
+                            allow_plaintext: bool = False, resume: bool | None = None,
+                            record_sink: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the coordinator (and with ``spawn`` the local children) to the end; writes summary.json.
 
     ``resume``: True continues from run_dir's checkpoint (CheckpointError if there is none),
@@ -252,7 +254,7 @@ async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spa
         from digenrl.core.plan import plan_for_step
         return Scheduler(sched.params, plan_timesteps=lambda step: plan_for_step(cfg, step))
 
-    metrics = MetricsWriter(run_dir)
+    metrics = MetricsWriter(run_dir, sink=record_sink)
     recorder = SpanRecorder("coordinator", "coordinator")
     trace_path = run_dir / "trace" / "coordinator.jsonl"
     actor = CoordinatorActor(cfg=cfg, scheduler=sched, control=control, pub=pub, prompts=prompts,

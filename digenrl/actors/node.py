@@ -24,7 +24,7 @@ import os
 import signal
 import socket as pysocket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -59,6 +59,7 @@ if TYPE_CHECKING:  # imported where they are built: a node loads only its own ro
     from digenrl.actors.reward import RewardActor
     from digenrl.actors.rollout import RolloutActor
     from digenrl.actors.trainer import TrainerActor
+    from digenrl.telemetry.prometheus import MetricsServer
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -68,7 +69,7 @@ def run_node(args: argparse.Namespace) -> int:
     allocator.tune()  # received chunks reuse heap memory instead of faulting in fresh pages
     overrides = [*args.overrides, *(["transport.allow_plaintext=true"] if args.allow_plaintext else [])]
     latest = LatestStats()
-    prometheus = _start_prometheus(getattr(args, "prometheus_port", None), latest)
+    prometheus = _start_prometheus(args, latest, node_id)
     try:
         if args.role == "coordinator":
             from digenrl.actors.cluster import serve_coordinator
@@ -76,7 +77,8 @@ def run_node(args: argparse.Namespace) -> int:
             # READY, the watchdog and the SIGTERM drain are serve_coordinator's own
             with asyncio.Runner(loop_factory=loop_factory()) as runner:
                 runner.run(serve_coordinator(cfg, run_dir or Path("runs") / "node-run", bind=args.bind,
-                                             spawn=False, allow_plaintext=args.allow_plaintext))
+                                             spawn=False, allow_plaintext=args.allow_plaintext,
+                                             record_sink=latest.update))
             return 0
         if not args.coordinator:
             raise SystemExit("digenrl-node: --coordinator ENDPOINT is required for rollout, trainer and reward")
@@ -89,32 +91,61 @@ def run_node(args: argparse.Namespace) -> int:
                                         run_dir, load_config(args.config, overrides), device, latest)))
     finally:
         if prometheus is not None:
-            prometheus.shutdown()
+            prometheus.close()
 
 
 class LatestStats:
     """The latest heartbeat stats of this process's node, read by the Prometheus endpoint
-    (its own thread: the dict is replaced whole, never mutated, so a reader sees one beat)."""
+    (its own thread: the dict is replaced whole, never mutated, so a reader sees one beat).
+
+    Each update also snapshots what :meth:`watch` names, on the event loop (never from the
+    scrape's thread): the node's policy version, GPU reading and sockets' counters."""
 
     def __init__(self) -> None:
-        self.stats: Mapping[str, float] = {}
+        self.stats: Mapping[str, Any] = {}
+        self._more: Callable[[], Mapping[str, Any]] = dict
+
+    def watch(self, more: Callable[[], Mapping[str, Any]]) -> None:
+        self._more = more
 
     def update(self, stats: Mapping[str, float]) -> None:
-        self.stats = dict(stats)
+        self.stats = {**stats, **self._more()}
 
 
-def _start_prometheus(port: int | None, latest: LatestStats) -> Any:
-    """Serve the node's counters on ``port``; returns a server with ``shutdown()`` or None."""
+def socket_counters(sockets: list[Socket]) -> dict[str, Any]:
+    """Each socket's counters, summed by socket name (a rollout's weight fetches from its
+    successive upstreams share one), as a list Prometheus labels by ``socket``
+    (``digenrl_node_socket_received{socket="data"}``, docs/metrics.md)."""
+    by_name: dict[str, dict[str, float]] = {}
+    for s in sockets:
+        st = s.statistics()
+        row = by_name.setdefault(s.name, {"sent": 0.0, "received": 0.0, "bad_frames": 0.0, "waits": 0.0})
+        row["sent"] += st.sent
+        row["received"] += st.received
+        row["bad_frames"] += st.bad_frames
+        row["waits"] += st.waits
+    return {"sockets": [{"index": name, **row} for name, row in sorted(by_name.items())]}
+
+
+def _start_prometheus(args: argparse.Namespace, latest: LatestStats, node_id: str) -> MetricsServer | None:
+    """Serve ``--prometheus-port`` (None without it): a coordinator, the run's last step record
+    as ``digenrl_<name>`` gauges; any other node, its heartbeat counters, policy version, GPU
+    reading and sockets as ``digenrl_node_<name>{node=...}`` (docs/metrics.md). Bound to
+    ``--prometheus-addr`` (every interface by default: Prometheus scrapes from another host)."""
+    port = getattr(args, "prometheus_port", None)
     if port is None:
         return None
     from digenrl.telemetry.metrics import MissingExtraError
-    from digenrl.telemetry.prometheus import start_prometheus
+    from digenrl.telemetry.prometheus import serve_node_metrics, start_prometheus
+    addr = getattr(args, "prometheus_addr", None) or "0.0.0.0"
     try:
-        started = start_prometheus(port, lambda: {**process_counters(), **latest.stats})
+        if args.role == "coordinator":
+            return start_prometheus(port, lambda: {**process_counters(), **latest.stats}, addr=addr)
+        return serve_node_metrics(port, lambda: latest.stats, node_id=node_id, addr=addr)
     except MissingExtraError as e:
         raise SystemExit(f"digenrl-node: --prometheus-port: {e}") from None
-    # prometheus-client >= 0.20 returns (server, thread); older versions return None
-    return started[0] if isinstance(started, tuple) else None
+    except OSError as e:  # the port is taken, or the address is not this host's
+        raise SystemExit(f"digenrl-node: --prometheus-port {port} on {addr}: {e.strerror or e}") from None
 
 
 def rss_mb(field: str = "VmRSS") -> float:
@@ -201,15 +232,16 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
         return s
 
     try:
-        control = track(zs.connect(ctx, "dealer", coordinator, boot, identity=node_id.encode()))
+        control = track(zs.connect(ctx, "dealer", coordinator, boot, identity=node_id.encode(), name="control"))
         data = weights = None
         host = bind or "tcp://127.0.0.1:*"
         if role == "trainer":
-            data = track(zs.bind(ctx, "pull", host, boot, lane="bulk"))
+            data = track(zs.bind(ctx, "pull", host, boot, lane="bulk", name="data"))
         elif role == "reward":  # Score requests from rollouts and TAG helpers
-            data = track(zs.bind(ctx, "router", host, boot, lane="bulk"))
+            data = track(zs.bind(ctx, "router", host, boot, lane="bulk", name="data"))
         if role != "reward":
-            weights = track(zs.bind(ctx, "router", host, boot, lane="bulk"))  # rank 0 serves, a rollout relays
+            # rank 0 serves, a rollout relays
+            weights = track(zs.bind(ctx, "router", host, boot, lane="bulk", name="weights"))
         await control.send(Hello(node_id=node_id, role=role, gpu=gpu, incarnation=inc,
                                  pid=os.getpid(), host=pysocket.gethostname(),
                                  data_endpoint=data.endpoint if data else "",
@@ -232,14 +264,15 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
         recorder = SpanRecorder(node_id, role)
         endpoints = dict(msg.endpoints)
         trainer_eps = {int(k.split("/")[1]): v for k, v in endpoints.items() if k.startswith("trainer/")}
-        pushes = {r: track(zs.connect(ctx, "push", ep, cfg, lane="bulk")) for r, ep in sorted(trainer_eps.items())}
+        pushes = {r: track(zs.connect(ctx, "push", ep, cfg, lane="bulk", name=f"chunks_to_{r}"))
+                  for r, ep in sorted(trainer_eps.items())}
         from digenrl.actors.peers import NodePeers
         from digenrl.models import build_model
         from digenrl.rl.rewards import build_reward
         # with reward workers, only they build the reward (its models may need a GPU each)
         workers = cfg.cluster.rewards > 0 and role != "reward"
         reward_fn = None if workers else build_reward(cfg.reward.terms, device=device)
-        scorers = {k.split("/", 1)[1]: track(zs.connect(ctx, "dealer", v, cfg, lane="bulk"))
+        scorers = {k.split("/", 1)[1]: track(zs.connect(ctx, "dealer", v, cfg, lane="bulk", name="scores"))
                    for k, v in sorted(endpoints.items()) if k.startswith("reward/")} if workers else {}
         sec = node_security(ctx)
         limit = cfg.runtime.stall_timeout_s
@@ -261,11 +294,12 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
             frozen = freeze_startup_objects()
             actor = RewardActor(peers=peers, cfg=cfg, router=data, reward_fn=reward_fn, **kw)
         elif role == "rollout":
-            sub = track(zs.connect(ctx, "sub", endpoints["pub"], cfg))
-            wdealer = track(zs.connect(ctx, "dealer", endpoints["weights"], cfg, lane="bulk"))
+            sub = track(zs.connect(ctx, "sub", endpoints["pub"], cfg, name="announcements"))
+            wdealer = track(zs.connect(ctx, "dealer", endpoints["weights"], cfg, lane="bulk", name="weights_fetch"))
             peers = NodePeers(node_id=node_id, incarnation=inc, cfg=cfg, control=control, sub=sub,
                               pushes=pushes, weights=wdealer, relay=weights, scorers=scorers,
-                              connect=lambda ep: track(zs.connect(ctx, "dealer", ep, cfg, lane="bulk")))
+                              connect=lambda ep: track(zs.connect(ctx, "dealer", ep, cfg, lane="bulk",
+                                                                name="weights_fetch")))
             model = await asyncio.to_thread(build_model, cfg.model, seed=cfg.run.seed, gpu=gpu, device=device,
                                             embedded_guidance=cfg.sampler.embedded_guidance)
             from digenrl.actors.rollout import RolloutActor
@@ -294,6 +328,8 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                                            world_size=msg.world_size, run_dir=rdir, reward_fn=reward_fn,
                                            test_set=test_set, eval_reward=eval_reward, **kw)
             del policy  # the actor holds it (and drops it before the process group goes)
+        latest.watch(lambda: {"policy_version": actor.policy_version, "gpu": peers.gpu_reading,
+                              "socket": socket_counters(opened)})
         # SIGTERM or Ctrl-C drains; a second Ctrl-C leaves at once (a terminal's user insists)
         unhandle = stop_on_signals(actor.request_stop, again=partial(hard_exit, 128 + signal.SIGINT))
         rss_ready = rss_mb()

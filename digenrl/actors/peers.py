@@ -176,6 +176,11 @@ class NodePeers:
                 await asyncio.sleep(self.cfg.runtime.heartbeat_s)
         return heartbeat
 
+    @property
+    def gpu_reading(self) -> dict[str, Any]:
+        """The GPU reading the last heartbeat carried (``GpuProbe.read()``; {} before the first)."""
+        return self._gpu_reading
+
     def gpu_free_mb(self) -> float:
         gpus = self._gpu_reading.get("gpus", []) if self._gpu_reading else []
         free = [g.get("mem_free_mb", 0.0) for g in gpus if "mem_free_mb" in g]

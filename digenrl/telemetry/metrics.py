@@ -17,7 +17,7 @@ import dataclasses
 import importlib.util
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,7 +133,9 @@ class MetricsWriter:
     is importable and logs once (``tensorboard_unavailable``) when it is not.
     """
 
-    def __init__(self, run_dir: Path | str, *, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path | str, *, tensorboard: bool = True,
+                 sink: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.sink = sink  # sees every step record written (digenrl-node's Prometheus endpoint)
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
@@ -158,6 +160,8 @@ class MetricsWriter:
                 if key != "step" and isinstance(value, int | float):
                     self._tb.add_scalar(key, value, global_step=metrics.step)
             self._tb.flush()
+        if self.sink is not None:
+            self.sink(record)
         return record
 
     def write_eval(self, version: int, wall_time: float, metrics: Mapping[str, Any]) -> dict[str, Any]:

@@ -4,11 +4,13 @@ Two servers share one mechanism, a collector that turns a callback's dict into g
 every scrape (so the numbers are never older than the scrape, and nothing is registered
 globally):
 
-* :func:`serve_node_metrics` -- what ``digenrl-node --prometheus-port`` serves: the node's
-  heartbeat counters (busy seconds, frames sent / received / bad, policy version) and its
-  NVML readings, as ``digenrl_node_<name>`` gauges labelled with ``node``;
+* :func:`serve_node_metrics` -- what ``digenrl-node --prometheus-port`` serves for a rollout,
+  trainer or reward node: its heartbeat counters (busy seconds, bad frames, refusals), policy
+  version, sockets' messages and NVML readings, as ``digenrl_node_<name>`` gauges labelled
+  with ``node``;
 * :func:`start_prometheus` -- the latest ``metrics.jsonl`` record as ``digenrl_<name>``
-  (``busy/<node>`` becomes ``digenrl_busy{node="..."}``).
+  (``busy/<node>`` becomes ``digenrl_busy{node="..."}``): what a coordinator's
+  ``--prometheus-port`` serves.
 
 Flattening rules (:func:`flatten_stats`): numbers and booleans (0/1) become gauges; nested
 mappings join their keys with ``_`` (``{"rx": {"bad_frames": 2}}`` -> ``rx_bad_frames``);
@@ -122,7 +124,7 @@ def serve_node_metrics(port: int, stats_fn: Callable[[], Mapping[str, Any]], *,
     return a snapshot the loop made, such as the last heartbeat's fields, for example::
 
         {"policy_version": 3, "busy_s": 41.2, "wall_s": 60.0,
-         "sockets": {"data": {"sent": 0, "received": 812, "bad_frames": 0}},
+         "socket": {"sockets": [{"index": "data", "sent": 0, "received": 812, "bad_frames": 0}]},
          "gpu": GpuProbe().read()}
 
     Each number becomes a gauge ``digenrl_node_<flattened name>`` (see

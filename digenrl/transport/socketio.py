@@ -48,6 +48,7 @@ class SocketStatistics:
     dropped: int = 0  # sends a ROUTER dropped because the peer's queue was full
     bad_frames: int = 0
     bad_by_reason: dict[str, int] = field(default_factory=dict)
+    waits: int = 0  # operations that found nothing to do and waited on the event loop
 
 
 class Socket:
@@ -170,6 +171,7 @@ class Socket:
 
     def _park(self) -> asyncio.Future[Any]:
         """A future for an operation that would block; the descriptor's reader finishes it."""
+        self._stats.waits += 1
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._loop.add_reader(self._sync.FD, self._service)
