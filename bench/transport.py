@@ -37,6 +37,10 @@ wall clock mostly measures the scheduler, while the CPU a message costs is what 
 wall-clock ratios once the machine is quiet (``cpu_ratio_*``: raw over codec CPU per chunk;
 ``heartbeat_cpu_ratio``: codec over raw CPU per round trip).
 
+``codec_recv_waits_per_msg_*`` / ``codec_send_waits_per_msg_*``: how often the codec's
+receiver found no message and its sender a full pipe, each a park on the event loop
+(``Socket.statistics().waits``) where raw pyzmq blocks inside libzmq.
+
 ``--sweep`` measures only raw pyzmq with every frame copied against zero-copy at chunk sizes
 64 KiB to 2 MiB (key ``copy_sweep``): where copying stops paying, i.e. the codec's copy
 threshold.
@@ -140,7 +144,7 @@ def _send(conn: Connection, mode: str, endpoint: str, nbytes: int, count: int) -
         for _ in range(count):
             sock.send_multipart(frames, copy=False)
         conn.recv()  # the receiver has everything: close
-        conn.send(time.process_time() - c0)  # this process's CPU, its I/O threads included
+        conn.send((time.process_time() - c0, 0))  # this process's CPU, its I/O threads included
         sock.close(linger=0)
         ctx.term()
         return
@@ -154,7 +158,7 @@ def _send(conn: Connection, mode: str, endpoint: str, nbytes: int, count: int) -
             for i in range(count):
                 await push.send(Chunk(**{**base, "task_id": i}))
             conn.recv()
-            conn.send(time.process_time() - c0)
+            conn.send((time.process_time() - c0, push.statistics().waits))
         ctx.term()
 
     _run(run())
@@ -356,14 +360,24 @@ def goodput(peer: Connection, mode: str, nbytes: int, count: int,
                         t0 = time.perf_counter()
                 elapsed = time.perf_counter() - t0
                 cpu = time.process_time() - c0
+                WAITS["recv"] = pull.statistics().waits / total
             ctx.term()
             return elapsed, cpu
 
         elapsed, cpu = _run(run())
     peer.send("close")
-    cpu += peer.recv()
+    sender_cpu, sender_waits = peer.recv()
+    cpu += sender_cpu
+    if mode not in RAW_THRESHOLDS:
+        WAITS["send"] = sender_waits / total
     assert peer.recv() == "finished"
     return count * (2 * nbytes + 4) / elapsed, cpu / total * 1e6
+
+
+WAITS: dict[str, float] = {}
+"""Waits per message of the last codec goodput run's receiver (``recv``) and sender (``send``):
+receives that found no message, sends that found the pipe full, each a park on the event loop
+(``Socket.statistics().waits``) where raw pyzmq blocks in libzmq."""
 
 
 def latency(peer: Connection, mode: str, pings: int) -> tuple[list[float], float]:
@@ -704,11 +718,17 @@ def main() -> None:
         ratios: dict[str, list[float]] = {k: [] for k in SIZES}
         cpu_ratios: dict[str, list[float]] = {k: [] for k in SIZES}
         best_ratios: dict[str, list[float]] = {k: [] for k in SIZES}
+        waits: dict[tuple[str, str], list[float]] = {}
         for rep in range(args.repeats):
             order = ("codec", "raw", "raw_copy") if rep % 2 == 0 else ("raw_copy", "raw", "codec")
             for key, (nbytes, count) in SIZES.items():
                 count = max(8, int(count * scale))
-                got = {m: goodput(parent, m, nbytes, count) for m in order}
+                got = {}
+                for m in order:
+                    got[m] = goodput(parent, m, nbytes, count)
+                    if m == "codec":
+                        for end, w in WAITS.items():
+                            waits.setdefault((key, end), []).append(w)
                 for m, (rate, cpu) in got.items():
                     rates.setdefault((key, m), []).append(rate / 1e6)
                     cpus.setdefault((key, m), []).append(cpu)
@@ -727,6 +747,8 @@ def main() -> None:
             out[f"goodput_raw_copy_MBps_{key}"] = statistics.median(rates[key, "raw_copy"])
             for m in ("codec", "raw", "raw_copy"):
                 out[f"cpu_us_per_msg_{m}_{key}"] = statistics.median(cpus[key, m])
+            for end in ("recv", "send"):
+                out[f"codec_{end}_waits_per_msg_{key}"] = statistics.median(waits[key, end])
 
         pings = max(200, int(2000 * scale))
         modes = ("codec", "floor", "raw")
