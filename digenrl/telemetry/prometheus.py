@@ -144,13 +144,18 @@ def serve_node_metrics(port: int, stats_fn: Callable[[], Mapping[str, Any]], *,
                                "(docs/metrics.md, Prometheus)")
 
 
+_RECORD_LABELS = {"reward": "term", "eval": "term", "staleness": "k"}
+"""The label of a ``<name>/<sub>`` record key's ``sub`` (docs/metrics.md); any other: ``node``."""
+
+
 def start_prometheus(port: int, registry_fn: Callable[[], Mapping[str, float]], *,
                      addr: str = "127.0.0.1") -> MetricsServer:
     """Serve the latest metrics record on ``http://addr:port/metrics`` until ``close()``.
 
     ``registry_fn`` returns the current record (e.g. the last ``StepMetrics.to_record()``);
-    it is called on every scrape. ``busy/<node>`` becomes ``digenrl_busy{node="..."}`` and
-    ``reward/<term>`` ``digenrl_reward{term="..."}``. Raises :class:`MissingExtraError`
+    it is called on every scrape. ``busy/<node>`` becomes ``digenrl_busy{node="..."}``,
+    ``reward/<term>`` ``digenrl_reward{term="..."}`` and ``staleness/<k>``
+    ``digenrl_staleness{k="..."}``. Raises :class:`MissingExtraError`
     without ``prometheus-client`` and ``ValueError`` for a bad port.
     """
     def families() -> Iterator[tuple[str, Labels, float]]:
@@ -158,8 +163,7 @@ def start_prometheus(port: int, registry_fn: Callable[[], Mapping[str, float]], 
             if not isinstance(value, int | float) or isinstance(value, bool):
                 continue
             name, _, sub = key.partition("/")
-            label = "term" if name == "reward" else "node"
-            yield "digenrl_" + _name(name), ((label, sub),) if sub else (), float(value)
+            yield "digenrl_" + _name(name), ((_RECORD_LABELS.get(name, "node"), sub),) if sub else (), float(value)
 
     return _serve("start_prometheus", port, addr, families,
                   lambda name: f"DigenRL metric {name.removeprefix('digenrl_')} (docs/metrics.md)")
