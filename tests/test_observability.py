@@ -164,6 +164,18 @@ def test_a_coordinator_nodes_endpoint_serves_each_step_record_as_it_is_written(t
     assert got['digenrl_busy{node="trainer-0"}'] == 0.6
 
 
+def test_a_node_without_a_prometheus_port_takes_no_snapshot_per_heartbeat():
+    from digenrl.actors.node import LatestStats
+    latest, looked = LatestStats(), []
+    latest.watch(lambda: looked.append(1) or {"policy_version": 3})
+    latest.served = False  # what run_node sets without --prometheus-port
+    latest.update({"busy_s": 1.0})
+    assert latest.stats == {} and looked == []
+    latest.served = True
+    latest.update({"busy_s": 1.0})
+    assert latest.stats == {"busy_s": 1.0, "policy_version": 3} and looked == [1]
+
+
 @needs_prometheus
 def test_a_nodes_prometheus_port_already_taken_is_a_one_line_error_naming_it():
     import argparse

@@ -70,6 +70,7 @@ def run_node(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, *(["transport.allow_plaintext=true"] if args.allow_plaintext else [])]
     latest = LatestStats()
     prometheus = _start_prometheus(args, latest, node_id)
+    latest.served = prometheus is not None  # else nobody reads it: no snapshot per heartbeat
     try:
         if args.role == "coordinator":
             from digenrl.actors.cluster import serve_coordinator
@@ -103,13 +104,19 @@ class LatestStats:
 
     def __init__(self) -> None:
         self.stats: Mapping[str, Any] = {}
+        self.served = True  # False without --prometheus-port: updates are skipped
         self._more: Callable[[], Mapping[str, Any]] = dict
 
     def watch(self, more: Callable[[], Mapping[str, Any]]) -> None:
         self._more = more
 
     def update(self, stats: Mapping[str, float]) -> None:
-        self.stats = {**stats, **self._more()}
+        if self.served:
+            self.stats = {**stats, **self._more()}
+
+
+SOCKET_COUNTERS = ("sent", "received", "bad_frames", "waits")
+"""The fields of ``Socket.statistics()`` a node's Prometheus endpoint serves per socket."""
 
 
 def socket_counters(sockets: list[Socket]) -> dict[str, Any]:
@@ -119,11 +126,9 @@ def socket_counters(sockets: list[Socket]) -> dict[str, Any]:
     by_name: dict[str, dict[str, float]] = {}
     for s in sockets:
         st = s.statistics()
-        row = by_name.setdefault(s.name, {"sent": 0.0, "received": 0.0, "bad_frames": 0.0, "waits": 0.0})
-        row["sent"] += st.sent
-        row["received"] += st.received
-        row["bad_frames"] += st.bad_frames
-        row["waits"] += st.waits
+        row = by_name.setdefault(s.name, dict.fromkeys(SOCKET_COUNTERS, 0.0))
+        for counter in SOCKET_COUNTERS:
+            row[counter] += getattr(st, counter)
     return {"sockets": [{"index": name, **row} for name, row in sorted(by_name.items())]}
 
 
