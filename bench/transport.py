@@ -15,6 +15,15 @@ alternating which goes first); a ratio is the median of the per-repeat ratios.
    (frames under 256 KiB copied into libzmq, ``transport/options.py: COPY_BELOW``), so the
    codec's own tuning is not what beats raw (``goodput_ratio_best_raw_*``: codec over the
    better raw). Goodput counts tensor bytes, first message to last.
+   At 1 MiB and 16 MiB raw and raw_copy are the *same* configuration (every tensor frame
+   over both thresholds goes zero-copy, the two small frames are copied by both), so
+   ``goodput_null_ratio_{1m,16m}`` (raw_copy over raw, median of the per-repeat ratios) is
+   how far apart two identical sides land in this run: the noise a codec/raw ratio carries.
+   ``goodput_ratio_reps_*`` lists the per-repeat codec/raw ratios the medians are taken of.
+   Before the repeats every mode streams a quarter of its messages at every size, untimed:
+   the first stream of a fresh pair of processes ran slower (in a one-off run its cores sat
+   a third idle, against an eighth to a fifth for the streams after it), and it used to be
+   the codec's (it goes first in the even repeats).
 2. Round trip of a ``Heartbeat``: ``Dealer`` -> ``Router`` echo (another process) -> back,
    against raw msgpack over blocking DEALER/ROUTER; and *floor*: the same msgpack dicts over
    the same pyzmq sockets driven by uvloop at both ends, written as cheaply as an asyncio
@@ -718,7 +727,11 @@ def main() -> None:
         ratios: dict[str, list[float]] = {k: [] for k in SIZES}
         cpu_ratios: dict[str, list[float]] = {k: [] for k in SIZES}
         best_ratios: dict[str, list[float]] = {k: [] for k in SIZES}
+        null_ratios: dict[str, list[float]] = {k: [] for k in SIZES}
         waits: dict[tuple[str, str], list[float]] = {}
+        for nbytes, count in SIZES.values():  # untimed warm-up (module docstring)
+            for m in ("codec", "raw", "raw_copy"):
+                goodput(parent, m, nbytes, max(8, int(count * scale) // 4))
         for rep in range(args.repeats):
             order = ("codec", "raw", "raw_copy") if rep % 2 == 0 else ("raw_copy", "raw", "codec")
             for key, (nbytes, count) in SIZES.items():
@@ -735,8 +748,12 @@ def main() -> None:
                 ratios[key].append(got["codec"][0] / got["raw"][0])
                 best_ratios[key].append(got["codec"][0] / max(got["raw"][0], got["raw_copy"][0]))
                 cpu_ratios[key].append(got["raw"][1] / got["codec"][1])
+                null_ratios[key].append(got["raw_copy"][0] / got["raw"][0])
         for key in SIZES:
             out[f"goodput_ratio_{key}"] = statistics.median(ratios[key])
+            out[f"goodput_ratio_reps_{key}"] = [round(r, 3) for r in ratios[key]]
+            if SIZES[key][0] >= COPY_BELOW:  # raw and raw_copy the same configuration here
+                out[f"goodput_null_ratio_{key}"] = statistics.median(null_ratios[key])
             # against the better of raw zero-copy and raw with the codec's copy threshold
             out[f"goodput_ratio_best_raw_{key}"] = statistics.median(best_ratios[key])
             out[f"goodput_codec_MBps_{key}"] = statistics.median(rates[key, "codec"])
@@ -808,6 +825,11 @@ def main() -> None:
               f"{out[f'goodput_ratio_{key}']:.2f} | {out[f'goodput_ratio_best_raw_{key}']:.2f} | "
               f"{out[f'cpu_us_per_msg_codec_{key}']:.0f} | {out[f'cpu_us_per_msg_raw_{key}']:.0f} | "
               f"{out[f'cpu_ratio_{key}']:.2f} |")
+    for key in SIZES:
+        if f"goodput_null_ratio_{key}" in out:
+            print(f"{key}: raw_copy/raw {out[f'goodput_null_ratio_{key}']:.2f} (the same "
+                  f"configuration: this run's noise); codec/raw per repeat "
+                  f"{', '.join(f'{r:.2f}' for r in out[f'goodput_ratio_reps_{key}'])}")
     print("\n| Heartbeat round trip | median us | p99 us |")
     print("|---|---|---|")
     for m in ("codec", "floor", "raw"):
