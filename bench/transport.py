@@ -46,6 +46,10 @@ wall clock mostly measures the scheduler, while the CPU a message costs is what 
 wall-clock ratios once the machine is quiet (``cpu_ratio_*``: raw over codec CPU per chunk;
 ``heartbeat_cpu_ratio``: codec over raw CPU per round trip).
 
+``thread_cpu_us_*``: the same CPU per message split by thread (Linux ``schedstat``), per mode
+and end: ``recv_main``/``send_main`` the Python thread that receives or sends, ``*_io``
+libzmq's I/O threads, ``send_gc`` pyzmq's zero-copy garbage-collector thread.
+
 ``codec_recv_waits_per_msg_*`` / ``codec_send_waits_per_msg_*``: how often the codec's
 receiver found no message and its sender a full pipe, each a park on the event loop
 (``Socket.statistics().waits``) where raw pyzmq blocks inside libzmq.
@@ -149,11 +153,12 @@ def _send(conn: Connection, mode: str, endpoint: str, nbytes: int, count: int) -
         sock.setsockopt(zmq.SNDHWM, OPTS.hwm)
         sock.connect(endpoint)
         frames = encode(_chunk(nbytes))
-        c0 = time.process_time()
+        c0, th0 = time.process_time(), _threads()
         for _ in range(count):
             sock.send_multipart(frames, copy=False)
         conn.recv()  # the receiver has everything: close
-        conn.send((time.process_time() - c0, 0))  # this process's CPU, its I/O threads included
+        # this process's CPU (its I/O threads included), waits, CPU by thread kind
+        conn.send((time.process_time() - c0, 0, _thread_us(th0, _threads(), count)))
         sock.close(linger=0)
         ctx.term()
         return
@@ -163,11 +168,12 @@ def _send(conn: Connection, mode: str, endpoint: str, nbytes: int, count: int) -
         with Push(ctx, options=OPTS, lane="bulk") as push:
             push.connect(endpoint)
             base = _chunk(nbytes).__dict__
-            c0 = time.process_time()
+            c0, th0 = time.process_time(), _threads()
             for i in range(count):
                 await push.send(Chunk(**{**base, "task_id": i}))
             conn.recv()
-            conn.send((time.process_time() - c0, push.statistics().waits))
+            conn.send((time.process_time() - c0, push.statistics().waits,
+                       _thread_us(th0, _threads(), count)))
         ctx.term()
 
     _run(run())
@@ -342,7 +348,7 @@ def goodput(peer: Connection, mode: str, nbytes: int, count: int,
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.RCVHWM, OPTS.hwm)
         sock.bind(endpoint)
-        c0 = time.process_time()
+        c0, th0 = time.process_time(), _threads()
         peer.send(("send", mode, endpoint, nbytes, total))
         t0 = time.perf_counter()
         for i in range(total):
@@ -351,6 +357,7 @@ def goodput(peer: Connection, mode: str, nbytes: int, count: int,
                 t0 = time.perf_counter()
         elapsed = time.perf_counter() - t0
         cpu = time.process_time() - c0
+        THREADS["recv"] = _thread_us(th0, _threads(), total)
         sock.close(linger=0)
         ctx.term()
     else:
@@ -358,7 +365,7 @@ def goodput(peer: Connection, mode: str, nbytes: int, count: int,
             ctx = node_context()
             with Pull(ctx, options=OPTS, lane="bulk") as pull:
                 pull.bind(endpoint)
-                c0 = time.process_time()
+                c0, th0 = time.process_time(), _threads()
                 peer.send(("send", mode, endpoint, nbytes, total))
                 t0 = time.perf_counter()
                 for i in range(total):
@@ -369,13 +376,14 @@ def goodput(peer: Connection, mode: str, nbytes: int, count: int,
                         t0 = time.perf_counter()
                 elapsed = time.perf_counter() - t0
                 cpu = time.process_time() - c0
+                THREADS["recv"] = _thread_us(th0, _threads(), total)
                 WAITS["recv"] = pull.statistics().waits / total
             ctx.term()
             return elapsed, cpu
 
         elapsed, cpu = _run(run())
     peer.send("close")
-    sender_cpu, sender_waits = peer.recv()
+    sender_cpu, sender_waits, THREADS["send"] = peer.recv()
     cpu += sender_cpu
     if mode not in RAW_THRESHOLDS:
         WAITS["send"] = sender_waits / total
@@ -384,6 +392,45 @@ def goodput(peer: Connection, mode: str, nbytes: int, count: int,
 
 
 WAITS: dict[str, float] = {}
+THREADS: dict[str, dict[str, float]] = {}
+"""CPU microseconds per message of the last goodput run's receiver (``recv``) and sender
+(``send``) by thread kind (:func:`_threads`)."""
+
+
+def _threads() -> dict[int, tuple[str, int]]:
+    """This process's threads: id -> (kind, CPU nanoseconds so far). Kinds: ``main`` (the
+    Python thread that sends or receives), ``io`` (libzmq's I/O threads), ``gc`` (other
+    threads named like the main one: pyzmq's zero-copy garbage collector), ``other``. Empty
+    where /proc has no per-thread ``schedstat`` (off Linux)."""
+    out: dict[int, tuple[str, int]] = {}
+    me = os.getpid()
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+        with open("/proc/self/comm") as f:
+            main_comm = f.read().strip()
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # the thread ended, or no schedstat
+            continue
+        kind = ("main" if tid == me else "io" if comm.startswith("ZMQbg/IO")
+                else "gc" if comm == main_comm else "other")
+        out[tid] = (kind, ns)
+    return out
+
+
+def _thread_us(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]],
+               n: int) -> dict[str, float]:
+    """CPU microseconds per message by thread kind between two :func:`_threads` snapshots."""
+    us: dict[str, float] = {}
+    for tid, (kind, ns) in after.items():
+        us[kind] = us.get(kind, 0.0) + (ns - before.get(tid, (kind, 0))[1]) / n / 1e3
+    return {kind: v for kind, v in us.items() if v >= 0.05}  # idle kinds left out
 """Waits per message of the last codec goodput run's receiver (``recv``) and sender (``send``):
 receives that found no message, sends that found the pipe full, each a park on the event loop
 (``Socket.statistics().waits``) where raw pyzmq blocks in libzmq."""
@@ -729,6 +776,7 @@ def main() -> None:
         best_ratios: dict[str, list[float]] = {k: [] for k in SIZES}
         null_ratios: dict[str, list[float]] = {k: [] for k in SIZES}
         waits: dict[tuple[str, str], list[float]] = {}
+        threads: dict[tuple[str, str, str], list[float]] = {}  # (size, mode, end_kind)
         for nbytes, count in SIZES.values():  # untimed warm-up (module docstring)
             for m in ("codec", "raw", "raw_copy"):
                 goodput(parent, m, nbytes, max(8, int(count * scale) // 4))
@@ -739,6 +787,9 @@ def main() -> None:
                 got = {}
                 for m in order:
                     got[m] = goodput(parent, m, nbytes, count)
+                    for end, by_kind in THREADS.items():
+                        for kind, us in by_kind.items():
+                            threads.setdefault((key, m, f"{end}_{kind}"), []).append(us)
                     if m == "codec":
                         for end, w in WAITS.items():
                             waits.setdefault((key, end), []).append(w)
@@ -766,6 +817,9 @@ def main() -> None:
                 out[f"cpu_us_per_msg_{m}_{key}"] = statistics.median(cpus[key, m])
             for end in ("recv", "send"):
                 out[f"codec_{end}_waits_per_msg_{key}"] = statistics.median(waits[key, end])
+            out[f"thread_cpu_us_{key}"] = {
+                m: {ek: round(statistics.median(v), 1) for (k, mm, ek), v in sorted(threads.items())
+                    if k == key and mm == m} for m in ("codec", "raw")}
 
         pings = max(200, int(2000 * scale))
         modes = ("codec", "floor", "raw")
@@ -830,6 +884,13 @@ def main() -> None:
             print(f"{key}: raw_copy/raw {out[f'goodput_null_ratio_{key}']:.2f} (the same "
                   f"configuration: this run's noise); codec/raw per repeat "
                   f"{', '.join(f'{r:.2f}' for r in out[f'goodput_ratio_reps_{key}'])}")
+    kinds = ("recv_main", "recv_io", "send_main", "send_io", "send_gc")
+    print("\n| CPU us a message, by thread | " + " | ".join(kinds) + " |")
+    print("|---|" + "---|" * len(kinds))
+    for key in SIZES:
+        for m in ("codec", "raw"):
+            row = out[f"thread_cpu_us_{key}"][m]
+            print(f"| {key} {m} | " + " | ".join(f"{row.get(k, 0):.0f}" for k in kinds) + " |")
     print("\n| Heartbeat round trip | median us | p99 us |")
     print("|---|---|---|")
     for m in ("codec", "floor", "raw"):
