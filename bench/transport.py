@@ -392,6 +392,9 @@ def goodput(peer: Connection, mode: str, nbytes: int, count: int,
 
 
 WAITS: dict[str, float] = {}
+"""Waits per message of the last codec goodput run's receiver (``recv``) and sender (``send``):
+receives that found no message, sends that found the pipe full, each a park on the event loop
+(``Socket.statistics().waits``) where raw pyzmq blocks in libzmq."""
 THREADS: dict[str, dict[str, float]] = {}
 """CPU microseconds per message of the last goodput run's receiver (``recv``) and sender
 (``send``) by thread kind (:func:`_threads`)."""
@@ -431,9 +434,6 @@ def _thread_us(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, i
     for tid, (kind, ns) in after.items():
         us[kind] = us.get(kind, 0.0) + (ns - before.get(tid, (kind, 0))[1]) / n / 1e3
     return {kind: v for kind, v in us.items() if v >= 0.05}  # idle kinds left out
-"""Waits per message of the last codec goodput run's receiver (``recv``) and sender (``send``):
-receives that found no message, sends that found the pipe full, each a park on the event loop
-(``Socket.statistics().waits``) where raw pyzmq blocks in libzmq."""
 
 
 def latency(peer: Connection, mode: str, pings: int) -> tuple[list[float], float]:
