@@ -1,8 +1,11 @@
-"""The prepared device check (issue 14): what DigenRL does on a real GPU, in one JSON.
+"""The prepared device check: what DigenRL does on a real GPU, in one JSON.
 
-    python bench/gpu_check.py [--cpu] [--out PATH] [--skip SECTION,...]   # default PATH: gpu_check.json
+    python bench/gpu_check.py [--cpu] [--out PATH] [--skip SECTION,... | --only SECTION,...]
+    # default PATH: gpu_check.json
 
-Sections (each records its own figures and ``ok``; the script exits 1 if any is not ok):
+Sections (each records its own figures and ``ok``; the script exits 1 if any is not ok). The
+JSON is rewritten after every section, so a command killed at its time limit still leaves
+what finished:
 
 ``build``        torch, its CUDA build, cuDNN and NCCL versions, the device (name, capability,
                  memory), the Python packages DigenRL needs and which are missing.
@@ -60,15 +63,26 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
                    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
                    pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
                    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
-#: FLUX.1-dev's transformer/config.json: FluxTransformer2DModel's defaults.
-FLUX_DEV: dict[str, Any] = {}
+#: FLUX.1-dev's transformer/config.json: FluxTransformer2DModel's defaults plus the guidance
+#: embedding (FLUX.1-dev is guidance-distilled: its config has ``guidance_embeds: true``).
+FLUX_DEV: dict[str, Any] = {"guidance_embeds": True}
 SECTIONS = ("build", "nvml", "k0_bf16", "transformers", "staging", "default_run")
 NEEDED = ["diffusers", "transformers", "peft", "safetensors", "zmq", "msgpack", "msgspec", "structlog", "uvloop", "PIL",
           "pynvml", "tomli_w", "numpy", "matplotlib"]
 
 
-def _section(out: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
-    """Run one section; a failure is recorded (type and message) and the next section runs."""
+def _write(out: dict[str, Any], path: Path) -> None:
+    """Write the JSON whole (temporary file, then rename): a reader never sees half of it."""
+    out["ok"] = all(s.get("ok") for s in out["sections"].values())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = Path(str(path) + ".tmp")
+    tmp_out.write_text(json.dumps(out, indent=1, default=str))
+    tmp_out.replace(path)
+
+
+def _section(out: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]], path: Path) -> None:
+    """Run one section, then rewrite the JSON at ``path``; a failure is recorded (type and
+    message) and the next section runs."""
     t0 = time.perf_counter()
     print(f"gpu_check: {name} ...", flush=True)
     try:
@@ -79,6 +93,7 @@ def _section(out: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -
     out["sections"][name] = result
     print(f"gpu_check: {name} ok={result.get('ok')} ({result['seconds']} s)"
           + (f" {result['error']}" if "error" in result else ""), flush=True)
+    _write(out, path)
 
 
 def build_info(device: torch.device) -> dict[str, Any]:
@@ -130,8 +145,12 @@ def _node_devices(run_dir: Path) -> dict[str, str]:
 
 
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's training rows (one per optimizer step); evaluation rows are not steps."""
+    from digenrl.telemetry.metrics import is_eval_row
+
     path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return [r for r in rows if not is_eval_row(r)]
 
 
 def k0_bf16(work: Path, steps: int) -> dict[str, Any]:
@@ -348,10 +367,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="gpu_check.json", help="where the JSON goes")
     ap.add_argument("--skip", default="", metavar="SECTION,...",
                     help=f"sections not to run (recorded as skipped), of {', '.join(SECTIONS)}")
+    ap.add_argument("--only", default="", metavar="SECTION,...",
+                    help="run these sections alone (the others recorded as skipped)")
     args = ap.parse_args(argv)
     skip = {x for x in args.skip.split(",") if x}
-    if skip - set(SECTIONS):
-        ap.error(f"--skip {args.skip}: unknown section(s) {sorted(skip - set(SECTIONS))}; expected {list(SECTIONS)}")
+    only = {x for x in args.only.split(",") if x}
+    for flag, named in (("--skip", skip), ("--only", only)):
+        if named - set(SECTIONS):
+            ap.error(f"{flag} {','.join(sorted(named))}: unknown section(s) {sorted(named - set(SECTIONS))}; "
+                     f"expected {list(SECTIONS)}")
+    if skip and only:
+        ap.error("--skip and --only: give one of them")
+    if only:
+        skip = set(SECTIONS) - only
     from digenrl.devices import resolve_device
 
     device = torch.device("cpu") if args.cpu else resolve_device()
@@ -373,12 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                 "default_run": lambda: default_run(work, 1 if args.cpu else None)}
             for name, fn in sections.items():
                 if name not in skip and not (name == "nvml" and args.cpu):
-                    _section(out, name, fn)
-    out["ok"] = all(s.get("ok") for s in out["sections"].values())
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = Path(str(args.out) + ".tmp")
-    tmp_out.write_text(json.dumps(out, indent=1, default=str))
-    tmp_out.replace(args.out)
+                    _section(out, name, fn, Path(args.out))
+    _write(out, Path(args.out))
     print(f"gpu_check: ok={out['ok']} -> {args.out}", flush=True)
     return 0 if out["ok"] else 1
 

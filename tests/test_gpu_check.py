@@ -8,18 +8,24 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_check_cpu_subset_runs_and_reports_every_section(tmp_path: Path) -> None:
+def _gpu_check() -> Any:
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
     assert spec is not None and spec.loader is not None
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
+    return gpu_check
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_subset_runs_and_reports_every_section(tmp_path: Path) -> None:
+    gpu_check = _gpu_check()
     out = tmp_path / "check.json"
     assert gpu_check.main(["--cpu", "--out", str(out), "--skip", "default_run"]) == 0
     report = json.loads(out.read_text())
@@ -61,3 +67,54 @@ def test_gpu_check_looks_for_every_runtime_dependency() -> None:
     names = {re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0].strip().lower() for d in deps}
     wanted = {_IMPORT_NAMES.get(n, n.replace("-", "_")) for n in names} - {"torch"}  # imported first
     assert wanted - set(gpu_check.NEEDED) == set()
+
+
+def test_the_json_is_written_after_each_section_so_a_killed_check_keeps_what_finished(tmp_path: Path) -> None:
+    gpu_check = _gpu_check()
+    out_path = tmp_path / "check.json"
+    out: dict[str, Any] = {"sections": {}}
+    gpu_check._section(out, "build", lambda: {"ok": True, "torch": "x"}, out_path)
+    first = json.loads(out_path.read_text())
+    assert first["sections"]["build"]["torch"] == "x" and first["ok"]
+
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("device lost")
+
+    gpu_check._section(out, "nvml", broken, out_path)  # a failing section is recorded, and written
+    second = json.loads(out_path.read_text())
+    assert second["sections"]["nvml"]["error"] == "RuntimeError: device lost"
+    assert not second["ok"] and set(second["sections"]) == {"build", "nvml"}
+
+
+def test_evaluation_rows_are_not_counted_as_steps(tmp_path: Path) -> None:
+    gpu_check = _gpu_check()
+    rows = [{"step": 0, "policy_version": 0, "eval/reward": 0.5},          # the evaluation before training
+            {"step": 0, "policy_version": 1, "ratio_max_dev": 0.0},        # the one training step
+            {"step": 1, "policy_version": 1, "eval/reward": 0.6}]          # the final evaluation
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r["ratio_max_dev"] for r in gpu_check._metrics(tmp_path)] == [0.0]
+
+
+def test_only_runs_the_named_sections_and_records_the_rest_as_skipped(tmp_path: Path) -> None:
+    gpu_check = _gpu_check()
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--cpu", "--out", str(out), "--only", "build"]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["sections"]) == {"build"}
+    assert set(report["skipped"]) == set(gpu_check.SECTIONS) - {"build"}
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--cpu", "--out", str(out), "--only", "bogus"])
+
+
+def test_the_flux_dev_case_is_flux_1_dev_shaped_with_its_guidance_embedding() -> None:
+    """Built on the meta device (shapes only, no memory): FLUX.1-dev is guidance-distilled, so
+    its transformer embeds the guidance value, and it has about 11.9 B parameters."""
+    import diffusers
+    import torch
+
+    gpu_check = _gpu_check()
+    with torch.device("meta"):
+        flux = diffusers.FluxTransformer2DModel(**gpu_check.FLUX_DEV)
+    assert flux.config.guidance_embeds
+    assert any("guidance_embedder" in name for name, _ in flux.named_parameters())
+    assert 11.5e9 < sum(p.numel() for p in flux.parameters()) < 12.5e9
