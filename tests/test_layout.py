@@ -19,7 +19,7 @@ LAYERS: dict[str, int] = {
     "core": 1, "transport": 1, "models": 1, "telemetry": 1, "devices": 1,
     "rl": 2,
     "actors": 3, "sim": 3,
-    "launch": 4,
+    "launch": 4, "export": 4,
     "cli": 5,
 }
 
