@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from digenrl.transport.frames import tensor_checksum
+from digenrl.transport.protocol import tensor_checksum
 from digenrl.transport.weights import WeightAssembly, publish_parts, split_parts
 
 

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import math
 import re
+import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 import torch
+import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from digenrl.transport import protocol, schema
+from digenrl.transport import codec, protocol, schema
 from digenrl.transport.protocol import (
     DTYPES,
     INT_MAX,
@@ -322,3 +329,312 @@ def test_weights_part_with_slashes_in_names_and_messages_equal_is_strict() -> No
     assert not messages_equal(Shutdown(reason="a"), Shutdown(reason="b"))
     assert not messages_equal(_chunk(), _chunk(x_t=torch.zeros(2, 3, 4)))
     assert protocol.PROTOCOL_VERSION == 7
+
+
+# ---------------------------------------------------------------- one honest message of each type
+
+X = torch.arange(24, dtype=torch.float32).reshape(4, 2, 3)
+IMAGES = torch.zeros(2, 3, 4, 4, dtype=torch.uint8)
+HONEST: list[Message] = [
+    protocol.Hello(node_id="rollout-0", role="rollout", gpu="H100", incarnation=2, pid=4242, host="10.0.0.7",
+                   data_endpoint="tcp://10.0.0.7:5601", weights_endpoint="tcp://10.0.0.7:5602"),
+    protocol.Welcome(node_id="rollout-0", run_id="run-1", config_toml="[run]\nsteps = 3\n",
+                     endpoints={"control": "tcp://10.0.0.1:5555", "trainer-0": "tcp://10.0.0.2:5600"},
+                     rank=0, world_size=4),
+    Heartbeat(node_id="rollout-0", incarnation=1, policy_version=3, state="running", seq=9,
+              gpu={"available": True, "reason": "", "gpus": [
+                  {"index": 0, "name": "H100", "mem_free_mb": 1.5, "power_w": None, "temp_c": 40.0}]},
+              stats={"busy_s": 1.0, "chunks": 120, "bad_frames": 0}),
+    protocol.Assign(task_id=5, step=1, fragment=0, prompt_ids=[3, 4], prompts=["a cat", "a dog"],
+                    seeds=[1, 2, 3, 4], group_size=2, version_floor=0, lease_s=30.0, sde_steps=[0, 1, 2],
+                    owners={"0": 0, "1": 1, "2": 0}, metadata=['{"tag": "x"}', "{}"]),
+    Chunk(task_id=5, step=1, fragment=0, t_index=2, sigma=0.9, sigma_next=0.8, policy_version=3,
+          x_t=X, x_next=X.to(torch.bfloat16), log_prob=torch.zeros(4)),
+    protocol.CleanSample(task_id=5, step=1, fragment=0, policy_version=3, x0=X.to(torch.bfloat16)),
+    protocol.Commit(task_id=5, step=1, fragment=0, node_id="rollout-0", policy_version=3, prompt_ids=[3, 4],
+                    rewards=[0.5, 1.0, math.nan, 2.0], reward_terms={"jpeg": [1.0, 2.0, 3.0, 4]},
+                    gen_seconds=0.1, cond={"pooled": torch.ones(2, 8)}, images=IMAGES, discard=""),
+    protocol.Consumed(task_id=5, step=1, fragment=0, rank=1, policy_version=3, trained=3,
+                      discarded={"zero_advantage": 1}, train_seconds=0.25),
+    protocol.VersionAnnounce(version=4, step=1, nparts=2, nbytes=1 << 20, checksum="deadbeef"),
+    protocol.WeightsRequest(version=4, part=1),
+    WeightsPart(version=4, part=1, nparts=2, checksum="deadbeef",
+                tensors={"blocks.0/attn.weight": torch.ones(3, 3), "norm.bias": torch.zeros(3)}),
+    protocol.WeightsMissing(version=4, part=1, newest=-1),
+    protocol.WeightsPending(version=4, part=1, landed=1),
+    protocol.WeightsRoute(upstream="tcp://10.0.0.9:5602", upstream_node="rollout-3"),
+    protocol.WeightsHeld(node_id="rollout-0", version=4),
+    protocol.StepDone(step=1, version=4, metrics={"reward_mean": 0.5, "grad_norm": math.nan, "trained": 16}),
+    protocol.TagOffer(node_id="trainer-0", rank=0, free_mb=-1.0),
+    protocol.Revoke(task_id=5, reason="lease expired"),
+    Shutdown(reason="done"),
+    protocol.Score(task_id=5, step=1, images=IMAGES, prompts=["a cat", "a dog"], metadata=["{}", "{}"]),
+    protocol.Scored(task_id=5, rewards=[0.1, 0.2], reward_terms={"clip": [0.1, 0.2]}, error="", seconds=0.5),
+]
+TENSORED = [i for i, m in enumerate(HONEST) if encode(m)[1:]]
+
+
+def test_every_message_type_has_an_honest_example_here() -> None:
+    assert {m.TAG for m in HONEST} == set(message_types())
+
+
+@pytest.mark.parametrize("msg", HONEST, ids=lambda m: type(m).__name__)
+def test_honest_messages_round_trip_as_frames_and_as_bytes(msg: Message) -> None:
+    frames = encode(msg)
+    assert messages_equal(decode(frames, max_frame_bytes=LIMIT), msg)
+    assert messages_equal(decode([bytes(f) for f in frames], max_frame_bytes=LIMIT), msg)
+
+
+@pytest.mark.parametrize("tag", sorted(message_types()))
+def test_message_classes_are_frozen_keyword_only_dataclasses_registered_once(tag: str) -> None:
+    cls = message_types()[tag]
+    assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    params = inspect.signature(cls).parameters.values()
+    assert all(p.kind is p.KEYWORD_ONLY and p.default is p.empty for p in params)
+    msg = next(m for m in HONEST if tag == m.TAG)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(msg, next(iter(cls.KINDS)), None)
+    with pytest.raises(TypeError):
+        cls(*msg.__dict__.values())
+    with pytest.raises(TypeError, match="registered twice"):
+        protocol.message(tag)(type("Again", (Message,), {"__annotations__": {"a": "int"}}))
+
+
+def test_ints_in_a_list_of_floats_decode_as_floats() -> None:
+    """Another msgpack writer may send 0 for 0.0."""
+    commit = HONEST[6]
+    header = _header(encode(commit))
+    header["rewards"] = [0, 1, 2.5, 3]
+    got = decode(_with_header(encode(commit), header), max_frame_bytes=LIMIT)
+    assert isinstance(got, protocol.Commit) and got.rewards == [0.0, 1.0, 2.5, 3.0]
+    assert all(type(r) is float for r in got.rewards)
+
+
+def _nested(depth: int) -> dict[str, object]:
+    """A dict holding ``depth`` nested lists, the innermost holding a value ``depth + 1`` levels
+    below the dict."""
+    inner: object = [1]
+    for _ in range(depth - 1):
+        inner = [inner]
+    return {"a": inner}
+
+
+def test_dicts_nested_past_the_depth_limit_are_refused_both_ways() -> None:
+    def beat(gpu: dict[str, object]) -> Heartbeat:
+        return Heartbeat(node_id="a", incarnation=0, policy_version=0, state="running", seq=0,
+                         gpu=gpu, stats={})
+
+    deepest = beat(_nested(codec.MAX_DEPTH - 1))  # its leaf MAX_DEPTH levels down
+    assert _header(encode(deepest))["gpu"] == deepest.gpu
+    with pytest.raises(ValueError, match=r"Heartbeat\.gpu.*nested deeper than 16"):
+        encode(beat(_nested(codec.MAX_DEPTH)))
+    header = _header(encode(deepest))
+    header["gpu"] = _nested(codec.MAX_DEPTH)
+    with pytest.raises(ProtocolError, match=r"Heartbeat\.gpu") as err:
+        decode(_with_header(encode(deepest), header), max_frame_bytes=LIMIT)
+    assert err.value.reason == "field"
+
+
+@pytest.mark.parametrize("index", TENSORED, ids=lambda i: type(HONEST[i]).__name__)
+@pytest.mark.parametrize("element, change", [(4, 1), (4, -1), (3, "reshape"), (3, "grow"), (3, "shrink"),
+                                             (2, "dtype")])
+def test_a_tensor_entry_that_does_not_match_its_frame_is_refused(
+        index: int, element: int, change: object) -> None:
+    """A size off by one, a shape of the same or another size, one element with its size (the
+    frame longer than the header says), a dtype of another item size: only a same-size
+    reshape decodes (the schema may still refuse the shape)."""
+    frames = encode(HONEST[index])
+    header = _header(frames)
+    entry = header["_tensors"][0]
+    if element == 4:
+        entry[4] += change
+    elif change == "reshape":
+        entry[3] = [math.prod(entry[3])]
+    elif change == "grow":
+        entry[3] = [*entry[3], 2]
+    elif change == "shrink":  # shape and size agree, the frame is bigger than both say
+        entry[3], entry[4] = [1], entry[4] // math.prod(entry[3])
+    else:
+        entry[2] = "int64" if entry[2] != "int64" else "int32"
+    mutated_frames = _with_header(frames, header)
+    if change == "reshape":
+        with contextlib.suppress(ProtocolError):
+            decode(mutated_frames, max_frame_bytes=LIMIT)
+    else:
+        with pytest.raises(ProtocolError):
+            decode(mutated_frames, max_frame_bytes=LIMIT)
+
+
+def _accepted_is_a_valid_message(frames: list) -> None:
+    """decode raises only ProtocolError, and what it accepts passes the schema and encodes."""
+    try:
+        got = decode(frames, max_frame_bytes=LIMIT)
+    except ProtocolError:
+        return
+    schema.check(got)
+    encode(got)
+
+
+wire_values = st.one_of(
+    plain, st.integers(INT_MIN, INT_MAX), st.floats(), st.text(min_size=100, max_size=5000),
+    st.lists(st.integers(-3, 1 << 62), max_size=4), st.dictionaries(st.integers(-2, 2), st.integers(INT_MIN, INT_MAX)),
+    st.sampled_from([msgpack.ExtType(1, b"x"), msgpack.Timestamp(0), "running", "", "\n"]))
+
+
+@FAST
+@given(index=st.integers(0, len(HONEST) - 1), data=st.data())
+def test_mutated_headers_decode_to_valid_messages_or_protocol_errors(index: int, data: st.DataObject) -> None:
+    frames = encode(HONEST[index])
+    header = _header(frames)
+    key = data.draw(st.sampled_from([*header, "extra", "_tensors"]))
+    if data.draw(st.booleans()) and key in header:
+        del header[key]
+    else:
+        header[key] = data.draw(wire_values)
+    _accepted_is_a_valid_message([msgpack.packb(header, use_bin_type=True), *frames[1:]])
+
+
+entry_values = st.one_of(wire_values, st.sampled_from(
+    ["x_t", "x_next", "log_prob", "x0", "images", "cond", "tensors", "pooled", "float32", "bfloat16",
+     "bool", "uint8", "int64", None, 0, 4, 96, 192, [4, 2, 3], [4, 6], [], [-1], [2] * 17]))
+
+
+@FAST
+@given(index=st.sampled_from(TENSORED), data=st.data())
+def test_mutated_tensor_entries_decode_to_valid_messages_or_protocol_errors(index: int,
+                                                                           data: st.DataObject) -> None:
+    """An entry's field, key, dtype, shape or size changed, an entry dropped or doubled, frames
+    dropped, doubled or reordered."""
+    frames = encode(HONEST[index])
+    header = _header(frames)
+    entries, tensor_frames = header["_tensors"], list(frames[1:])
+    action = data.draw(st.sampled_from(["element", "drop", "double", "frames"]))
+    i = data.draw(st.integers(0, len(entries) - 1))
+    if action == "element":
+        entries[i][data.draw(st.integers(0, 4))] = data.draw(entry_values)
+    elif action == "drop":  # with its frame or without
+        del entries[i]
+        if data.draw(st.booleans()):
+            del tensor_frames[i]
+    elif action == "double":
+        entries.append(list(entries[i]))
+        if data.draw(st.booleans()):
+            tensor_frames.append(tensor_frames[i])
+    else:
+        order = data.draw(st.lists(st.integers(0, len(tensor_frames) - 1), max_size=len(tensor_frames) + 1))
+        tensor_frames = [tensor_frames[j] for j in order]
+    _accepted_is_a_valid_message([msgpack.packb(header, use_bin_type=True), *tensor_frames])
+
+
+OFF_KIND = (st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats()
+            | st.text(max_size=4) | st.binary(max_size=4) | st.lists(plain, max_size=3)
+            | st.tuples(st.integers(0, 3)) | st.dictionaries(st.integers(0, 3), plain, max_size=2)
+            | plain)
+"""Values of every kind and of none, ints past 64 bits and tuples included: what a caller's
+bug puts in a field."""
+
+
+@FAST
+@given(index=st.integers(0, len(HONEST) - 1), data=st.data())
+def test_a_field_of_another_kind_is_refused_naming_it_or_travels_as_its_kind(index: int,
+                                                                             data: st.DataObject) -> None:
+    msg = HONEST[index]
+    cls = type(msg)
+    name = data.draw(st.sampled_from([n for n, k in cls.KINDS.items() if k not in ("tensor", "tensors")]))
+    bad = dataclasses.replace(msg)
+    bad.__dict__[name] = data.draw(OFF_KIND)  # around the frozen dataclass: its __init__ checks no types
+    try:
+        frames = encode(bad)
+    except ValueError as e:
+        assert str(e).startswith(f"{cls.__name__}.{name}"), e
+        return
+    try:  # it passed the kind's check, so it decodes unless the schema refuses its value
+        decode(frames, max_frame_bytes=LIMIT)
+    except ProtocolError as e:
+        assert e.reason == "invalid", e
+
+
+def _tensor_cases() -> list[torch.Tensor]:
+    x = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    return [x, x[:, :, 1], x.transpose(0, 1), x.expand(2, 2, 3, 4)[0], x[0, 0, 0], torch.empty(0, 3),
+            x.to(torch.bfloat16), x.to(torch.float16), x.to(torch.int64), x.to(torch.int32),
+            x.to(torch.uint8), x > 3, x.clone().requires_grad_(True), torch.nn.Parameter(x.clone()),
+            x[1:], torch.ones(1, 5).t()]
+
+
+@pytest.mark.parametrize("t", _tensor_cases(), ids=lambda t: f"{t.dtype}{tuple(t.shape)}")
+def test_tensors_of_any_layout_travel_as_their_values(t: torch.Tensor) -> None:
+    """Views, strided, expanded, 0-d, empty, grad-requiring tensors and Parameters: each arrives
+    as a plain tensor of the same dtype, shape and values."""
+    part = WeightsPart(version=1, part=0, nparts=1, checksum="x", tensors={"t": t})
+    got = decode(encode(part), max_frame_bytes=LIMIT)
+    assert isinstance(got, WeightsPart)
+    assert type(got.tensors["t"]) is torch.Tensor and not got.tensors["t"].requires_grad
+    assert messages_equal(got, WeightsPart(version=1, part=0, nparts=1, checksum="x",
+                                           tensors={"t": t.detach().clone()}))
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.float64, torch.complex64])
+def test_a_tensor_of_another_dtype_is_refused_naming_it(dtype: torch.dtype) -> None:
+    with pytest.raises(ValueError, match=rf"Chunk\.x_t: dtype {dtype}"):
+        encode(_chunk(x_t=torch.zeros(2, 3, 4, dtype=dtype)))
+
+
+# ---------------------------------------------------------------- frames received from a socket
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any]]]:
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://test-protocol")
+    b.connect("inproc://test-protocol")
+    yield a, b
+    a.close(linger=0)
+    b.close(linger=0)
+    ctx.term()
+
+
+def _received(pair: tuple[zmq.Socket[Any], zmq.Socket[Any]], fs: list[Any]) -> list[zmq.Frame]:
+    """``fs`` as a node receives them: zmq.Frames over libzmq's own buffers."""
+    pair[0].send_multipart(fs, copy=False)
+    got = pair[1].recv_multipart(copy=False)
+    assert all(type(f) is zmq.Frame for f in got)
+    return got
+
+
+@pytest.mark.parametrize("msg", HONEST, ids=lambda m: type(m).__name__)
+def test_messages_received_from_a_socket_decode_as_sent_over_the_frames_memory(pair: Any,
+                                                                               msg: Message) -> None:
+    received = _received(pair, encode(msg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # over writable frames torch has nothing to warn about
+        got = decode(received, max_frame_bytes=LIMIT)
+    assert messages_equal(got, msg)
+    singles = [n for n, k in type(msg).KINDS.items() if k == "tensor"]
+    if "tensors" not in type(msg).KINDS.values():  # one frame per field, in field order
+        for name, frame in zip(singles, received[1:]):
+            t = getattr(got, name)
+            if t.numel():
+                assert t.untyped_storage().data_ptr() == np.frombuffer(frame, np.uint8).ctypes.data
+
+
+@pytest.mark.parametrize("index", TENSORED, ids=lambda i: type(HONEST[i]).__name__)
+def test_frames_made_over_bytes_decode_without_a_warning(index: int) -> None:
+    """A zmq.Frame a caller builds over a bytes object: pyzmq calls its buffer writable."""
+    frames = [zmq.Frame(bytes(f)) for f in encode(HONEST[index])]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert messages_equal(decode(frames, max_frame_bytes=LIMIT), HONEST[index])
+
+
+@FAST
+@given(msg=any_message)
+def test_random_messages_received_from_a_socket_decode_as_sent_or_are_refused(pair: Any,
+                                                                              msg: Message) -> None:
+    try:
+        got = decode(_received(pair, encode(msg)), max_frame_bytes=LIMIT)
+    except ProtocolError as e:  # random values of the right types: the schema may refuse them
+        assert e.reason == "invalid", e
+        return
+    assert messages_equal(got, msg)

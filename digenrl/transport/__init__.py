@@ -1,4 +1,4 @@
-"""ZeroMQ transport: codec (codec.py, frames.py), sockets (sockets.py,
+"""ZeroMQ transport: codec (codec.py, schema.py), sockets (sockets.py,
 socketio.py, options.py, endpoints.py), CurveZMQ (curve.py).
 
 Import the submodules directly; this package imports nothing so that

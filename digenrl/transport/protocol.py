@@ -46,6 +46,9 @@ from digenrl.core.types import Role
 from digenrl.transport.codec import (
     DEFAULT_MAX_FRAMES,
     DEFAULT_MAX_HEADER_BYTES,
+    DTYPES,
+    INT_MAX,
+    INT_MIN,
     PROTOCOL_VERSION,
     JSONDict,
     Message,
@@ -54,10 +57,9 @@ from digenrl.transport.codec import (
     message,
     message_types,
     messages_equal,
+    tensor_checksum,
 )
 from digenrl.transport.errors import ProtocolError, VersionMismatch
-from digenrl.transport.frames import DTYPES, tensor_checksum
-from digenrl.transport.kinds import INT_MAX, INT_MIN
 
 __all__ = [
     "DEFAULT_MAX_FRAMES", "DEFAULT_MAX_HEADER_BYTES", "DTYPES", "INT_MAX", "INT_MIN",

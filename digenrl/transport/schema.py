@@ -7,8 +7,7 @@ dicts (``Heartbeat.stats``, ``StepDone.metrics``, ``Commit.reward_terms``, ...) 
 numbers of bounded size, a chunk's tensors of matching shapes, a clean sample's latents
 floating. :func:`check` raises
 :class:`ProtocolError` with reason ``"invalid"``, so a socket counts and drops such a message
-like an undecodable one (issue 20: a ``Heartbeat`` whose ``stats.busy_s`` was a string
-killed the coordinator).
+like an undecodable one.
 
 These are bounds that hold in every run. Whether a value fits *this* run (a step below
 ``run.steps``, a task that was assigned, a report from the node that owns it) is for the
@@ -16,20 +15,13 @@ receiver: the ledger, the scheduler and the actors check that.
 
 Rules are keyed by message tag and need nothing from :mod:`digenrl.transport.protocol`, so
 the codec can apply them without an import cycle. A rule is a predicate plus the words
-that say what was expected; cheap on purpose (a chunk pays a few attribute reads). The
-predicates :class:`IntRange` and :class:`MaxLen` also say their bound as a msgspec
-constraint: the codec's typed decoder enforces those in C, and calls the rest after it.
+that say what was expected; cheap on purpose (a chunk pays a few attribute reads).
 """
 
 from __future__ import annotations
 
-import functools
-import operator
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Annotated, Any
-
-import msgspec
+from typing import Any
 
 from digenrl.transport.errors import ProtocolError
 
@@ -42,103 +34,34 @@ MAX_LIST = 1 << 16      # prompts, seeds, rewards per message
 MAX_KEYS = 256          # entries of a free-form dict
 
 
-@dataclass(frozen=True, slots=True)
-class IntRange:
-    """An int in ``[lo, hi)``: a rule the codec's typed decoder also enforces in C (its
-    :meth:`meta`), so a well-formed message skips the Python call."""
-
-    lo: int
-    hi: int
-
-    def __call__(self, v: int) -> bool:
-        return self.lo <= v < self.hi
-
-    def msgspec_type(self, base: Any) -> Any:
-        return Annotated[base, msgspec.Meta(ge=self.lo, lt=self.hi)]
+def _range(lo: float, hi: float, *, open_lo: bool = False) -> Callable[[Any], bool]:
+    """A number in ``[lo, hi)`` (``(lo, hi)`` with ``open_lo``); NaN fails every comparison."""
+    if open_lo:
+        return lambda v: lo < v < hi
+    return lambda v: lo <= v < hi
 
 
-@dataclass(frozen=True, slots=True)
-class FloatRange:
-    """A float in ``[lo, hi)`` (``(lo, hi)`` with ``open_lo``); NaN fails every comparison."""
-
-    lo: float
-    hi: float
-    open_lo: bool = False
-
-    def __call__(self, v: float) -> bool:
-        return (self.lo < v if self.open_lo else self.lo <= v) and v < self.hi
-
-    def msgspec_type(self, base: Any) -> Any:
-        meta = msgspec.Meta(gt=self.lo, lt=self.hi) if self.open_lo \
-            else msgspec.Meta(ge=self.lo, lt=self.hi)
-        return Annotated[base, meta]
+def _max_len(limit: int) -> Callable[[Any], bool]:
+    """A str of at most ``limit`` characters or a list of at most ``limit`` items."""
+    return lambda v: len(v) <= limit
 
 
-@dataclass(frozen=True, slots=True)
-class MaxLen:
-    """A str of at most ``limit`` characters or a list of at most ``limit`` items (the typed
-    decoder's ``max_length``, which counts the same: code points, elements)."""
-
-    limit: int
-
-    def __call__(self, v: str | list[Any]) -> bool:
-        return len(v) <= self.limit
-
-    def msgspec_type(self, base: Any) -> Any:
-        return Annotated[base, msgspec.Meta(max_length=self.limit)]
+_nonneg = _range(0, I62)
 
 
-@dataclass(frozen=True, slots=True)
-class Typed:
-    """A rule on a free-form dict that a msgspec type says exactly (``type``), contents
-    included; the predicate is the checked path's (and the test of the type)."""
-
-    ok: Callable[[Any], bool]
-    type: Any
-
-    def __call__(self, v: Any) -> bool:
-        return self.ok(v)
-
-    def msgspec_type(self, base: Any) -> Any:
-        return self.type
+def _small(limit: int) -> Callable[[Any], bool]:
+    return _range(0, limit)
 
 
-def _str(limit: int, lo: int = 0) -> Any:
-    return Annotated[str, msgspec.Meta(min_length=lo, max_length=limit)]
-
-
-def _map(key: Any, value: Any, limit: int) -> Any:
-    return Annotated[dict[key, value], msgspec.Meta(max_length=limit)]
-
-
-def _list(item: Any, limit: int) -> Any:
-    return Annotated[list[item], msgspec.Meta(max_length=limit)]
-
-
-def _union(*types: Any) -> Any:
-    return functools.reduce(operator.or_, types)
-
-
-_INT62: Any = Annotated[int, msgspec.Meta(ge=-I62, lt=I62)]
-_NUMBER = _union(_INT62, float)
-
-
-_nonneg = IntRange(0, I62)
-
-
-def _small(limit: int) -> IntRange:
-    return IntRange(0, limit)
-
-
-_seconds = FloatRange(0.0, 1e9)  # NaN and inf fail both comparisons or the bound
+_seconds = _range(0.0, 1e9)  # NaN and inf fail both comparisons or the bound
 
 
 def _name(v: str) -> bool:
     return 0 < len(v) <= MAX_NAME and v.isprintable()
 
 
-def _text(limit: int = MAX_TEXT) -> MaxLen:
-    return MaxLen(limit)
+def _text(limit: int = MAX_TEXT) -> Callable[[Any], bool]:
+    return _max_len(limit)
 
 
 def _number(v: Any) -> bool:
@@ -282,16 +205,11 @@ _NONNEG = (_nonneg, "an integer in [0, 2**62)")
 _SECONDS = (_seconds, "finite seconds >= 0")
 _NAME = (_name, f"1 to {MAX_NAME} printable characters")
 _TEXT = (_text(), f"at most {MAX_TEXT} characters")
-_KEY = _str(MAX_NAME)
-_LEAF = _union(type(None), bool, _INT62, float, _str(MAX_TEXT))
-_NUMBERS = (Typed(_numbers, _map(_KEY, _NUMBER, MAX_KEYS)),
-            f"a map of at most {MAX_KEYS} short names to numbers")
+_NUMBERS = (_numbers, f"a map of at most {MAX_KEYS} short names to numbers")
 _FRAGMENT = (_small(1 << 20), "a fragment index in [0, 2**20)")
 _T_INDEX = (_small(1 << 20), "a timestep index in [0, 2**20)")
 _RANK = (_small(1 << 16), "a rank in [0, 65536)")
 
-_REWARD_TERMS = Typed(_reward_terms, _map(_KEY, _list(_NUMBER, MAX_LIST), 64))
-_GPU = Typed(_gpu, _map(_KEY, _union(_LEAF, _list(_map(_KEY, _LEAF, 32), 64)), 16))
 
 Rule = tuple[Callable[[Any], bool], str]
 RULES: dict[str, dict[str, Rule]] = {
@@ -299,15 +217,15 @@ RULES: dict[str, dict[str, Rule]] = {
               "incarnation": _NONNEG, "pid": _NONNEG, "host": _TEXT, "data_endpoint": _TEXT,
               "weights_endpoint": _TEXT},
     "welcome": {"node_id": _NAME, "run_id": _TEXT, "config_toml": (_text(1 << 20), "at most 1 MiB"),
-                "endpoints": (Typed(_endpoints, _map(_KEY, _str(MAX_TEXT), 4096)), "a map of names to addresses"), "rank": _RANK,
+                "endpoints": (_endpoints, "a map of names to addresses"), "rank": _RANK,
                 "world_size": _RANK},
     "heartbeat": {"node_id": _NAME, "incarnation": _NONNEG, "policy_version": _NONNEG, "seq": _NONNEG,
-                  "gpu": (_GPU, "an NVML snapshot"), "stats": _NUMBERS},
+                  "gpu": (_gpu, "an NVML snapshot"), "stats": _NUMBERS},
     "assign": {"task_id": _NONNEG, "step": _NONNEG, "fragment": _FRAGMENT,
                "prompt_ids": (_ints(I62), "prompt indices >= 0"), "prompts": (_prompts, "bounded prompts"),
-               "seeds": (MaxLen(MAX_LIST), "at most 65536 seeds"),
-               "group_size": (IntRange(1, MAX_LIST + 1), "a group size >= 1"),
-               "version_floor": _NONNEG, "lease_s": (FloatRange(0.0, 1e9, open_lo=True), "finite seconds > 0"),
+               "seeds": (_max_len(MAX_LIST), "at most 65536 seeds"),
+               "group_size": (_range(1, MAX_LIST + 1), "a group size >= 1"),
+               "version_floor": _NONNEG, "lease_s": (_range(0.0, 1e9, open_lo=True), "finite seconds > 0"),
                "sde_steps": (_ints(1 << 20), "timestep indices"), "owners": (_owners, "timestep -> rank"),
                "metadata": (_metadata, "bounded JSON records")},
     "chunk": {"task_id": _NONNEG, "step": _NONNEG, "fragment": _FRAGMENT, "t_index": _T_INDEX,
@@ -316,35 +234,34 @@ RULES: dict[str, dict[str, Rule]] = {
                      "policy_version": _NONNEG},
     "commit": {"task_id": _NONNEG, "step": _NONNEG, "fragment": _FRAGMENT, "node_id": _NAME,
                "policy_version": _NONNEG, "prompt_ids": (_ints(I62), "prompt indices >= 0"),
-               "rewards": (MaxLen(MAX_LIST), "at most 65536 rewards"),
-               "reward_terms": (_REWARD_TERMS, "a map of term names to lists of numbers"),
+               "rewards": (_max_len(MAX_LIST), "at most 65536 rewards"),
+               "reward_terms": (_reward_terms, "a map of term names to lists of numbers"),
                "gen_seconds": _SECONDS, "discard": (_text(MAX_NAME), "a short reason or ''")},
     "score": {"task_id": _NONNEG, "step": _NONNEG, "prompts": (_prompts, "bounded prompts"),
               "metadata": (_metadata, "bounded JSON records")},
-    "scored": {"task_id": _NONNEG, "rewards": (MaxLen(MAX_LIST), "at most 65536 rewards"),
-               "reward_terms": (_REWARD_TERMS, "a map of term names to lists of numbers"),
+    "scored": {"task_id": _NONNEG, "rewards": (_max_len(MAX_LIST), "at most 65536 rewards"),
+               "reward_terms": (_reward_terms, "a map of term names to lists of numbers"),
                "error": _TEXT, "seconds": _SECONDS},
     "consumed": {"task_id": _NONNEG, "step": _NONNEG, "fragment": _FRAGMENT, "rank": _RANK,
                  "policy_version": _NONNEG,
-                 "trained": (IntRange(0, MAX_LIST + 1), "0 to 65536 trajectories"),
-                 "discarded": (Typed(_counts, _map(_str(MAX_NAME, 1), Annotated[int, msgspec.Meta(ge=0, lt=I62)], 64)),
-                               "a map of reasons to counts"), "train_seconds": _SECONDS},
+                 "trained": (_range(0, MAX_LIST + 1), "0 to 65536 trajectories"),
+                 "discarded": (_counts, "a map of reasons to counts"), "train_seconds": _SECONDS},
     "version_announce": {"version": _NONNEG, "step": _NONNEG,
-                         "nparts": (IntRange(1, (1 << 20) + 1), "1 or more parts"),
+                         "nparts": (_range(1, (1 << 20) + 1), "1 or more parts"),
                          "nbytes": _NONNEG, "checksum": (_text(128), "a short checksum")},
     "weights_request": {"version": _NONNEG, "part": (_small(1 << 20), "a part index")},
     "weights_part": {"version": _NONNEG, "part": (_small(1 << 20), "a part index"),
-                     "nparts": (IntRange(1, (1 << 20) + 1), "1 or more parts"),
+                     "nparts": (_range(1, (1 << 20) + 1), "1 or more parts"),
                      "checksum": (_text(128), "a short checksum")},
     "weights_missing": {"version": _NONNEG, "part": (_small(1 << 20), "a part index"),
-                        "newest": (IntRange(-1, I62), "a version >= -1 (-1: none)")},
+                        "newest": (_range(-1, I62), "a version >= -1 (-1: none)")},
     "weights_pending": {"version": _NONNEG, "part": (_small(1 << 20), "a part index"),
                         "landed": (_small(1 << 20), "a part count")},
     "weights_route": {"upstream": _TEXT, "upstream_node": (_text(MAX_NAME), "a node id or ''")},
     "weights_held": {"node_id": _NAME, "version": _NONNEG},
     "step_done": {"step": _NONNEG, "version": _NONNEG, "metrics": _NUMBERS},
     "tag_offer": {"node_id": _NAME, "rank": _RANK,
-                  "free_mb": (FloatRange(-1.0, 1e12), "MiB >= -1 (-1: unknown)")},
+                  "free_mb": (_range(-1.0, 1e12), "MiB >= -1 (-1: unknown)")},
     "revoke": {"task_id": _NONNEG, "reason": _TEXT},
     "shutdown": {"reason": _TEXT},
 }
