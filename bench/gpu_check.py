@@ -67,7 +67,7 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
 #: embedding (FLUX.1-dev is guidance-distilled: its config has ``guidance_embeds: true``).
 FLUX_DEV: dict[str, Any] = {"guidance_embeds": True}
 SECTIONS = ("build", "nvml", "k0_bf16", "transformers", "staging", "default_run")
-NEEDED = ["diffusers", "transformers", "peft", "safetensors", "zmq", "msgpack", "msgspec", "structlog", "uvloop", "PIL",
+NEEDED = ["diffusers", "transformers", "peft", "safetensors", "zmq", "msgpack", "structlog", "uvloop", "PIL",
           "pynvml", "tomli_w", "numpy", "matplotlib"]
 
 
