@@ -32,7 +32,7 @@ def _messages() -> dict[str, object]:
         "Commit": Commit(task_id=9, step=3, fragment=1, node_id="rollout-0", policy_version=2,
                          prompt_ids=[1, 2], rewards=[0.5] * 8, reward_terms={"jpeg": [0.5] * 8},
                          gen_seconds=1.5, cond={"e": torch.zeros(2, 8)},
-                         images=torch.zeros(8, 3, 8, 8, dtype=torch.uint8)),
+                         images=torch.zeros(8, 3, 8, 8, dtype=torch.uint8), discard=""),
     }
 
 
