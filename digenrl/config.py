@@ -61,6 +61,11 @@ class RunConfig:
     sample_grid_every: int = _f(0, "also save a sample grid every N steps (0 = first and last only)", ge=0)
     eval_every: int = _f(0, "held-out evaluation ([eval]) of the policy at version 0, every N "
                          "versions and at the end; 0 = none (needs a test split, [prompts])", ge=0)
+    node_fault_limit: int = _f(3, "a node whose fragments held non-finite values (NaN, inf) this "
+                               "many times in a row is broken (docs/operations.md)", ge=1, le=1000)
+    node_fault_action: Literal["drop", "stop"] = _f(
+        "drop", "a broken node: 'drop' (lost, its work reassigned; the run stops when it is the "
+        "last rollout) or 'stop' (the run stops with an error naming it)")
 
 
 @dataclass(frozen=True, kw_only=True)

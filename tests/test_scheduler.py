@@ -452,14 +452,17 @@ GPUS = ("H100", "A100", "L40S", "H200")
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random joins, losses, commits, consumes, publishes, heartbeats, offers and ticks."""
+    """Random joins, losses, commits, consumes (some with non-finite trajectories), publishes,
+    heartbeats, offers and ticks."""
 
     @initialize(k=st.integers(0, 2), fragments=st.sampled_from([1, 2, 4]),
                 ranks=st.integers(1, 2), tsp=st.booleans(),
-                tag=st.sampled_from(["never", "always", "bts"]), window=st.integers(1, 40))
-    def setup(self, k, fragments, ranks, tsp, tag, window):
+                tag=st.sampled_from(["never", "always", "bts"]), window=st.integers(1, 40),
+                fault_limit=st.integers(1, 3), fault_action=st.sampled_from(["drop", "stop"]))
+    def setup(self, k, fragments, ranks, tsp, tag, window, fault_limit, fault_action):
         self.s = make(steps=3, staleness=k, fragments_per_step=fragments, trainer_ranks=ranks,
-                      tsp=tsp, tag=tag, byte_window=window, lease_s=20.0, heartbeat_timeout=8.0)
+                      tsp=tsp, tag=tag, byte_window=window, lease_s=20.0, heartbeat_timeout=8.0,
+                      fault_limit=fault_limit, fault_action=fault_action)
         self.now = 0.0
         self.assigned: dict[int, AssignCmd] = {}
         self.revoked: set[int] = set()
@@ -515,16 +518,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.s.statistics()["trained"] == trained
 
     @precondition(lambda self: self.trainable())
-    @rule(data=st.data(), zero=st.integers(0, 2), seconds=st.floats(0.0, 2.0))
-    def consume_one_rank(self, data, zero, seconds):
+    @rule(data=st.data(), zero=st.integers(0, 2), bad=st.sampled_from([0, 0, 1, 9]),
+          seconds=st.floats(0.0, 2.0))
+    def consume_one_rank(self, data, zero, bad, seconds):
         a = data.draw(st.sampled_from(self.trainable()))
         ranks = sorted(set(self.assigned[a.task_id].owners))
         done = self.reported.setdefault(a.task_id, set())
         rank = data.draw(st.sampled_from([r for r in ranks if r not in done]))
         done.add(rank)
         zero = min(zero, a.trajectories)
-        self.record(self.s.fragment_consumed(a.task_id, rank, a.trajectories - zero,
-                                             {"zero_advantage": zero}, seconds, self.now))
+        bad = min(bad, a.trajectories - zero)
+        self.record(self.s.fragment_consumed(a.task_id, rank, a.trajectories - zero - bad,
+                                             {"zero_advantage": zero, "nonfinite": bad}, seconds, self.now))
 
     @precondition(lambda self: not self.s.ledger.done and self.s.ledger.step_consumed(
         self.s.ledger.version) == self.s.ledger.fragments_per_step)
@@ -571,14 +576,31 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(n.outstanding) <= cap
 
     @invariant()
-    def only_done_shuts_down(self):
-        assert [c.reason for c in self.shutdowns] in ([], ["done"])
-        assert bool(self.shutdowns) == self.s.ledger.done
+    def only_done_or_a_named_broken_node_shuts_down(self):
+        reasons = [c.reason for c in self.shutdowns]
+        if reasons and reasons[0].startswith("failed: node "):
+            assert len(reasons) == 1 and self.s.is_broken(reasons[0].split()[2])
+        else:
+            assert reasons in ([], ["done"])
+            assert bool(self.shutdowns) == self.s.ledger.done
+
+    @invariant()
+    def a_broken_node_holds_no_work_and_never_rejoins(self):
+        for name in ROLLOUTS:
+            if self.s.is_broken(name) and not self.shutdowns:
+                assert name not in self.s._nodes
+                assert not any(a.node_id == name and not a.committed for a in self.s.ledger.live_attempts())
+        nonfinite = self.s.statistics()["discarded"].get("nonfinite", 0)
+        assert sum(self.s.statistics()["nonfinite_by_node"].values()) >= nonfinite
 
     def teardown(self):
         if not hasattr(self, "s"):
             return
         s = self.s
+        if self.shutdowns and self.shutdowns[0].reason.startswith("failed: "):
+            stats = s.statistics()  # stopped naming a broken node: still exact
+            assert stats["admitted"] == stats["trained"] + sum(stats["discarded"].values()) + stats["in_flight"]
+            return
         self.record(s.node_joined("drain", "rollout", "H100", self.now))
         for _ in range(200):
             if self.shutdowns:
@@ -640,3 +662,79 @@ def test_a_slow_rollouts_lease_stretches_to_its_measured_fragment_time():
     assert [x.task_id for x in s.tick(10.0) if isinstance(x, RevokeCmd)] == [b.task_id]
     with pytest.raises(SchedulerError, match="lease_factor"):
         make(lease_factor=-1.0)
+
+
+def _consume_bad(s: Scheduler, cmd: AssignCmd, now: float, bad: int) -> list:
+    """Commit ``cmd``; every owning rank reports ``bad`` of its trajectories non-finite."""
+    out = s.fragment_committed(cmd.task_id, cmd.node_id, s.ledger.version, 1.0, now)
+    n = len(cmd.seeds)
+    for rank in sorted(set(cmd.owners) or {0}):
+        out += s.fragment_consumed(cmd.task_id, rank, n - bad, {"nonfinite": bad} if bad else {}, 0.1, now)
+    return out
+
+
+def test_nonfinite_fragments_are_counted_per_node_and_a_clean_one_resets_the_run_of_faults():
+    s = make(fault_limit=2, staleness=0)
+    a0, b0 = assigns(s.node_joined("r0", "rollout", "H100", 0.0))
+    s.node_joined("r1", "rollout", "H100", 0.0)
+    assert _consume_bad(s, a0, 1.0, 3) == []  # one fault: counted, nothing else
+    _consume_bad(s, b0, 1.0, 0)  # clean: the run of faults starts again
+    out = s.version_published(1, 2.0)
+    a1 = next(c for c in assigns(out) if c.node_id == "r0")
+    _consume_bad(s, a1, 3.0, 4)
+    stats = s.statistics()
+    assert stats["nodes"]["r0"]["nonfinite"] == 7 and stats["nonfinite_by_node"] == {"r0": 7}
+    assert s.is_broken("r0") == "" and s.is_live("r0")  # 1 in a row, not 2
+    assert stats["discarded"] == {"nonfinite": 7}
+
+
+def test_after_fault_limit_fragments_in_a_row_the_node_is_lost_and_never_rejoins():
+    s = make(fault_limit=2, staleness=0)
+    (a0, b0) = assigns(s.node_joined("r0", "rollout", "H100", 0.0))  # step 0's two fragments
+    assert assigns(s.node_joined("r1", "rollout", "H100", 0.0)) == []  # K = 0: step 1 waits
+    assert _consume_bad(s, a0, 1.0, 1) == []
+    assert s.statistics()["nodes"]["r0"]["nonfinite"] == 1
+    out = _consume_bad(s, b0, 1.0, 4)
+    assert s.is_broken("r0").startswith("2 fragments in a row held non-finite values (5 trajectories")
+    assert not s.is_live("r0") and s.statistics()["nodes"]["r0#lost0"]["lost_why"].startswith("broken: ")
+    assert not [c for c in out if isinstance(c, ShutdownCmd)]
+    new = assigns(s.version_published(1, 2.0))
+    assert new and {c.node_id for c in new} == {"r1"}  # the work goes to the healthy node
+    assert s.node_joined("r0", "rollout", "H100", 3.0) == [] and not s.is_live("r0")
+    stats = s.statistics()
+    assert stats["nonfinite_by_node"] == {"r0": 5} and stats["broken_rejoins"] == 1
+    assert stats["discarded"] == {"nonfinite": 5}
+    assert stats["admitted"] == stats["trained"] + sum(stats["discarded"].values()) + stats["in_flight"]
+
+
+def test_a_broken_nodes_uncommitted_work_is_revoked_as_a_lost_nodes_is():
+    s = make(fault_limit=1)
+    a, b = assigns(s.node_joined("r0", "rollout", "H100", 0.0))
+    c, _ = assigns(s.node_joined("r1", "rollout", "H100", 0.0))
+    out = _consume_bad(s, a, 1.0, 2)
+    revoked = [c for c in out if isinstance(c, RevokeCmd)]
+    assert [(r.node_id, r.task_id, r.reason) for r in revoked] == [("r0", b.task_id, "node_lost")]
+    out = s.fragment_committed(c.task_id, "r1", 0, 1.0, 2.0)  # r1 has room again: b's slot
+    again = [c for c in assigns(out) if (c.step, c.fragment) == (b.step, b.fragment)]
+    assert [c.node_id for c in again] == ["r1"] and again[0].seeds == b.seeds
+
+
+@pytest.mark.parametrize("action", ["drop", "stop"])
+def test_the_run_stops_naming_a_broken_node_when_asked_or_when_it_is_the_last_rollout(action):
+    s = make(fault_limit=1, fault_action=action)
+    a, _ = assigns(s.node_joined("r0", "rollout", "H100", 0.0))
+    if action == "stop":
+        s.node_joined("r1", "rollout", "H100", 0.0)
+    s.fragment_committed(a.task_id, "r0", 0, 1.0, 1.0)
+    out = s.fragment_consumed(a.task_id, 0, 0, {"nonfinite": 4}, 0.1, 1.0)
+    assert out == [ShutdownCmd(reason="failed: node r0 is broken: 1 fragments in a row held "
+                                      "non-finite values (4 trajectories discarded)")]
+    assert s.statistics()["closed"].startswith("failed: node r0 is broken")
+    assert s.tick(2.0) == [] and s.node_joined("r2", "rollout", "H100", 2.0) == []  # closed
+
+
+def test_fault_params_are_checked():
+    with pytest.raises(SchedulerError, match="fault_limit = 0"):
+        make(fault_limit=0)
+    with pytest.raises(SchedulerError, match="fault_action = 'ignore'"):
+        make(fault_action="ignore")

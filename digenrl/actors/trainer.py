@@ -46,6 +46,7 @@ from digenrl.rl.checkpoint import (
     save_trainer_state,
 )
 from digenrl.rl.evaluate import eval_due, evaluate
+from digenrl.rl.finite import NONFINITE
 from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.learner import Learner, save_final
 from digenrl.rl.policy import Policy
@@ -370,6 +371,9 @@ class TrainerActor(TrainerCheckpoints):
             for reason, count in self.learner.stats.discarded.items():
                 if count - discarded_before.get(reason, 0):
                     discarded[reason] = count - discarded_before.get(reason, 0)
+            if discarded.get(NONFINITE):
+                self.log.error("non-finite trajectories discarded", node=commit.node_id,
+                               task=commit.task_id, step=step, count=discarded[NONFINITE])
             if self.rank == 0 and (step == 0 or step == self.cfg.run.steps - 1) and commit.images.numel():
                 # PNG compression of up to MAX_SIDE^2 pixels: not on the event loop (heartbeats)
                 await asyncio.to_thread(
@@ -417,7 +421,8 @@ class TrainerActor(TrainerCheckpoints):
         self.learner.train_fragment(records=records, cond=dict(commit.cond), rewards=commit.rewards,
                                     gen_version=commit.policy_version, n_trained_total=n_trained_total,
                                     sigma_max=self.sigma_max, reward_terms=commit.reward_terms,
-                                    passes=passes, final=final, seeds=seeds)
+                                    passes=passes, final=final, seeds=seeds,
+                                    source=f"{commit.step}/{commit.fragment} task {commit.task_id} from {commit.node_id}")
 
     async def _finish_step(self, step: int) -> bool:
         """The step's optimizer step, then its report, checkpoint and publish; False if a rank
@@ -435,6 +440,10 @@ class TrainerActor(TrainerCheckpoints):
             metrics = await self.in_thread("optimizer_step", partial(self.learner.finish_step, None,
                                                                      pad_to=pad_to), step=step)
         metrics["rejected_stale"] = self.rejected_stale
+        if self.learner.last_skipped is not None:
+            self.log.error("optimizer step skipped: non-finite loss or gradient, weights untouched",
+                           step=step, fragments=self.learner.last_skipped[0],
+                           nonfinite_loss=self.learner.last_skipped[1])
         dt = time.perf_counter() - self._step_t0
         self._step_t0 = time.perf_counter()
         metrics["step_seconds"] = dt

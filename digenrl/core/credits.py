@@ -68,6 +68,10 @@ ConsumeOutcome = Literal["ok", "zombie"]
 
 SNAPSHOT_FORMAT = 1
 
+NONFINITE = "nonfinite"
+"""The discard reason of a trajectory that held a NaN or an infinity (rl/finite.py): counted
+like any other reason, and per sending node by the scheduler (a node's fault)."""
+
 
 def admissible(step: int, version: int, staleness: int) -> bool:
     """The admission limit: step ``step`` may be generated while ``step <= version + K``."""

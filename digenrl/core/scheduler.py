@@ -26,6 +26,13 @@ per-reason discards) is the *lowest owning rank's* report (all ranks compute the
 advantages from the same rewards; disagreements are counted), and its training time is
 the *maximum* over ranks (ranks train in parallel, the slowest one sets the pace).
 
+A node's fault: a consumed fragment it generated in which some rank discarded trajectories as
+``nonfinite`` (NaN or infinite latents, log-probs or rewards). Counted per node; after
+``fault_limit`` such fragments in a row (a clean one resets the count) the node is *broken*:
+with ``fault_action = "drop"`` it is lost as a silent node is (its uncommitted attempts
+revoked and re-queued) and never re-joins; with "stop", or when it is a trainer or the last
+rollout, the run stops (ShutdownCmd "failed: node ... is broken: ...").
+
 Once committed, a fragment belongs to the trainer: a lost rollout node or an expired
 lease discards only *uncommitted* attempts. A RevokeCmd names the attempt's holder; the
 actor delivers it there if it can and also tells the trainer ranks, which drop any
@@ -42,7 +49,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from digenrl.core.bts import StepForecast, ewma, helper_shortens_step
-from digenrl.core.credits import CreditError, CreditLedger, version_floor, within_staleness
+from digenrl.core.credits import (
+    NONFINITE,
+    CreditError,
+    CreditLedger,
+    version_floor,
+    within_staleness,
+)
 from digenrl.core.plan import (
     PlanFn,
     all_timesteps,
@@ -83,6 +96,8 @@ class _Node:
     assigned: int = 0
     committed: int = 0
     revoked: int = 0
+    nonfinite: int = 0  # trajectories of its fragments discarded as non-finite
+    faults: int = 0  # consecutive consumed fragments of it holding non-finite values
 
 
 @dataclass
@@ -109,6 +124,7 @@ class Scheduler:
         self._tasks: dict[int, _Task] = {}
         self._train_spt: float | None = None
         self._closed: str | None = None
+        self._broken: dict[str, str] = {}  # node id -> why it is broken (it never re-joins)
         self._c: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ content
@@ -144,6 +160,9 @@ class Scheduler:
         if role == "trainer" and any(n.rank == rank and n.node_id != node_id
                                      for n in self._nodes.values() if n.role == "trainer"):
             raise SchedulerError(f"trainer node {node_id!r} rank = {rank}: already held")
+        if node_id in self._broken:
+            self._c["broken_rejoins"] += 1  # refused: its work went elsewhere for good
+            return []
         cmds: list[Command] = []
         if node_id in self._nodes:
             cmds += self._lose(self._nodes[node_id], now, "re-joined as a new incarnation")
@@ -270,7 +289,8 @@ class Scheduler:
         if slowest > 0:
             self._train_spt = ewma(self._train_spt, slowest / attempt.trajectories,
                                    self.params.ewma_alpha)
-        return self._after(now)
+        nonfinite = max(r[1].get(NONFINITE, 0) for r in task.reports.values())
+        return self._fault(attempt.node_id, nonfinite, now) + self._after(now)
 
     def version_published(self, version: int, now: float) -> list[Command]:
         """The trainer finished optimizer step ``version - 1``; older/duplicate publishes are no-ops."""
@@ -379,6 +399,33 @@ class Scheduler:
             cmds.append(ShutdownCmd(reason=self._closed))
         return cmds
 
+    def _fault(self, node_id: str, nonfinite: int, now: float) -> list[Command]:
+        """A consumed fragment of ``node_id`` held ``nonfinite`` non-finite trajectories (as
+        the rank that saw most reported): count it; past ``fault_limit`` in a row the node is
+        broken (see the module doc)."""
+        node = self._nodes.get(node_id)
+        rec = node if node is not None else self._holder(node_id)
+        if not nonfinite:
+            rec.faults = 0
+            return []
+        rec.nonfinite += nonfinite
+        rec.faults += 1
+        if node is None or rec.faults < self.params.fault_limit or self._closed:
+            return []  # a departed node's late fragments are only counted
+        why = (f"{rec.faults} fragments in a row held non-finite values "
+               f"({rec.nonfinite} trajectories discarded)")
+        self._broken[node_id] = why
+        self._c["nodes_broken"] += 1
+        others = [n for n in self._nodes.values() if n.role == "rollout" and not n.lost and n is not node]
+        if self.params.fault_action == "stop" or node.role != "rollout" or not others:
+            self._closed = f"failed: node {node_id} is broken: {why}"
+            return [ShutdownCmd(reason=self._closed)]
+        return self._lose(node, now, f"broken: {why}")
+
+    def is_broken(self, node_id: str) -> str:
+        """Why ``node_id`` is broken (it is dropped and never re-joins), or "" if it is not."""
+        return self._broken.get(node_id, "")
+
     def _assign(self, node: _Node, now: float, *, tag: bool = False) -> AssignCmd:
         attempt = self.ledger.admit(node.node_id, now)
         trained, sde, _ = self.step_plan(attempt.step)
@@ -442,12 +489,18 @@ class Scheduler:
         for key, n in [*keyed, *self._nodes.items()]:
             nodes[key] = {"role": n.role, "gpu": n.gpu, "rank": n.rank, "lost": n.lost, "lost_why": n.lost_why,
                           "assigned": n.assigned, "committed": n.committed, "revoked": n.revoked,
+                          "nonfinite": n.nonfinite, "broken": self._broken.get(n.node_id, ""),
                           "outstanding": len(n.outstanding), "s_per_traj": n.spt}
+        nonfinite: Counter[str] = Counter()
+        for n in [*self._departed, *self._nodes.values()]:
+            nonfinite[n.node_id] += n.nonfinite
         stats.update(nodes=nodes, closed=self._closed, train_s_per_traj=self._train_spt,
+                     nonfinite_by_node={k: v for k, v in sorted(nonfinite.items()) if v},
+                     broken_nodes=dict(self._broken),
                      **{k: self._c[k] for k in (
                          "tag_offers", "tag_granted", "tag_refused", "tag_dropped", "tag_consumed",
                          "misdirected_commits", "duplicate_reports", "rank_disagreements",
-                         "unknown_node_events")})
+                         "unknown_node_events", "nodes_broken", "broken_rejoins")})
         return stats
 
     def snapshot(self) -> dict[str, Any]:

@@ -46,15 +46,22 @@ class SchedulerParams:
     lease_factor: float = 4.0
     """A lease also stretches to this many times the node's measured seconds per fragment
     (its EWMA): a slow or large-image rollout is not re-assigned for being slow. 0 = fixed."""
+    fault_limit: int = 3
+    """Consecutive consumed fragments of one node holding non-finite values that make it broken."""
+    fault_action: Literal["drop", "stop"] = "drop"
+    """A broken node: "drop" (lost, its work reassigned; the run stops when it is the last
+    rollout, or a trainer) or "stop" (the run stops, naming it)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "fragments_per_step",
-                     "trainer_ranks", "num_steps_T", "prompt_count", "max_outstanding"):
+                     "trainer_ranks", "num_steps_T", "prompt_count", "max_outstanding", "fault_limit"):
             if getattr(self, name) < 1:
                 raise SchedulerError(f"{name} = {getattr(self, name)!r}: expected >= 1")
         for name in ("lease_s", "heartbeat_timeout"):
             if not getattr(self, name) > 0:
                 raise SchedulerError(f"{name} = {getattr(self, name)!r}: expected > 0")
+        if self.fault_action not in ("drop", "stop"):
+            raise SchedulerError(f"fault_action = {self.fault_action!r}: expected 'drop' or 'stop'")
         if self.tag not in ("bts", "always", "never"):
             raise SchedulerError(f"tag = {self.tag!r}: expected 'bts', 'always' or 'never'")
         if not self.lease_factor >= 0 or math.isinf(self.lease_factor):
@@ -76,7 +83,8 @@ class SchedulerParams:
                    heartbeat_timeout=rt.heartbeat_s * rt.heartbeat_misses,
                    byte_window=max(1, int(rt.byte_window_mb * 2**20)),
                    bytes_per_trajectory=bytes_per_trajectory, num_steps_T=cfg.sampler.num_steps,
-                   seed=cfg.run.seed, prompt_count=prompt_count, switch_s=rt.tag_switch_s)
+                   seed=cfg.run.seed, prompt_count=prompt_count, switch_s=rt.tag_switch_s,
+                   fault_limit=cfg.run.node_fault_limit, fault_action=cfg.run.node_fault_action)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,7 +120,8 @@ class RevokeCmd:
 
 @dataclass(frozen=True, kw_only=True)
 class ShutdownCmd:
-    """The run is over: "done" (all steps trained) or "trainer_lost: ..."."""
+    """The run is over: "done" (all steps trained), "trainer_lost: ..." (rewound to a
+    checkpoint) or "failed: ..." (stopped with that one-line error: a broken node)."""
 
     reason: str
 

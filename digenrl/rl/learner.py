@@ -20,6 +20,7 @@ import torch
 from digenrl.config import Config
 from digenrl.core.plan import FORWARD_ALGORITHMS
 from digenrl.models.base import Cond
+from digenrl.rl.finite import NONFINITE, fragment_tensors, nonfinite_rows
 from digenrl.rl.forward import fragment_backward as forward_fragment_backward
 from digenrl.rl.grpo import group_advantages
 from digenrl.rl.policy import Policy, StepLike
@@ -43,6 +44,8 @@ class StepStats:
     zero_adv_groups: int = 0
     train_seconds: float = 0.0
     passes: int = 0  # forward/backward passes run (sharded ranks keep these equal)
+    fragments: list[str] = field(default_factory=list)  # each trained fragment's source label
+    nonfinite_loss: list[str] = field(default_factory=list)  # those whose loss was not finite
 
 
 class Learner:
@@ -53,6 +56,10 @@ class Learner:
         self.cfg = cfg
         self.stats = StepStats()
         self.last_discarded: dict[str, int] = {}
+        self.skipped_steps = 0
+        """Optimizer steps skipped for a non-finite loss or gradient (weights left untouched)."""
+        self.last_skipped: tuple[list[str], list[str]] | None = None
+        """The last step, if skipped: (its fragments, those whose loss was not finite)."""
 
     @property
     def version(self) -> int:
@@ -62,7 +69,7 @@ class Learner:
                        gen_version: int, n_trained_total: int, sigma_max: float,
                        reward_terms: Mapping[str, Sequence[float]] | None = None,
                        passes: int | None = None, final: torch.Tensor | None = None,
-                       seeds: Sequence[int] | None = None) -> dict[str, float]:
+                       seeds: Sequence[int] | None = None, source: str = "") -> dict[str, float]:
         """Accumulate one fragment's gradient. ``records`` are this rank's trained steps only.
 
         ``passes``: the forward/backward passes this rank owes the fragment (its trained
@@ -73,34 +80,48 @@ class Learner:
         Forward-process algorithms (``train.algorithm`` nft / awm): ``records`` holds this
         rank's draw slots (values unused), ``final`` the fragment's clean latents and ``seeds``
         its trajectory seeds (they fix each draw's noise level and noise).
+
+        A trajectory with a non-finite value in what is read of it (rl/finite.py) is discarded
+        as ``nonfinite`` before advantages: its group's advantages are those of its finite
+        members. ``source`` names the fragment in the log of a skipped step.
         """
         t0 = time.perf_counter()
         g = self.cfg.train.group_size
         n = len(rewards)
+        bad = nonfinite_rows(n, tensors=fragment_tensors(records, final, cond),
+                             values=reward_terms, rewards=rewards)
+        n_bad = int(bad.sum())
+        good = ~bad
         r = torch.tensor(list(rewards), dtype=torch.float32)
         group_ids = torch.arange(n) // g
-        adv, adv_stats = group_advantages(r, group_ids, std_mode=self.cfg.train.adv_std,
-                                          clip=self.cfg.train.adv_clip)
-        keep = adv_stats.keep
+        adv, keep, zero_groups = torch.zeros(n), torch.zeros(n, dtype=torch.bool), 0
+        if n_bad < n or n == 0:
+            adv_good, adv_stats = group_advantages(r[good], group_ids[good], std_mode=self.cfg.train.adv_std,
+                                                   clip=self.cfg.train.adv_clip)
+            adv[good], keep[good], zero_groups = adv_good, adv_stats.keep, adv_stats.zero_groups
         st = self.stats
-        st.rewards += [float(x) for x in rewards]
+        st.fragments.append(source)
+        if n_bad:
+            self.discard(n_bad, NONFINITE)
+        st.rewards += [float(x) for x, ok in zip(rewards, good.tolist(), strict=True) if ok]
         for k, v in (reward_terms or {}).items():
-            st.reward_terms.setdefault(k, []).extend(float(x) for x in v)
+            rows = v if len(v) != n else [x for x, ok in zip(v, good.tolist(), strict=True) if ok]
+            st.reward_terms.setdefault(k, []).extend(float(x) for x in rows)
         staleness = self.policy.version - gen_version
         st.staleness += [staleness] * n
         forward = self.cfg.train.algorithm in FORWARD_ALGORITHMS
         if not self.policy.behaviour_available(gen_version) and (forward or self.cfg.train.guard):
             # the generating version's weights are gone (a resume dropped them): no v_old
             keep = torch.zeros_like(keep)
-            self.discard(n, "behaviour_unavailable")
+            self.discard(n - n_bad, "behaviour_unavailable")
             n_keep = 0
         else:
             n_keep = int(keep.sum())
-            if n - n_keep:
-                st.discarded["zero_advantage"] = st.discarded.get("zero_advantage", 0) + n - n_keep
+            if n - n_bad - n_keep:
+                st.discarded["zero_advantage"] = st.discarded.get("zero_advantage", 0) + n - n_bad - n_keep
         if n_keep:
             st.trained_staleness[staleness] = st.trained_staleness.get(staleness, 0) + n_keep
-        st.zero_adv_groups += int(adv_stats.zero_groups)
+        st.zero_adv_groups += int(zero_groups)
         st.trained += n_keep
         out: dict[str, float] = {}
         if n_keep and records and forward:
@@ -116,6 +137,8 @@ class Learner:
                 records, cond, adv, keep, batch_size_total=self.cfg.batch_size,
                 n_trained_total=n_trained_total, sigma_max=sigma_max, gen_version=gen_version)
         if out:
+            if not math.isfinite(float(out.get("loss", 0.0))):
+                st.nonfinite_loss.append(source)
             st.loss += float(out.get("loss", 0.0))
             st.kl += float(out.get("kl", 0.0))
             st.clipfrac_num += float(out.get("clipfrac", 0.0)) * len(records)
@@ -161,6 +184,7 @@ class Learner:
         wait for a peer that never comes (gloo: "Connection closed by peer"; NCCL: a hang).
         With the vote, every rank learns in the same collective that the step is not taken,
         so all of them stay at the same version (the boundary a drain checkpoint keeps)."""
+        self._spread_nonfinite_loss()
         params = self.policy.params  # the float32 masters where the model computes in bf16
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         vote = grads[0].new_full((1,), 1.0 if stop else 0.0)
@@ -175,14 +199,32 @@ class Learner:
             offset += numel
         return True
 
+    def _spread_nonfinite_loss(self) -> None:
+        """A rank whose step loss is not finite makes its gradient so too. The gradient's
+        reduction over ranks (the all-reduce's sum; sharded, the norm's own all-reduce) then
+        carries it to every rank: all of them see a non-finite norm and skip the same step
+        (Policy.optimizer_step), so no rank's weights move while another's stay."""
+        st = self.stats
+        if not st.nonfinite_loss and math.isfinite(st.loss):
+            return
+        p = self.policy.params[0]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad.fill_(math.nan)
+
     def finish_step(self, all_reduce: Callable[[torch.Tensor], None] | None = None, *,
                     pad_to: int | None = None) -> dict[str, float]:
         """All-reduce (sum) the accumulated gradients over ranks, step the optimizer.
 
         Sharded: the gradients are already summed (reduce-scattered pass by pass); first pad
         with idle passes to ``pad_to``, the step's pass count on the busiest rank.
+
+        A non-finite loss (on any rank) or gradient norm skips the update: the weights stay as
+        they were, the gradients are dropped, the version still advances (versions count
+        steps), ``skipped_steps`` counts it and :attr:`last_skipped` names the step's fragments.
         """
         t0 = time.perf_counter()
+        self._spread_nonfinite_loss()
         if self.policy.sharded:
             if pad_to is not None:
                 self.pad(pad_to)
@@ -191,6 +233,11 @@ class Learner:
             raise RuntimeError("a rank voted to stop in an all-reduce that carries no votes")
         opt = self.policy.optimizer_step()
         st = self.stats
+        self.last_skipped = None
+        if opt.get("skipped"):
+            self.policy.zero_grad()  # the model's own gradients too, where masters are kept
+            self.skipped_steps += 1
+            self.last_skipped = (list(st.fragments), list(st.nonfinite_loss))
         rewards = torch.tensor(st.rewards) if st.rewards else torch.zeros(1)
         metrics = {
             "reward_mean": float(rewards.mean()),
@@ -207,6 +254,7 @@ class Learner:
             "trained": st.trained,
             "discarded": sum(st.discarded.values()),
             "train_seconds": st.train_seconds + time.perf_counter() - t0,
+            "skipped_steps": self.skipped_steps,
         }
         for k, v in st.reward_terms.items():
             metrics[f"reward/{k}"] = sum(v) / max(len(v), 1)
