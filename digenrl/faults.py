@@ -24,6 +24,12 @@ Two kinds of knob:
 | ``generate`` | crash_point | colocated loop, after generating step >= N      | SIGKILL |
 | ``teardown`` | crash_point | colocated rank >= N, its run done, before the group's teardown | SIGKILL (a rank aborting as it exits) |
 | ``stepdone`` | signal_point | coordinator, trainer rank 0's StepDone of version >= N | SIGTERM to itself: a stop while that version's announcement is still on its way |
+
+* **A GPU computing NaN**: ``DIGENRL_TEST_NAN=<node id>:N`` makes that node's sampler output
+  NaN for every fragment of step >= N (:func:`nan_point`, :func:`poison`): from the first
+  trained timestep on, its latents and log-probs are NaN, and so is everything the sampler
+  computes after them, as on a GPU that started to fail. The variable names the node, so the
+  whole launch may carry it.
 """
 
 from __future__ import annotations
@@ -35,12 +41,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 from digenrl.config import FaultsConfig
 
 CRASH_ENV = "DIGENRL_TEST_CRASH"
 HANG_ENV = "DIGENRL_TEST_HANG"
 SIGNAL_ENV = "DIGENRL_TEST_SIGTERM"
+NAN_ENV = "DIGENRL_TEST_NAN"
 
 GENERATION_SPANS = ("denoise_step", "tag_generate")
 """Spans of generating work: a rollout's pulls of the sampler, a trainer's TAG pulls."""
@@ -130,3 +138,16 @@ def signal_point(point: str, version: int, once: Path | None = None) -> None:
     """
     if _fault_due(SIGNAL_ENV, point, version, once):
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def nan_point(node_id: str, step: int) -> bool:
+    """Whether ``DIGENRL_TEST_NAN=<node_id>:N`` asks this node to emit NaN for step ``step``
+    (``step >= N``). Unset, or another node named: False."""
+    return _fault_due(NAN_ENV, node_id, step, None)
+
+
+def poison(record: Any) -> None:
+    """Fill a sampler record's ``x_next`` and ``log_prob`` with NaN, in place: the sampler
+    continues from this ``x_next``, so every later step is NaN too."""
+    record.x_next.fill_(float("nan"))
+    record.log_prob.fill_(float("nan"))

@@ -36,7 +36,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from digenrl.faults import CRASH_ENV, HANG_ENV, SIGNAL_ENV
+from digenrl.faults import CRASH_ENV, HANG_ENV, NAN_ENV, SIGNAL_ENV
 
 #: Property tests draw the same examples on every run (``derandomize``), so the suite's verdict
 #: on a commit does not depend on luck (a random draw once turned up, by chance, a disagreement
@@ -157,11 +157,11 @@ def launch_command(*args: str, sets: Sequence[str] = ()) -> list[str]:
     return [sys.executable, "-m", "digenrl.cli", "launch", *set_args(base), *args, *set_args(sets)]
 
 
-def launch_env(*, crash: str = "", hang: str = "", sigterm: str = "") -> dict[str, str]:
+def launch_env(*, crash: str = "", hang: str = "", sigterm: str = "", nan: str = "") -> dict[str, str]:
     """A launched run's environment: one OpenMP thread; a fault point (digenrl/faults.py)
     only where asked, never one inherited from the test's own environment."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var, spec in ((CRASH_ENV, crash), (HANG_ENV, hang), (SIGNAL_ENV, sigterm)):
+    for var, spec in ((CRASH_ENV, crash), (HANG_ENV, hang), (SIGNAL_ENV, sigterm), (NAN_ENV, nan)):
         env.pop(var, None)
         if spec:
             env[var] = spec

@@ -123,7 +123,7 @@ class CoordinatorActor(CoordinatorCheckpoints):
                                          "rolled_back_admitted": 0, "late_trained": 0,
                                          "ignored_announces": 0, "checkpoints": 0,
                                          "checkpoints_skipped": 0, "stalls": 0, "rejoins": 0,
-                                         "final_weights_missing": 0}
+                                         "final_weights_missing": 0, "nodes_broken": 0}
         self.restart_requested = asyncio.Event()  # the launcher restarts every child on it
         self.weights = WeightSync(cfg.runtime.weights_fanout, self._send_node)
         self.finish_by: float | None = None  # done: waiting (until then) for rollouts to hold the last version
@@ -307,8 +307,8 @@ class CoordinatorActor(CoordinatorCheckpoints):
     async def _ensure_joined(self, node_id: str, now: float) -> bool:
         """A welcomed node joins the schedule with its first sign of life (its model is built)."""
         node = self.nodes.get(node_id)
-        if node is None or node["role"] == "reward":  # reward workers are not scheduled
-            return False
+        if node is None or node["role"] == "reward" or self.sched.is_broken(node_id):
+            return False  # reward workers are not scheduled; a broken node is not any more
         if not node.get("ready"):
             node["ready"] = True
             if node.get("joined_before"):
@@ -466,6 +466,10 @@ class CoordinatorActor(CoordinatorCheckpoints):
         for node_id, node in self.nodes.items():
             if node.get("ready") and not self.sched.is_live(node_id):
                 node["ready"] = False
+                if why := self.sched.is_broken(node_id):
+                    self.recovery["nodes_broken"] += 1
+                    self.log.error("node broken: dropped, its work reassigned", node=node_id, why=why)
+                    continue
                 self.recovery["rollouts_lost"] += node["role"] == "rollout"
                 self.log.warning("node silent: lost, will re-join on its next message", node=node_id)
 

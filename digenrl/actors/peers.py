@@ -45,7 +45,7 @@ from digenrl.actors.base import Log, Loop
 from digenrl.actors.weightsfetch import WeightsRelay, WeightsSuperseded
 from digenrl.config import Config
 from digenrl.core.plan import FORWARD_ALGORITHMS
-from digenrl.faults import Slowdown
+from digenrl.faults import Slowdown, nan_point, poison
 from digenrl.models.base import FlowModel
 from digenrl.rl.fragment import FragmentJob, FragmentResult
 from digenrl.rl.rewards import Reward
@@ -322,6 +322,7 @@ class NodePeers:
                           metadata=[json.loads(m) for m in task.metadata])
         wire = WIRE_DTYPES[cfg.sampler.wire_dtype]
         slowdown = actor.slowdown
+        nan = nan_point(self.node_id, task.step)  # TEST-ONLY (digenrl/faults.py): a GPU emitting NaN
         loop = asyncio.get_running_loop()
         handed: asyncio.Queue[_Handed | None] = asyncio.Queue()
         halt = threading.Event()  # set by the event loop: stop at the next pull
@@ -337,6 +338,8 @@ class NodePeers:
                 while not halt.is_set():
                     t0 = clock()
                     rec = next(it, None)
+                    if nan and rec is not None:
+                        poison(rec)
                     t1 = clock()
                     extra = slowdown.extra_s(span, (t1 - t0) / 1e9)
                     if extra > 0:  # TEST-ONLY ([faults]): an emulated slower GPU

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Any
 import structlog
 
 __all__ = ["DOCS_PATH", "MetricsWriter", "MissingExtraError", "StepMetrics", "documented_keys",
-           "is_documented", "is_eval_row", "read_metrics"]
+           "finite_only", "is_documented", "is_eval_row", "read_metrics"]
 
 DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 # Dict-valued fields -> the key prefix of their entries: busy={"trainer-0": .9} -> "busy/trainer-0".
@@ -121,9 +122,29 @@ class StepMetrics:
         return cls(**fields, extra=extra)
 
 
-def _number(v: Any) -> int | float:
-    """Counts stay integers (``staleness/<k>``); everything else is a float."""
-    return v if isinstance(v, int) and not isinstance(v, bool) else float(v)
+def _number(v: Any) -> int | float | None:
+    """Counts stay integers (``staleness/<k>``); everything else is a float (None: absent)."""
+    return v if v is None or (isinstance(v, int) and not isinstance(v, bool)) else float(v)
+
+
+def finite_only(record: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``record`` with every non-finite number (NaN, +-inf, also inside lists and maps) made
+    None (JSON null: no value), and the keys where that happened. Nothing downstream of the
+    writer (metrics.jsonl, TensorBoard, Prometheus, the report) then sees a NaN: a diverged
+    loss reads as missing and is counted (``nonfinite_metrics``), never as a number."""
+    bad: list[str] = []
+
+    def clean(key: str, v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            bad.append(key)
+            return None
+        if isinstance(v, Mapping):
+            return {k: clean(f"{key}/{k}", x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [clean(key, x) for x in v]
+        return v
+
+    return {k: clean(k, v) for k, v in record.items()}, bad
 
 
 class MetricsWriter:
@@ -148,12 +169,19 @@ class MetricsWriter:
                 from torch.utils.tensorboard import SummaryWriter
                 self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
 
+    def _finite(self, record: Mapping[str, Any], step: Any) -> dict[str, Any]:
+        """:func:`finite_only`, counting (``nonfinite_metrics``) and logging what it nulled."""
+        record, bad = finite_only(record)
+        if bad:
+            record["nonfinite_metrics"] = len(bad)
+            _log.warning("nonfinite_metrics", step=step, keys=sorted(set(bad)),
+                         hint="written as null; see docs/operations.md")
+        return record
+
     def write(self, metrics: StepMetrics) -> dict[str, Any]:
-        """Append one step; returns the record written."""
-        record = metrics.to_record()
-        # NaN/inf stay visible (a diverged loss must not read as "missing"); Python's json
-        # reads them back.
-        self._file.write(json.dumps(record) + "\n")
+        """Append one step; returns the record written (non-finite numbers as None, counted)."""
+        record = self._finite(metrics.to_record(), metrics.step)
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._tb is not None:
             for key, value in record.items():
@@ -170,11 +198,14 @@ class MetricsWriter:
         bad = sorted(k for k in metrics if not k.startswith("eval/"))
         if bad:
             raise ValueError(f"evaluation row of version {version}: keys {bad} lack the eval/ prefix")
-        record = {"step": version, "policy_version": version, "wall_time": wall_time, **metrics}
-        self._file.write(json.dumps(record) + "\n")
+        record = self._finite({"step": version, "policy_version": version, "wall_time": wall_time,
+                               **metrics}, version)
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for key, value in metrics.items():
+            for key, value in record.items():
+                if key in ("step", "policy_version", "wall_time"):
+                    continue
                 if isinstance(value, int | float):
                     self._tb.add_scalar(key, value, global_step=version)
             self._tb.flush()

@@ -20,6 +20,7 @@ A missing input skips its figure; :func:`make_report` says which and why.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -72,6 +73,15 @@ def _bar(fraction: float, width: int = 30) -> str:
     return "#" * round(max(0.0, min(fraction, 1.0)) * width)
 
 
+def _num(v: Any, spec: str) -> str:
+    """``v`` formatted, or "n/a" where metrics.jsonl holds no number (null: a non-finite value
+    the writer dropped, or a key the row lacks)."""
+    if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+        return format(v, spec)
+    width = spec.split(".")[0]
+    return format("n/a", f">{width}") if width else "n/a"
+
+
 def format_summary(run_dir: Path, summary: Mapping[str, Any], busy_trace: Mapping[str, float],
                    metrics: Sequence[Mapping[str, Any]],
                    evals: Sequence[Mapping[str, Any]] = ()) -> str:
@@ -84,13 +94,13 @@ def format_summary(run_dir: Path, summary: Mapping[str, Any], busy_trace: Mappin
                  else f"  steps {steps}   (no summary.json: run unfinished?)")
     if metrics:
         last = metrics[-1]
-        lines.append(f"  last step {last.get('step')}: reward {last.get('reward_mean', float('nan')):.4f}"
-                     f" ± {last.get('reward_std', float('nan')):.4f}")
+        lines.append(f"  last step {last.get('step')}: reward {_num(last.get('reward_mean'), '.4f')}"
+                     f" ± {_num(last.get('reward_std'), '.4f')}")
     if evals:
         first, final = evals[0], evals[-1]
         keys = sorted(k for k in final if k.startswith("eval/") and k not in _EVAL_BOOKKEEPING)
         lines.append(f"held-out evaluation, version {first['policy_version']} -> {final['policy_version']}")
-        lines += [f"  {k:<32} {first.get(k, float('nan')):8.4f} -> {final[k]:8.4f}" for k in keys]
+        lines += [f"  {k:<32} {_num(first.get(k), '8.4f')} -> {_num(final[k], '8.4f')}" for k in keys]
     busy = dict(summary.get("busy") or {})
     nodes = sorted(set(busy) | set(busy_trace))
     if nodes:
@@ -120,9 +130,10 @@ def format_summary(run_dir: Path, summary: Mapping[str, Any], busy_trace: Mappin
 
 
 def _plot_reward(metrics: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    metrics = [m for m in metrics if isinstance(m.get("reward_mean"), int | float)]  # null: no value
     steps = [m["step"] for m in metrics]
     mean = [m["reward_mean"] for m in metrics]
-    std = [m.get("reward_std", 0.0) for m in metrics]
+    std = [m.get("reward_std") or 0.0 for m in metrics]
     fig, ax = _figure("reward")
     ax.fill_between(steps, [a - b for a, b in zip(mean, std)], [a + b for a, b in zip(mean, std)],
                     alpha=0.25, color="#1f77b4", label="mean ± std")
