@@ -253,7 +253,7 @@ class Learner:
             "zero_adv_groups": st.zero_adv_groups,
             "trained": st.trained,
             "discarded": sum(st.discarded.values()),
-            **{f"discarded/{r}": n for r, n in sorted(st.discarded.items())},
+            "discarded/nonfinite": st.discarded.get(NONFINITE, 0),
             "train_seconds": st.train_seconds + time.perf_counter() - t0,
             "skipped_steps": self.skipped_steps,
         }

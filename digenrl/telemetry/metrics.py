@@ -169,11 +169,13 @@ class MetricsWriter:
                 from torch.utils.tensorboard import SummaryWriter
                 self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
 
-    def _finite(self, record: Mapping[str, Any], step: Any) -> dict[str, Any]:
-        """:func:`finite_only`, counting (``nonfinite_metrics``) and logging what it nulled."""
+    def _finite(self, record: Mapping[str, Any], step: Any, *, count: bool = True) -> dict[str, Any]:
+        """:func:`finite_only`, counting (``nonfinite_metrics``: in every row with ``count``,
+        else only where some value was nulled) and logging what it nulled."""
         record, bad = finite_only(record)
-        if bad:
+        if bad or count:
             record["nonfinite_metrics"] = len(bad)
+        if bad:
             _log.warning("nonfinite_metrics", step=step, keys=sorted(set(bad)),
                          hint="written as null; see docs/operations.md")
         return record
@@ -199,7 +201,7 @@ class MetricsWriter:
         if bad:
             raise ValueError(f"evaluation row of version {version}: keys {bad} lack the eval/ prefix")
         record = self._finite({"step": version, "policy_version": version, "wall_time": wall_time,
-                               **metrics}, version)
+                               **metrics}, version, count=False)
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._tb is not None:
