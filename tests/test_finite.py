@@ -70,7 +70,7 @@ def test_a_trajectory_with_nan_latents_is_discarded_and_its_group_trains_on_its_
     for a, b in zip(got, ref.grads_snapshot(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     metrics = learner.finish_step()
-    assert metrics["discarded/nonfinite"] == 1 and metrics["skipped_steps"] == 0
+    assert metrics["discarded_nonfinite"] == 1 and metrics["skipped_steps"] == 0
     assert all(bool(p.isfinite().all()) for p in policy.params)
 
 

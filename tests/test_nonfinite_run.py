@@ -64,7 +64,7 @@ def test_a_rollout_emitting_nan_from_step_3_is_discarded_counted_named_and_dropp
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert all(math.isfinite(x) for r in rows for x in _numbers(r))
     assert all(r["loss"] is not None and r["reward_mean"] is not None for r in rows)
-    assert sum(r.get("discarded/nonfinite", 0) for r in rows[:3]) == 0  # nothing before step 3
+    assert sum(r["discarded_nonfinite"] for r in rows[:3]) == 0  # nothing before step 3
     assert all(r["skipped_steps"] == 0 for r in rows)  # bad trajectories never reach the loss
     # the weights trained on finite data only
     assert all(bool(t.isfinite().all()) for t in final_weights(run_dir).values())

@@ -55,7 +55,8 @@ def _row(**over: Any) -> dict[str, Any]:
            "samples_per_s": 12.8, "reward_mean": 0.4, "reward_std": 0.1, "loss": 1e-3, "kl": 0.0,
            "clipfrac": 0.25, "ratio_max_dev": 1e-4, "grad_norm": 0.7, "max_staleness": 1,
            "mean_staleness": 0.5, "zero_adv_groups": 1, "trained": 12, "discarded": 4,
-           "train_seconds": 0.9, "rejected_stale": 0, "net_messages": 410.0, "net_bytes": 9.5e6,
+           "train_seconds": 0.9, "rejected_stale": 0, "discarded_nonfinite": 0, "skipped_steps": 0,
+           "net_messages": 410.0, "net_bytes": 9.5e6,
            "reward/jpeg_compressibility": -1.9,
            "reward/aesthetic": 0.3, "busy/rollout-0": 0.8, "busy/trainer-0": 0.6, "staleness/1": 12}
     return {**row, **over}

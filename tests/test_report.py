@@ -198,7 +198,8 @@ def test_metrics_lines_are_flushed_before_close(tmp_path):
         ratio_max_dev=0.0, grad_norm=1.0, max_staleness=0, mean_staleness=0.0,
         zero_adv_groups=0, trained=2, discarded=0, busy={"rollout-0": 0.5}))
     (line,) = read_metrics(tmp_path)
-    assert line["busy/rollout-0"] == 0.5 and line["loss"] != line["loss"]  # NaN kept
+    # a NaN is written as null (no value) and counted, never as NaN (docs/operations.md)
+    assert line["busy/rollout-0"] == 0.5 and line["loss"] is None and line["nonfinite_metrics"] == 1
     assert line.keys() == record.keys()
     writer.close()
 

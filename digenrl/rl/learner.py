@@ -253,7 +253,7 @@ class Learner:
             "zero_adv_groups": st.zero_adv_groups,
             "trained": st.trained,
             "discarded": sum(st.discarded.values()),
-            "discarded/nonfinite": st.discarded.get(NONFINITE, 0),
+            "discarded_nonfinite": st.discarded.get(NONFINITE, 0),
             "train_seconds": st.train_seconds + time.perf_counter() - t0,
             "skipped_steps": self.skipped_steps,
         }

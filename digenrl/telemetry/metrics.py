@@ -70,6 +70,8 @@ class StepMetrics:
     discarded: int
     train_seconds: float = 0.0
     rejected_stale: int = 0
+    discarded_nonfinite: int = 0
+    skipped_steps: int = 0
     net_messages: float = 0.0
     net_bytes: float = 0.0
     reward_terms: dict[str, float] = field(default_factory=dict)
