@@ -738,3 +738,15 @@ def test_fault_params_are_checked():
         make(fault_limit=0)
     with pytest.raises(SchedulerError, match="fault_action = 'ignore'"):
         make(fault_action="ignore")
+
+
+def test_a_broken_node_stays_out_after_a_restore_from_a_snapshot():
+    s = make(fault_limit=1)
+    a, _ = assigns(s.node_joined("r0", "rollout", "H100", 0.0))
+    s.node_joined("r1", "rollout", "H100", 0.0)
+    _consume_bad(s, a, 1.0, 4)
+    snap = msgpack.unpackb(msgpack.packb(s.snapshot()))
+    fresh = make(fault_limit=1)
+    fresh.restore(snap)
+    assert fresh.is_broken("r0") and fresh.node_joined("r0", "rollout", "H100", 2.0) == []
+    assert assigns(fresh.node_joined("r1", "rollout", "H100", 2.0))

@@ -504,11 +504,12 @@ class Scheduler:
         return stats
 
     def snapshot(self) -> dict[str, Any]:
-        """Plain msgpack-able state for a checkpoint (nodes re-join after a restart)."""
+        """Plain msgpack-able state for a checkpoint (nodes re-join after a restart; broken
+        nodes stay out)."""
         p = self.params
         return {"format": SNAPSHOT_FORMAT, "seed": p.seed, "prompt_count": p.prompt_count,
                 "ledger": self.ledger.snapshot(), "train_s_per_traj": self._train_spt,
-                "counters": dict(self._c)}
+                "counters": dict(self._c), "broken": dict(self._broken)}
 
     def restore(self, snap: dict[str, Any]) -> None:
         """Load a snapshot into a scheduler with the same params and no live work.
@@ -526,4 +527,5 @@ class Scheduler:
         self._tasks.clear()
         self._train_spt = snap["train_s_per_traj"]
         self._c = Counter(snap["counters"])
+        self._broken = {str(k): str(v) for k, v in snap.get("broken", {}).items()}  # stays out
 

@@ -22,29 +22,29 @@ from digenrl.core.credits import NONFINITE
 __all__ = ["NONFINITE", "fragment_tensors", "nonfinite_rows"]
 
 
-def _rows_finite(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``[n]`` bool: whether each row of ``t`` (first dimension ``n``) is finite throughout."""
-    if t.dtype == torch.bool or not (t.is_floating_point() or t.is_complex()):
-        return torch.ones(n, dtype=torch.bool)
-    return torch.isfinite(t.detach().reshape(n, -1)).all(dim=1).cpu()
-
-
 def nonfinite_rows(n: int, *, tensors: Iterable[torch.Tensor] = (),
                    values: Mapping[str, Sequence[float]] | None = None,
                    rewards: Sequence[float] = ()) -> torch.Tensor:
-    """``[n]`` bool, True for each trajectory with a non-finite value anywhere it appears.
+    """``[n]`` bool (on the CPU), True for each trajectory with a non-finite value anywhere
+    it appears.
 
     ``tensors``: per-trajectory tensors (first dimension ``n``: latents, log-probs, clean
     latents, conditioning); a tensor of another first dimension is per-prompt or shared and
     is checked whole, flagging every row when it is not finite. ``rewards`` and each list of
-    ``values`` (reward terms) hold one number per trajectory.
+    ``values`` (reward terms) hold one number per trajectory. The tensors are checked where
+    they are, with one copy to the host per device (not one per tensor: each is a sync).
     """
-    bad = torch.zeros(n, dtype=torch.bool)
+    finite: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
-        if t.dim() >= 1 and t.shape[0] == n:
-            bad |= ~_rows_finite(t, n)
-        elif t.numel() and not bool(torch.isfinite(t.detach()).all()):
-            bad[:] = True
+        if not t.is_floating_point() or t.numel() == 0:
+            continue  # integers and booleans hold no NaN
+        t = t.detach()
+        rows = (torch.isfinite(t.reshape(n, -1)).all(dim=1) if t.dim() >= 1 and t.shape[0] == n
+                else torch.isfinite(t).all().expand(n))
+        finite.setdefault(t.device, []).append(rows)
+    bad = torch.zeros(n, dtype=torch.bool)
+    for rows_list in finite.values():
+        bad |= ~torch.stack(rows_list).all(dim=0).cpu()
     for seq in [rewards, *(values or {}).values()]:
         if len(seq):
             r = torch.as_tensor(list(seq), dtype=torch.float64)
