@@ -182,3 +182,16 @@ def test_the_nan_knob_names_one_node_and_a_first_step(monkeypatch: pytest.Monkey
     rec = records[sorted(records)[0]]
     poison(rec)
     assert nonfinite_rows(8, tensors=[rec.x_next, rec.log_prob]).all() and rec.x_t.isfinite().all()
+
+
+def test_optimizer_steps_skipped_node_fault_limit_times_in_a_row_stop_the_run(tmp_path: Path) -> None:
+    from digenrl.transport.protocol import StepDone
+    from tests.conftest import bare_coordinator
+
+    actor = bare_coordinator(tmp_path, ["run.node_fault_limit=3"])
+    for step, skipped in enumerate([1, 2, 2, 3, 4]):  # a clean step (2 -> 2) resets the run
+        actor._step_done(StepDone(step=step, version=step + 1, metrics={"skipped_steps": skipped}))
+    assert not actor.stopping
+    actor._step_done(StepDone(step=5, version=6, metrics={"skipped_steps": 5}))
+    assert actor.stop_reason == ("failed: the trainer ranks skipped 3 optimizer steps in a row for "
+                                 "a non-finite loss or gradient (see logs/trainer-*.log)")

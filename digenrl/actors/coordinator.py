@@ -109,6 +109,7 @@ class CoordinatorActor(CoordinatorCheckpoints):
         self.tag_offers_early = 0
         self.t_first_assign: float | None = None
         self.t_last_step: float | None = None
+        self.skipped = (0, 0)  # trainer rank 0's skipped_steps as last heard, steps skipped in a row
         self.watchdog = StallWatchdog(cfg.runtime.stall_timeout_s)  # monotonic clock
         self.scheduler_factory = scheduler_factory
         self.cut: tuple[int, dict[str, Any]] | None = None  # the last boundary since a checkpoint
@@ -504,6 +505,20 @@ class CoordinatorActor(CoordinatorCheckpoints):
         self.rows.step_done(msg.step, msg.version, msg.metrics, wall_time=now - self.t0,
                             traffic=self.traffic())
         self._flush_rows()
+        self._count_skipped(msg.metrics.get("skipped_steps"))
+
+    def _count_skipped(self, skipped: object) -> None:
+        """Optimizer steps skipped for a non-finite loss or gradient, in a row: a trainer GPU
+        computing NaN. Trainer ranks cannot be dropped, so ``run.node_fault_limit`` of them in
+        a row stop the run (each rank's log names the step's fragments and where the loss was
+        not finite). A restarted trainer counts from 0 again."""
+        if not isinstance(skipped, int) or isinstance(skipped, bool):
+            return
+        seen, streak = self.skipped
+        self.skipped = (skipped, streak + 1 if skipped > seen else 0)
+        if self.skipped[1] >= self.cfg.run.node_fault_limit:
+            self.request_stop(f"failed: the trainer ranks skipped {self.skipped[1]} optimizer steps "
+                              "in a row for a non-finite loss or gradient (see logs/trainer-*.log)")
 
     def flush_metrics(self) -> None:
         """Write every step row still waiting (the run is over, or being rewound)."""
