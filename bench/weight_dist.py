@@ -81,7 +81,7 @@ class Fabric(netns.Fabric):
 # ----------------------------------------------------------------------------- workers
 
 class _Control:
-    """NodePeers reports WeightsHeld to the coordinator; here nobody listens."""
+    """A WeightsRelay reports WeightsHeld to the coordinator; here nobody listens."""
 
     async def send(self, msg: Any, *, to: bytes | None = None) -> None:
         return None
@@ -153,7 +153,7 @@ async def worker(args: Any) -> None:
         serving.cancel()
         return
     # receivers
-    from digenrl.actors.peers import NodePeers
+    from digenrl.actors.weightsfetch import WeightsRelay
     from digenrl.config import load_config
     from digenrl.transport.protocol import VersionAnnounce, WeightsRoute
 
@@ -172,14 +172,15 @@ async def worker(args: Any) -> None:
             d.connect(ep)
             return d
 
-        peers = NodePeers(node_id=f"rollout-{args.index}", incarnation=1, cfg=load_config(None, []),
-                          control=_Control(), weights=connect(go["sources"][0]), relay=relay, connect=connect)
-        serving = asyncio.ensure_future(peers.relay_loop(actor)())
+        fetcher = WeightsRelay(node_id=f"rollout-{args.index}", cfg=load_config(None, []),
+                               control=_Control(), weights=connect(go["sources"][0]),
+                               store=WeightStore(), relay=relay, connect=connect)
+        serving = asyncio.ensure_future(fetcher.serve_loop(actor)())
         if go.get("upstream"):
-            peers.on_route(WeightsRoute(upstream=go["upstream"], upstream_node="previous"))
-        held = await peers.fetcher.fetch(actor, ann, "weight_prefetch")
+            fetcher.on_route(WeightsRoute(upstream=go["upstream"], upstream_node="previous"))
+        held = await fetcher.fetch(actor, ann, "weight_prefetch")
         _say(held=time.time(), nbytes=sum(t.numel() * t.element_size() for t in held.values()),
-             fallbacks=peers.fetcher.fallbacks)
+             fallbacks=fetcher.fallbacks)
     while (await _line()).get("do") != "quit":  # keep serving downstream until told
         _say(bytes_sent=relay.statistics().bytes_sent)
 

@@ -1,4 +1,4 @@
-"""Weight prefetch over real sockets: a rollout's NodePeers fetches each announced version in
+"""Weight prefetch over real sockets: a rollout's WeightFollower fetches each announced version in
 the background and applies it only at a trajectory boundary (TCSS), from a ROUTER that
 serves published parts the way trainer rank 0 does."""
 
@@ -14,7 +14,7 @@ import structlog
 import torch
 import zmq.asyncio
 
-from digenrl.actors.peers import NodePeers
+from digenrl.actors.following import WeightFollower
 from digenrl.config import load_config
 from digenrl.telemetry.trace import SpanRecorder
 from digenrl.transport.options import SocketOptions
@@ -34,7 +34,7 @@ class _Model:
 
 
 class _Actor:
-    """The part of the WeightSyncActor protocol (actors/peers.py) that prefetch and catch-up use."""
+    """What a WeightFollower is given by its rollout: the trace, log, compute thread and load."""
 
     role = "rollout"
 
@@ -94,7 +94,7 @@ class _Server:
 
 
 @pytest.fixture
-async def wired() -> AsyncIterator[tuple[NodePeers, _Server, Router]]:
+async def wired() -> AsyncIterator[tuple[WeightFollower, _Actor, _Server, Router]]:
     ctx = zmq.asyncio.Context()
     router, control_srv = Router(ctx, options=OPTS), Router(ctx, options=OPTS)
     wdealer, control = Dealer(ctx, options=OPTS), Dealer(ctx, options=OPTS)
@@ -102,12 +102,15 @@ async def wired() -> AsyncIterator[tuple[NodePeers, _Server, Router]]:
     control.connect(control_srv.bind("tcp://127.0.0.1:*"))
     server = _Server(router)
     task = asyncio.ensure_future(server.run())
-    peers = NodePeers(node_id="rollout-0", incarnation=1, cfg=load_config(None, []), control=control,
-                      weights=wdealer)
-    yield peers, server, control_srv
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    await peers.stop_prefetch()
+    actor = _Actor()
+    follower = WeightFollower(node_id="rollout-0", cfg=load_config(None, []), control=control,
+                           weights=wdealer, load=actor.load_weights, in_thread=actor.in_thread,
+                           recorder=actor.recorder, log=actor.log, unexpected=actor.unexpected)
+    fetching = asyncio.ensure_future(follower.prefetch_loop())  # one of the rollout's background loops
+    yield follower, actor, server, control_srv
+    for t in (task, fetching):
+        t.cancel()
+    await asyncio.gather(task, fetching, return_exceptions=True)
     for s in (router, control_srv, wdealer, control):
         s.close()
     ctx.destroy(linger=0)
@@ -120,22 +123,21 @@ def _announce(server: _Server, version: int) -> VersionAnnounce:
                            nbytes=3 * 256 * 256 * 4, checksum=whole)
 
 
-async def _prefetch_done(peers: NodePeers) -> None:
-    assert peers._prefetching is not None
-    await asyncio.wait_for(asyncio.shield(peers._prefetching), WAIT)
+async def _prefetch_done(follower: WeightFollower) -> None:
+    assert follower._prefetching is not None
+    await asyncio.wait_for(asyncio.shield(follower._prefetching), WAIT)
 
 
 async def test_an_announced_version_is_fetched_in_the_background_and_applied_at_the_boundary(
         wired: Any) -> None:
-    peers, server, _ = wired
-    actor = _Actor()
-    peers.on_announce(_announce(server, 1))
-    peers.prefetch(actor)
-    await _prefetch_done(peers)
-    assert peers._ready is not None and peers._ready[0] == 1
+    follower, actor, server, _ = wired
+    follower.on_announce(_announce(server, 1))
+    follower.prefetch()
+    await _prefetch_done(follower)
+    assert follower._ready is not None and follower._ready[0] == 1
     assert actor.model.applied == []  # nothing touches the model until the boundary
-    await peers.catch_up(actor, floor=1)
-    assert peers.version == 1 and len(actor.model.applied) == 1
+    await follower.catch_up(floor=1)
+    assert follower.version == 1 and len(actor.model.applied) == 1
     assert all(torch.equal(actor.model.applied[0][k], v) for k, v in _weights(1).items())
     names = [s.name for s in actor.recorder.spans()]
     assert "weight_prefetch" in names and "weight_fetch" not in names
@@ -144,47 +146,45 @@ async def test_an_announced_version_is_fetched_in_the_background_and_applied_at_
 
 async def test_a_boundary_reached_mid_prefetch_waits_for_it_and_the_newest_version_wins(
         wired: Any) -> None:
-    peers, server, _ = wired
-    actor = _Actor()
+    follower, actor, server, _ = wired
     server.held = {1, 2}
-    peers.on_announce(_announce(server, 1))
-    peers.prefetch(actor)
+    follower.on_announce(_announce(server, 1))
+    follower.prefetch()
     await asyncio.wait_for(server.seen[1].wait(), WAIT)  # version 1 is in flight
-    peers.on_announce(_announce(server, 2))
-    peers.prefetch(actor)  # one fetch at a time: 2 follows when 1 is done
-    boundary = asyncio.ensure_future(peers.catch_up(actor, floor=1))
+    follower.on_announce(_announce(server, 2))
+    follower.prefetch()  # one fetch at a time: 2 follows when 1 is done
+    boundary = asyncio.ensure_future(follower.catch_up(floor=1))
     await asyncio.sleep(0)
     assert not boundary.done()  # below its floor, the boundary waits for the fetch in flight
     server.release(1)
     await asyncio.wait_for(boundary, WAIT)
     # it applied version 1, which meets the floor, without waiting for version 2; version 2's
     # background fetch starts once version 1's is done (possibly after the apply), held back
-    assert peers.version == 1 and len(actor.model.applied) == 1
+    assert follower.version == 1 and len(actor.model.applied) == 1
     await asyncio.wait_for(server.seen[2].wait(), WAIT)
-    assert peers.version == 1 and peers._ready is None
+    assert follower.version == 1 and follower._ready is None
     server.release(2)
-    await peers.catch_up(actor, floor=2)  # the next boundary needs 2: waits for its prefetch
-    assert peers.version == 2
+    await follower.catch_up(floor=2)  # the next boundary needs 2: waits for its prefetch
+    assert follower.version == 2
     assert [sd["w0"][0, 0].item() for sd in actor.model.applied] == [10.0, 20.0]
     assert "weight_fetch" not in [s.name for s in actor.recorder.spans()]
     assert server.requests.count(1) == 3 and server.requests.count(2) == 3  # each part once
 
 
 async def test_a_failed_prefetch_is_fetched_again_in_the_foreground(wired: Any) -> None:
-    peers, server, _ = wired
-    actor = _Actor()
+    follower, actor, server, _ = wired
     ann = _announce(server, 1)
     good = server.served[1]
     parts, whole = good
     bad = [({k: v + 1 for k, v in parts[0][0].items()}, parts[0][1]), *parts[1:]]
     server.served[1] = (bad, whole)  # part 0 arrives corrupted: its checksum fails
-    peers.on_announce(ann)
-    peers.prefetch(actor)
-    await _prefetch_done(peers)
-    assert peers._prefetch_failed == 1 and peers._ready is None
-    peers.prefetch(actor)
-    assert peers._prefetching.done()  # not retried in the background
+    follower.on_announce(ann)
+    follower.prefetch()
+    await _prefetch_done(follower)
+    assert follower._prefetch_failed == 1 and follower._ready is None
+    follower.prefetch()
+    assert follower._prefetching.done()  # not retried in the background
     server.served[1] = good
-    await peers.catch_up(actor, floor=1)
-    assert peers.version == 1 and torch.equal(actor.model.applied[0]["w1"], _weights(1)["w1"])
+    await follower.catch_up(floor=1)
+    assert follower.version == 1 and torch.equal(actor.model.applied[0]["w1"], _weights(1)["w1"])
     assert [s.name for s in actor.recorder.spans()].count("weight_fetch") == 1

@@ -81,5 +81,5 @@ async def test_the_rollout_control_loop_handles_beats_and_announcements_and_coun
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
     assert peers.unanswered == 0  # every control message proves the coordinator alive
-    assert peers.announced is not None and peers.announced.version == 1
+    assert actor.follower.announced is not None and actor.follower.announced.version == 1
     assert actor.unexpected_messages == {"control:Consumed": 1}

@@ -1,6 +1,6 @@
 """The weights relay: tree membership (sans-I/O), and rollouts relaying parts over real sockets.
 
-Rollouts here are real :class:`NodePeers` with their own weights ROUTER, fetching from trainer
+Rollouts here are real :class:`WeightsRelay` fetchers with their own weights ROUTER, fetching from trainer
 rank 0's ROUTER (a :class:`WeightStore` served by :func:`serve_weights`, as the trainer does)
 or from each other, on loopback. Egress is read from the sockets' own byte counters.
 """
@@ -18,8 +18,7 @@ import zmq.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from digenrl.actors.peers import NodePeers
-from digenrl.actors.weightsfetch import WeightsSuperseded
+from digenrl.actors.weightsfetch import WeightsRelay, WeightsSuperseded
 from digenrl.config import load_config
 from digenrl.core.relay import RelayTree
 from digenrl.telemetry.trace import SpanRecorder
@@ -110,7 +109,7 @@ class _Actor:
 
 
 class _Cluster:
-    """Trainer rank 0's weights ROUTER and N rollouts' NodePeers with relay ROUTERs."""
+    """Trainer rank 0's weights ROUTER and N rollouts' WeightsRelay with relay ROUTERs."""
 
     def __init__(self, n: int, **overrides: Any) -> None:
         self.ctx = zmq.asyncio.Context()
@@ -121,7 +120,7 @@ class _Cluster:
         self.coordinator = Router(self.ctx, options=OPTS)
         coord_ep = self.coordinator.bind("tcp://127.0.0.1:*")
         self.sockets: list[Any] = [self.rank0, self.coordinator]
-        self.peers: list[NodePeers] = []
+        self.relays: list[WeightsRelay] = []
         self.relay_eps: list[str] = []
         for i in range(n):
             relay = Router(self.ctx, options=OPTS)
@@ -130,11 +129,12 @@ class _Cluster:
             control.connect(coord_ep)
             to_rank0.connect(self.rank0_ep)
             self.sockets += [relay, control, to_rank0]
-            self.peers.append(NodePeers(node_id=f"rollout-{i}", incarnation=1, cfg=self.cfg, control=control,
-                                        weights=to_rank0, relay=relay, connect=self._dealer))
+            self.relays.append(WeightsRelay(node_id=f"rollout-{i}", cfg=self.cfg, control=control,
+                                           weights=to_rank0, store=WeightStore(), relay=relay,
+                                           connect=self._dealer))
         self.actors = [_Actor(f"rollout-{i}") for i in range(n)]
         self.tasks = [asyncio.ensure_future(serve_weights(self.rank0, self.rank0_store))]
-        self.tasks += [asyncio.ensure_future(p.relay_loop(a)()) for p, a in zip(self.peers, self.actors)]
+        self.tasks += [asyncio.ensure_future(p.serve_loop(a)()) for p, a in zip(self.relays, self.actors)]
 
     def _dealer(self, endpoint: str) -> Dealer:
         d = Dealer(self.ctx, options=OPTS)
@@ -150,8 +150,8 @@ class _Cluster:
                                checksum=whole), sd
 
     def chain(self) -> None:
-        for i in range(1, len(self.peers)):
-            self.peers[i].on_route(WeightsRoute(upstream=self.relay_eps[i - 1], upstream_node=f"rollout-{i - 1}"))
+        for i in range(1, len(self.relays)):
+            self.relays[i].on_route(WeightsRoute(upstream=self.relay_eps[i - 1], upstream_node=f"rollout-{i - 1}"))
 
     async def close(self) -> None:
         for t in self.tasks:
@@ -179,18 +179,18 @@ async def test_a_chain_of_rollouts_holds_a_version_that_rank_0_sent_once(cluster
     c = cluster(4)
     c.chain()
     ann, sd = c.publish(1, mib=2)
-    got = await asyncio.wait_for(asyncio.gather(*(p.fetcher.fetch(a, ann, "weight_prefetch")
-                                                  for p, a in zip(c.peers, c.actors))), WAIT)
+    got = await asyncio.wait_for(asyncio.gather(*(p.fetch(a, ann, "weight_prefetch")
+                                                  for p, a in zip(c.relays, c.actors))), WAIT)
     for held in got:
         assert held.keys() == sd.keys() and all(torch.equal(held[k], sd[k]) for k in sd)
     set_bytes = sum(t.numel() * t.element_size() for t in sd.values())
     # rank 0 sent the set once (frames add a few headers); each relay the set once, the tail none
     assert set_bytes <= c.rank0.statistics().bytes_sent <= 1.01 * set_bytes
-    relays = [p.fetcher.relay for p in c.peers]
+    relays = [p.relay for p in c.relays]
     relayed = [r.statistics().bytes_sent for r in relays if r is not None]
-    assert len(relayed) == len(c.peers)  # every rollout serves (the tail serves nobody)
+    assert len(relayed) == len(c.relays)  # every rollout serves (the tail serves nobody)
     assert all(set_bytes <= b <= 1.01 * set_bytes for b in relayed[:-1]) and relayed[-1] == 0
-    for _ in c.peers:  # each rollout told the coordinator it holds the version
+    for _ in c.relays:  # each rollout told the coordinator it holds the version
         _, msg = await asyncio.wait_for(c.coordinator.recv(), WAIT)
         assert isinstance(msg, WeightsHeld) and msg.version == 1
 
@@ -200,12 +200,12 @@ async def test_a_route_change_mid_fetch_asks_the_new_upstream_for_the_parts_in_f
     ann, sd = c.publish(1)
     mute = Router(c.ctx, options=OPTS)  # an upstream that takes requests and never answers
     c.sockets.append(mute)
-    c.peers[1].on_route(WeightsRoute(upstream=mute.bind("tcp://127.0.0.1:*"), upstream_node="mute"))
-    fetch = asyncio.ensure_future(c.peers[1].fetcher.fetch(c.actors[1], ann, "weight_prefetch"))
+    c.relays[1].on_route(WeightsRoute(upstream=mute.bind("tcp://127.0.0.1:*"), upstream_node="mute"))
+    fetch = asyncio.ensure_future(c.relays[1].fetch(c.actors[1], ann, "weight_prefetch"))
     await asyncio.wait_for(mute.recv(), WAIT)  # a request is in flight there
-    c.peers[1].on_route(WeightsRoute(upstream="", upstream_node=""))  # re-linked to rank 0
+    c.relays[1].on_route(WeightsRoute(upstream="", upstream_node=""))  # re-linked to rank 0
     held = await asyncio.wait_for(fetch, WAIT)
-    assert all(torch.equal(held[k], sd[k]) for k in sd) and c.peers[1].fetcher.fallbacks == 0
+    assert all(torch.equal(held[k], sd[k]) for k in sd) and c.relays[1].fallbacks == 0
 
 
 async def test_an_upstream_silent_for_the_liveness_timeout_is_bypassed_for_rank_0(cluster: Any) -> None:
@@ -213,9 +213,9 @@ async def test_an_upstream_silent_for_the_liveness_timeout_is_bypassed_for_rank_
     ann, sd = c.publish(1)
     mute = Router(c.ctx, options=OPTS)
     c.sockets.append(mute)
-    c.peers[0].on_route(WeightsRoute(upstream=mute.bind("tcp://127.0.0.1:*"), upstream_node="mute"))
-    held = await asyncio.wait_for(c.peers[0].fetcher.fetch(c.actors[0], ann, "weight_prefetch"), WAIT)
-    assert all(torch.equal(held[k], sd[k]) for k in sd) and c.peers[0].fetcher.fallbacks == 1
+    c.relays[0].on_route(WeightsRoute(upstream=mute.bind("tcp://127.0.0.1:*"), upstream_node="mute"))
+    held = await asyncio.wait_for(c.relays[0].fetch(c.actors[0], ann, "weight_prefetch"), WAIT)
+    assert all(torch.equal(held[k], sd[k]) for k in sd) and c.relays[0].fallbacks == 1
 
 
 def _landing_upstream(c: _Cluster, ann: VersionAnnounce, sd: dict[str, torch.Tensor]) -> tuple[Any, list[Any]]:
@@ -223,8 +223,8 @@ def _landing_upstream(c: _Cluster, ann: VersionAnnounce, sd: dict[str, torch.Ten
     rollout 1 fetching from it."""
     parts, _ = publish_parts(sd, part_bytes=300_000)  # the same split rank 0 published
     asm = WeightAssembly(ann.version, ann.nparts, ann.checksum)
-    c.peers[0].store.begin(asm)
-    c.peers[1].on_route(WeightsRoute(upstream=c.relay_eps[0], upstream_node="rollout-0"))
+    c.relays[0].store.begin(asm)
+    c.relays[1].on_route(WeightsRoute(upstream=c.relay_eps[0], upstream_node="rollout-0"))
     return asm, parts
 
 
@@ -234,16 +234,16 @@ async def test_a_rollout_deep_in_a_chain_waits_for_parts_still_on_their_way(clus
     c = cluster(2, heartbeat_s=0.05, heartbeat_misses=2)  # silent after 0.1 s
     ann, sd = c.publish(1)
     asm, parts = _landing_upstream(c, ann, sd)
-    fetch = asyncio.ensure_future(c.peers[1].fetcher.fetch(c.actors[1], ann, "weight_prefetch"))
+    fetch = asyncio.ensure_future(c.relays[1].fetch(c.actors[1], ann, "weight_prefetch"))
     await asyncio.sleep(0.6)  # the duration is what is under test: six liveness timeouts
     assert not fetch.done()
     for i, (tensors, checksum) in enumerate(parts):
         asm.add(i, tensors, checksum)
-    c.peers[0].store.landed()
+    c.relays[0].store.landed()
     held = await asyncio.wait_for(fetch, WAIT)
     # exact: the same process's bytes, relayed and checksummed, never computed on
     assert all(torch.equal(held[k], sd[k]) for k in sd)
-    assert c.peers[1].fetcher.fallbacks == 0 and c.rank0.statistics().bytes_sent == 0
+    assert c.relays[1].fallbacks == 0 and c.rank0.statistics().bytes_sent == 0
 
 
 async def test_an_upstream_that_only_ever_says_pending_is_bypassed_for_rank_0(cluster: Any) -> None:
@@ -253,9 +253,9 @@ async def test_an_upstream_that_only_ever_says_pending_is_bypassed_for_rank_0(cl
     ann, sd = c.publish(1)
     _landing_upstream(c, ann, sd)  # whose parts never land
     t0 = asyncio.get_running_loop().time()
-    held = await asyncio.wait_for(c.peers[1].fetcher.fetch(c.actors[1], ann, "weight_prefetch"), WAIT)
+    held = await asyncio.wait_for(c.relays[1].fetch(c.actors[1], ann, "weight_prefetch"), WAIT)
     # exact: the same process's bytes, fetched from rank 0 after the bypass, never computed on
-    assert all(torch.equal(held[k], sd[k]) for k in sd) and c.peers[1].fetcher.fallbacks == 1
+    assert all(torch.equal(held[k], sd[k]) for k in sd) and c.relays[1].fallbacks == 1
     assert asyncio.get_running_loop().time() - t0 >= STALL_SILENCES * silent_s  # it waited the stall limit
 
 
@@ -297,7 +297,7 @@ async def test_a_version_the_upstream_moved_past_ends_the_fetch_as_superseded(cl
     c.chain()
     old, _ = c.publish(1)
     new, _ = c.publish(2)
-    await asyncio.wait_for(c.peers[0].fetcher.fetch(c.actors[0], new, "weight_prefetch"), WAIT)
+    await asyncio.wait_for(c.relays[0].fetch(c.actors[0], new, "weight_prefetch"), WAIT)
     with pytest.raises(WeightsSuperseded, match="v1"):  # rollout-0 holds v2: v1 will never be there
-        await asyncio.wait_for(c.peers[1].fetcher.fetch(c.actors[1], old, "weight_prefetch"), WAIT)
-    assert c.peers[1].store.get(1) is None  # the abandoned version is not served on
+        await asyncio.wait_for(c.relays[1].fetch(c.actors[1], old, "weight_prefetch"), WAIT)
+    assert c.relays[1].store.get(1) is None  # the abandoned version is not served on

@@ -14,7 +14,7 @@ import pytest
 import structlog
 
 from digenrl.actors.base import Actor
-from digenrl.actors.peers import NodePeers
+from digenrl.actors.streamer import FragmentStreamer
 from digenrl.config import load_config
 from digenrl.core.plan import plan_for_step
 from digenrl.rl.policy import build_policy
@@ -53,35 +53,40 @@ class _Rollout(Actor):
         self.revoked: set[int] = set()
 
 
-def _setup(reward_fn: Any = None) -> tuple[_Rollout, NodePeers, _Link, _Link, Assign, Any, Any]:
+def _setup(reward_fn: Any = None) -> tuple[_Rollout, FragmentStreamer, _Link, _Link, Assign, Any, Any]:
     cfg = load_config(None, SMALL)
     policy = build_policy(cfg)
     trained, sde = plan_for_step(cfg, 0)
     assert len(trained) >= 2, trained
     push, control = _Link(), _Link()
-    peers = NodePeers(node_id="rollout-0", incarnation=1, cfg=cfg, control=control, pushes={0: push})
+    actor = _Rollout()
+    streamer = FragmentStreamer(node_id="rollout-0", cfg=cfg, pushes={0: push}, control=control,
+                                reward_fn=None, span="denoise_step", lane="rollout-chunk-sender",
+                                recorder=actor.recorder, log=actor.log, submit=actor.submit,
+                                revoked=actor.revoked, unexpected=actor.unexpected)
     task = Assign(task_id=7, step=0, fragment=0, prompt_ids=[0], prompts=["a red cube"], seeds=[1, 2],
                   group_size=2, version_floor=0, lease_s=60.0, sde_steps=sde,
                   owners={str(t): 0 for t in trained}, metadata=['{"prompt": "a red cube"}'])
-    return _Rollout(), peers, push, control, task, policy, reward_fn or build_reward(cfg.reward.terms)
+    return actor, streamer, push, control, task, policy, reward_fn or build_reward(cfg.reward.terms)
 
 
-async def _generate(actor: _Rollout, peers: NodePeers, task: Assign, policy: Any, reward: Any) -> bool:
-    return await peers.generate_and_stream(actor, task, policy.model, 0, reward, peers.cfg,
-                                           span="denoise_step")
+async def _generate(actor: _Rollout, streamer: FragmentStreamer, task: Assign, policy: Any,
+                    reward: Any) -> bool:
+    streamer.reward_fn = reward
+    return await streamer.generate_and_stream(task, policy.model, 0)
 
 
 @pytest.mark.asyncio
 async def test_the_sampler_runs_on_while_a_chunk_send_is_held() -> None:
     scored = threading.Event()
-    actor, peers, push, control, task, policy, reward = _setup()
+    actor, streamer, push, control, task, policy, reward = _setup()
 
     def scoring(images: Any, prompts: Any, *meta: Any) -> Any:
         scored.set()
         return reward(images, prompts, *meta)
 
     push.hold.clear()  # the trainer link takes nothing for now
-    gen = asyncio.create_task(_generate(actor, peers, task, policy, scoring))
+    gen = asyncio.create_task(_generate(actor, streamer, task, policy, scoring))
     try:
         # the whole trajectory, up to decoding and scoring, runs with no chunk sent yet
         assert await asyncio.to_thread(scored.wait, WAIT)
@@ -104,20 +109,20 @@ async def test_the_sampler_runs_on_while_a_chunk_send_is_held() -> None:
     assert lanes["denoise_step"] == lanes["reward"] != lanes["send_chunk"]
     # every chunk was staged in a pooled host buffer, and every buffer came back (held sends
     # made the pool grow instead of stalling the sampler)
-    pool = peers._stager(policy.model).pool.statistics()
+    pool = streamer._stager(policy.model).pool.statistics()
     assert pool["in_flight"] == 0 and pool["allocated"] + pool["reused"] == len(chunks)
 
 
 @pytest.mark.asyncio
 async def test_a_task_revoked_mid_way_commits_nothing_and_frees_the_compute_thread() -> None:
-    actor, peers, push, control, task, policy, reward = _setup()
+    actor, streamer, push, control, task, policy, reward = _setup()
     push.on_send = lambda msg: actor.revoked.add(msg.task_id)  # revoked as its first chunk leaves
-    assert await asyncio.wait_for(_generate(actor, peers, task, policy, reward), WAIT) is False
+    assert await asyncio.wait_for(_generate(actor, streamer, task, policy, reward), WAIT) is False
     assert [type(m) for m in push.sent] == [Chunk]  # only the chunk sent before the revocation
     assert control.sent == []
     assert actor._computing is not None and actor._computing[1].done()
     assert actor.compute_stuck() is None
-    assert peers._stager(policy.model).pool.statistics()["in_flight"] == 0  # unsent: returned
+    assert streamer._stager(policy.model).pool.statistics()["in_flight"] == 0  # unsent: returned
 
 
 @pytest.mark.asyncio
@@ -125,7 +130,7 @@ async def test_an_error_in_the_generation_reaches_the_caller() -> None:
     def broken_reward(images: Any, prompts: Any, *meta: Any) -> Any:
         raise RuntimeError("reward model fell over")
 
-    actor, peers, push, control, task, policy, _ = _setup()
+    actor, streamer, push, control, task, policy, _ = _setup()
     with pytest.raises(RuntimeError, match="reward model fell over"):
-        await asyncio.wait_for(_generate(actor, peers, task, policy, broken_reward), WAIT)
+        await asyncio.wait_for(_generate(actor, streamer, task, policy, broken_reward), WAIT)
     assert not any(isinstance(m, Commit) for m in push.sent) and control.sent == []

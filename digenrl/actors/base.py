@@ -17,8 +17,9 @@ How an actor is wired: everything comes in through the constructor, nothing is p
 afterwards. The node process (``actors/node.py``) hands each actor its sockets (inside
 :class:`~digenrl.actors.peers.NodePeers`), a :class:`NodeHooks` (extra heartbeat stats, where
 those stats go, extra background loops) and, in tests only, a
-:class:`~digenrl.faults.Slowdown`. What :class:`~digenrl.actors.peers.NodePeers` needs back
-from a rollout or trainer actor is the :class:`~digenrl.actors.peers.PeerActor` protocol.
+:class:`~digenrl.faults.Slowdown`. Shared behaviour is a held component built from explicit
+inputs: :class:`~digenrl.actors.streamer.FragmentStreamer` (generation and streaming) and
+:class:`~digenrl.actors.following.WeightFollower` (a rollout's weights).
 
 | blocking call             | waits for                         | unblocked by                    |
 |---------------------------|-----------------------------------|---------------------------------|

@@ -36,6 +36,7 @@ from typing import Any
 from digenrl.actors.base import Loop, stopped_by_signal
 from digenrl.actors.peers import NodePeers
 from digenrl.actors.resume import TrainerCheckpoints
+from digenrl.actors.streamer import FragmentStreamer
 from digenrl.config import Config
 from digenrl.core.credits import within_staleness
 from digenrl.core.plan import FORWARD_ALGORITHMS, owners_for, plan_for_step, trajectory_seed
@@ -67,7 +68,7 @@ from digenrl.transport.protocol import (
     VersionAnnounce,
 )
 from digenrl.transport.staging import HostToDevice, Landed
-from digenrl.transport.weights import publish_parts, serve_weights
+from digenrl.transport.weights import WeightStore, publish_parts, serve_weights
 
 
 class TrainerActor(TrainerCheckpoints):
@@ -103,6 +104,14 @@ class TrainerActor(TrainerCheckpoints):
         # written by drain_checkpoint when a stop comes before the next due checkpoint
         self._boundary: tuple[int, dict[str, Any], dict[str, Any]] | None = None
         self.revoked: set[int] = set()
+        # TAG: fragments this rank generates with its current weights (never its gradients)
+        self.streamer = FragmentStreamer(
+            node_id=self.node_id, cfg=cfg, pushes=peers.pushes, control=peers.control,
+            scorers=peers.scorers, reward_fn=reward_fn, span="tag_generate",
+            lane=f"{self.role}-chunk-sender", recorder=self.recorder, log=self.log,
+            submit=self.submit, revoked=self.revoked, unexpected=self.unexpected,
+            slowdown=self.slowdown)
+        self.store = WeightStore()  # rank 0: the published versions its weights ROUTER serves
         self.tag_tasks: asyncio.Queue[Assign] = asyncio.Queue()
         self._offered = False
         self._step_t0 = time.perf_counter()
@@ -135,7 +144,7 @@ class TrainerActor(TrainerCheckpoints):
     # ---------------------------------------------------------------- loops
     def background(self) -> list[Loop]:
         loops = [self.peers.heartbeat_loop(self), self._control_loop, self._data_loop,
-                 *self.peers.reward_loops(self)]
+                 *self.streamer.reward_loops()]
         if self.rank == 0:
             loops.append(self._weights_loop)
         return loops
@@ -318,7 +327,7 @@ class TrainerActor(TrainerCheckpoints):
         """Rank 0 serves the published versions (the first rollout of the relay, or all of
         them with runtime.weights_fanout = 0); a version no longer kept is answered missing."""
         assert self.peers.weights is not None
-        await serve_weights(self.peers.weights, self.peers.store, self.unexpected)
+        await serve_weights(self.peers.weights, self.store, self.unexpected)
 
     # ---------------------------------------------------------------- training
     async def _consume(self, commit: Commit) -> None:
@@ -508,7 +517,7 @@ class TrainerActor(TrainerCheckpoints):
             sd = {k: v.detach().to("cpu").contiguous() for k, v in full.items()}
             # checksums once per version, off the event loop (not once per request)
             parts, whole = await asyncio.to_thread(publish_parts, sd)
-            self.peers.store.publish(version, parts, whole)  # the newest three are kept
+            self.store.publish(version, parts, whole)  # the newest three are kept
             self.log.info("weights published", version=version, checksum=whole, nparts=len(parts))
         await self.peers.control.send(VersionAnnounce(
             version=version, step=version, nparts=len(parts),
@@ -518,8 +527,7 @@ class TrainerActor(TrainerCheckpoints):
     # ---------------------------------------------------------------- TAG
     async def _generate(self, task: Assign) -> None:
         """Trainer-assisted generation with the current weights; never touches gradients."""
-        await self.peers.generate_and_stream(self, task, self.policy.model, self.policy.version,
-                                             self.reward_fn, self.cfg, span="tag_generate")
+        await self.streamer.generate_and_stream(task, self.policy.model, self.policy.version)
 
 
 def _nbytes(c: Chunk | CleanSample) -> int:

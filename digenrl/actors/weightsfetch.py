@@ -1,7 +1,7 @@
 """A rollout's side of the weights relay: its route, fetching a version, serving it on.
 
-:class:`WeightsRelay` belongs to a node's :class:`~digenrl.actors.peers.NodePeers` (which
-decides *when* to fetch: prefetch, catch-up at a trajectory boundary). It fetches each version
+:class:`WeightsRelay` belongs to a rollout's :class:`~digenrl.actors.following.WeightFollower`
+(which decides *when* to fetch: prefetch, catch-up at a trajectory boundary). It fetches each version
 from the node's *upstream* (``WeightsRoute`` from the coordinator; trainer rank 0 until told
 otherwise, :mod:`digenrl.core.relay` picks the tree), keeping ``WEIGHTS_WINDOW`` part requests
 in flight, and serves every part it has verified to its own downstream as the part lands. A
@@ -42,7 +42,7 @@ from digenrl.transport.weights import WeightAssembly, WeightStore, serve_weights
 
 
 class FetchingActor(Protocol):
-    """What a fetch needs of its actor (a :class:`~digenrl.actors.peers.PeerActor` is one):
+    """What a fetch needs of its caller (a :class:`~digenrl.actors.following.WeightFollower` is one):
     its log, a busy span around the fetch, and where unexpected messages are counted."""
 
     log: Log
@@ -99,7 +99,7 @@ class WeightsRelay:
         old, self._upstream = self._upstream, None
         if msg.upstream:
             if self.connect is None:
-                raise RuntimeError("a WeightsRoute needs NodePeers(connect=...)")
+                raise RuntimeError("a WeightsRoute needs WeightsRelay(connect=...)")
             self._upstream = self.connect(msg.upstream)
         self.upstream_endpoint = msg.upstream
         if old is not None:
