@@ -211,7 +211,7 @@ async def test_clean_samples_for_another_step_shape_or_revoked_attempt_are_refus
     await _feed(actor, data, [clean(1), clean(2, step=1, n=3), clean(3, 1, 8, *shape[:-1], shape[-1] + 1),
                               clean(5, step=1), clean(6, step=1), clean(7, step=9)])
     assert actor.refused == {"stale_chunk": 1, "bad_shape": 2, "revoked": 1, "step_out_of_window": 1}
-    assert set(actor.finals) == {6}
+    assert set(actor.staged) == {6}
 
 
 async def test_clean_samples_are_staged_within_the_same_bounds_as_chunks(tmp_path: Path) -> None:
@@ -228,10 +228,10 @@ async def test_clean_samples_are_staged_within_the_same_bounds_as_chunks(tmp_pat
 
     await _feed(actor, data, [*(clean(100 + i, 0) for i in range(10)), clean(200, 1)])
     assert actor.refused == {"too_many_attempts_of_a_slot": 8, "staging_over_the_byte_window": 1}
-    assert set(actor.finals) == {100, 101} and actor.staged_bytes == 2 * x0.nbytes
-    for task in list(actor.finals):  # unstaging gives every byte back
+    assert set(actor.staged) == {100, 101} and actor.staged_bytes == 2 * x0.nbytes
+    for task in list(actor.staged):  # unstaging gives every byte back
         actor._unstage(task)
-    assert actor.staged_bytes == 0 and not actor.finals and not actor._staged_slot
+    assert actor.staged_bytes == 0 and not actor.staged and not actor._staged_slot
 
 
 # ----------------------------------------------------------------------------- the coordinator

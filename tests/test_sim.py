@@ -166,7 +166,7 @@ class _Trace:
 def _disagg_sync_run(d, steps: int = 6):
     """A disagg-sync run: rollout and trainer take turns; every gap between them is a latency.
 
-    As actors/peers.py does it: the announcement starts a background ``weight_prefetch``; the
+    As actors/following.py does it: the announcement starts a background ``weight_prefetch``; the
     rollout, at its trajectory boundary, waits for it, applies, then generates.
     """
     from digenrl.config import resolve_mode
@@ -256,7 +256,7 @@ def test_calibrated_colocated_switch_is_the_unspanned_rest_of_the_step(tmp_path)
 
 @pytest.mark.parametrize("fetch_s", [0.0, 0.5, 1.2, 3.0])
 def test_rollout_weight_fetch_is_hidden_behind_generation_unless_longer(fetch_s):
-    """The rollout prefetches each version while it generates (actors/peers.py): a
+    """The rollout prefetches each version while it generates (actors/following.py): a
     generation-bound digenrl step pays only the boundary apply, until the fetch is longer
     than a fragment's generation."""
     cfg = _cfg(12, "runtime.tag=never")

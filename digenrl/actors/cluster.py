@@ -46,13 +46,10 @@ from digenrl.transport.options import node_context
 
 
 def bytes_per_trajectory(cfg: Config, latent_numel: int) -> int:
-    """Latent bytes one trajectory puts in flight: (x_t, x_next) per trained step, wire dtype;
-    the forward-process algorithms send only the final latents."""
-    from digenrl.core.plan import FORWARD_ALGORITHMS, plan_for_step
-    elem = 2 if cfg.sampler.wire_dtype == "bfloat16" else 4
-    if cfg.train.algorithm in FORWARD_ALGORITHMS:
-        return latent_numel * elem
-    return 2 * latent_numel * elem * max(1, len(plan_for_step(cfg, 0)[0]))
+    """Latent bytes one trajectory puts in flight (the algorithm's: the GRPO family sends
+    (x_t, x_next) per trained step, the forward-process algorithms only the final latents)."""
+    from digenrl.rl.algorithm import algorithm_for
+    return algorithm_for(cfg.train).bytes_per_trajectory(cfg, latent_numel)
 
 
 def make_scheduler(cfg: Config, prompt_count: int) -> Scheduler:

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
 
 from digenrl.config import Config
-from digenrl.core.plan import FORWARD_ALGORITHMS, plan_for_step, step_prompts, trajectory_seed
+from digenrl.core.plan import plan_for_step, step_prompts, trajectory_seed
 from digenrl.data.prompts import load_splits
 from digenrl.devices import init_process_group, resolve_device, use_device
 from digenrl.faults import crash_point
@@ -71,6 +71,7 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
                          "needs a multiple of the rank count")
     policy = build_policy(cfg, world_size, device=device)
     learner = Learner(policy, cfg)
+    algorithm = learner.algorithm  # what the sampler hands out and what trains on it
     start, done_trained, done_discarded = (colocated_resume(run_dir, policy, rank) if resume
                                            else (0, 0, {}))
     reward_fn = build_reward(cfg.reward.terms, device=device)
@@ -107,21 +108,20 @@ def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int 
         busy_before = busy_clock.stats()
         ids = step_prompts(cfg.run.seed, step, P, len(prompts))
         trained, sde = plan_for_step(cfg, step)
-        forward = cfg.train.algorithm in FORWARD_ALGORITHMS  # trained = the trainer's draw slots
         seeds = [trajectory_seed(cfg.run.seed, step, q, g) for q in my_groups for g in range(G)]
         job = FragmentJob(model=policy.model, cfg=cfg, prompts=[prompts[ids[g]] for g in my_groups],
-                          seeds=seeds, sde_steps=sde, trained_steps=[] if forward else trained,
+                          seeds=seeds, sde_steps=sde, trained_steps=algorithm.streamed_steps(trained),
                           reward_fn=reward_fn, metadata=[train_set.metadata[ids[g]] for g in my_groups])
         with recorder.span("generate", step=step):
             records, result = job.run_all()
         crash_point("generate", step)  # TEST-ONLY (digenrl/faults.py)
-        slots: dict[int, Any] = {j: None for j in trained}  # forward algorithms: draw slots, values unused
+        inputs = algorithm.local(records, result, trained, seeds)
         with recorder.span("fragment_train", step=step):
-            learner.train_fragment(records=slots if forward else records,
+            learner.train_fragment(records=inputs.records,
                                    cond=result.cond, rewards=result.rewards,
                                    gen_version=policy.version, n_trained_total=len(trained),
                                    sigma_max=sigma_max, reward_terms=result.reward_terms,
-                                   final=result.final if forward else None, seeds=seeds)
+                                   final=inputs.final, seeds=inputs.seeds)
         with recorder.span("optimizer_step", step=step):
             metrics = learner.finish_step(_all_reduce if world_size > 1 else None, pad_to=len(trained))
         if world_size > 1:

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from digenrl.config import Config
-from digenrl.core.plan import FORWARD_ALGORITHMS, fragment_content, plan_for_step
+from digenrl.core.plan import fragment_content, plan_for_step
 from digenrl.data.prompts import load_splits
 from digenrl.devices import resolve_device
+from digenrl.rl.algorithm import algorithm_for
 from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.learner import Learner
 from digenrl.rl.policy import build_policy
@@ -42,23 +43,23 @@ def rollout_only(cfg: Config, steps: int, record: Path | None = None) -> dict[st
     torch.set_num_threads(cfg.run.threads)
     policy = build_policy(cfg, device=resolve_device())
     reward_fn = build_reward(cfg.reward.terms)
+    algorithm = algorithm_for(cfg.train)
     prompts = load_splits(cfg.prompts)[0].prompts
     recording: list[dict[str, Any]] = []
     times, cpu = [], []
     for step in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
         trained, sde = plan_for_step(cfg, step)
-        forward = cfg.train.algorithm in FORWARD_ALGORITHMS  # trained: the trainer's draw slots
         for ids, seeds in _fragments(cfg, step, len(prompts)):
             job = FragmentJob(model=policy.model, cfg=cfg, prompts=[prompts[i] for i in ids],
-                              seeds=seeds, sde_steps=sde, trained_steps=[] if forward else trained,
+                              seeds=seeds, sde_steps=sde, trained_steps=algorithm.streamed_steps(trained),
                               reward_fn=reward_fn)
             records, result = job.run_all()
             if record is not None:
-                recording.append({"step": step, "records": {j: None for j in trained} if forward
-                                  else records, "cond": result.cond, "rewards": result.rewards,
-                                  "n_trained": len(trained), "seeds": list(seeds),
-                                  "final": result.final if forward else None})
+                inputs = algorithm.local(records, result, trained, list(seeds))
+                recording.append({"step": step, "records": inputs.records, "cond": result.cond,
+                                  "rewards": result.rewards, "n_trained": len(trained),
+                                  "seeds": list(seeds), "final": inputs.final})
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     if record is not None:

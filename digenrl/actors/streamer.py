@@ -30,14 +30,14 @@ import torch
 
 from digenrl.actors.base import Log, Loop
 from digenrl.config import Config
-from digenrl.core.plan import FORWARD_ALGORITHMS
 from digenrl.faults import NO_SLOWDOWN, Slowdown, nan_point, poison
 from digenrl.models.base import FlowModel
+from digenrl.rl.algorithm import Algorithm, algorithm_for
 from digenrl.rl.fragment import FragmentJob, FragmentResult
 from digenrl.rl.rewards import Reward
 from digenrl.rl.sampler import WIRE_DTYPES
 from digenrl.telemetry.trace import SpanRecorder
-from digenrl.transport.protocol import Assign, Chunk, CleanSample, Commit, Score, Scored
+from digenrl.transport.protocol import Assign, Chunk, Commit, Score, Scored
 from digenrl.transport.socketio import Socket
 from digenrl.transport.staging import DeviceToHost, Staged
 
@@ -58,16 +58,18 @@ class FragmentStreamer:
     (``denoise_step`` on a rollout, ``tag_generate`` on a trainer); ``lane``: the trace lane of
     the chunk sends; ``submit(name, fn)``: queues ``fn`` on the holder's compute thread;
     ``revoked``: task ids the coordinator revoked (a fragment in generation stops at its next
-    chunk); ``unexpected(socket, msg, why)``: counts a message no loop expects.
+    chunk); ``unexpected(socket, msg, why)``: counts a message no loop expects; ``algorithm``:
+    what a trajectory sends (default: the run's, ``algorithm_for(cfg.train)``).
     """
 
     def __init__(self, *, node_id: str, cfg: Config, pushes: dict[int, Socket], control: Socket,
                  reward_fn: Reward | None, span: str, lane: str, recorder: SpanRecorder, log: Log,
                  submit: Callable[..., asyncio.Future[Any]], revoked: set[int],
                  unexpected: Callable[..., None], scorers: dict[str, Socket] | None = None,
-                 slowdown: Slowdown = NO_SLOWDOWN) -> None:
+                 slowdown: Slowdown = NO_SLOWDOWN, algorithm: Algorithm | None = None) -> None:
         self.node_id = node_id
         self.cfg = cfg
+        self.algorithm = algorithm or algorithm_for(cfg.train)
         self.pushes = pushes
         self.control = control
         self.reward_fn = reward_fn
@@ -102,13 +104,13 @@ class FragmentStreamer:
         named ``self.span`` (one per pull: the denoising steps up to the next trained one) and
         ``reward``. Returns False (and commits nothing) if the task is revoked mid-way.
 
-        Forward-process algorithms (nft, awm) stream nothing while denoising: the final
-        latents go once to each rank that owns one of the task's draw slots, as a
-        :class:`CleanSample`, before the commit.
+        What streams, and what follows the trajectory before its commit, is the run's
+        algorithm's (``rl/algorithm.py``): the GRPO family streams a chunk per trained step;
+        the forward-process algorithms stream nothing while denoising and send the final
+        latents once to each rank that owns one of the task's draw slots.
         """
-        cfg, span = self.cfg, self.span
-        forward = cfg.train.algorithm in FORWARD_ALGORITHMS
-        trained = [] if forward else sorted(int(t) for t in task.owners)
+        cfg, span, algorithm = self.cfg, self.span, self.algorithm
+        trained = algorithm.streamed_steps([int(t) for t in task.owners])
         job = FragmentJob(model=model, cfg=cfg, prompts=list(task.prompts), seeds=list(task.seeds),
                           sde_steps=list(task.sde_steps), trained_steps=trained,
                           reward_fn=None if self.scorers else self.reward_fn,
@@ -141,8 +143,7 @@ class FragmentStreamer:
                         hand((span, t0, t1, None))
                         t0 = clock()
                         result = job.finish().to_host()  # on this thread, not the event loop
-                        if forward:  # what a forward-process trainer trains on, in the wire dtype
-                            result.final = result.final.to(wire).cpu()
+                        algorithm.finish_on_thread(result, wire)
                         hand(("reward", t0, clock(), None))
                         return result
                     # queued here, on the sampler's thread: a side-stream copy into a pooled
@@ -193,12 +194,9 @@ class FragmentStreamer:
                     left[3][3].release()
         assert result is not None, "the job ends with a result unless halted"
         gen_seconds = time.perf_counter() - t_start
-        if forward:
-            for rank in sorted({int(r) for r in task.owners.values()}):
-                with self.recorder.span("send_chunk", tid=sender, t=-1):
-                    await self.pushes[rank].send(CleanSample(
-                        task_id=task.task_id, step=task.step, fragment=task.fragment,
-                        policy_version=version, x0=result.final))
+        for rank, msg in algorithm.after_trajectory(task, version, result):
+            with self.recorder.span("send_chunk", tid=sender, t=-1):
+                await self.pushes[rank].send(msg)
         if self.scorers:  # a reward worker scores; the commit goes when its answer comes
             await self._send_for_scoring(task, result, version, gen_seconds)
             return True

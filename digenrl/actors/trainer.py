@@ -38,9 +38,9 @@ from digenrl.actors.peers import NodePeers
 from digenrl.actors.resume import TrainerCheckpoints
 from digenrl.actors.streamer import FragmentStreamer
 from digenrl.config import Config
-from digenrl.core.credits import within_staleness
-from digenrl.core.plan import FORWARD_ALGORITHMS, owners_for, plan_for_step, trajectory_seed
+from digenrl.core.plan import owners_for, plan_for_step
 from digenrl.faults import crash_point, hang_point
+from digenrl.rl.algorithm import Staged, algorithm_for
 from digenrl.rl.checkpoint import (
     capture_rng,
     checkpoint_due,
@@ -89,10 +89,11 @@ class TrainerActor(TrainerCheckpoints):
         self.test_set, self.eval_reward = test_set, eval_reward  # held-out evaluation (rank 0)
         self.pending_eval: dict[str, Any] = {}  # rides on the next StepDone to the coordinator
         self.sigma_max = float(sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)[1])
-        # task -> t -> (chunk, its tensors on their way to the training device)
-        self.staged: dict[int, dict[int, tuple[Chunk, Landed]]] = defaultdict(dict)
-        # task -> a forward-process fragment's clean sample, on its way to the device likewise
-        self.finals: dict[int, tuple[CleanSample, Landed]] = {}
+        # what a rollout sends, this rank stages and trains, and the loss: the run's algorithm
+        self.algorithm = algorithm_for(cfg.train)
+        # task -> slot -> (a chunk, or a forward-process fragment's clean sample; its tensors on
+        # their way to the training device); slots are the algorithm's (a chunk's timestep)
+        self.staged: dict[int, dict[int, tuple[Chunk | CleanSample, Landed]]] = defaultdict(dict)
         self.h2d = HostToDevice(getattr(policy.model, "device", "cpu"))
         # staging is bounded: bytes charged to the byte window, attempts and commits per slot
         self.staged_bytes = 0
@@ -110,7 +111,7 @@ class TrainerActor(TrainerCheckpoints):
             scorers=peers.scorers, reward_fn=reward_fn, span="tag_generate",
             lane=f"{self.role}-chunk-sender", recorder=self.recorder, log=self.log,
             submit=self.submit, revoked=self.revoked, unexpected=self.unexpected,
-            slowdown=self.slowdown)
+            slowdown=self.slowdown, algorithm=self.algorithm)
         self.store = WeightStore()  # rank 0: the published versions its weights ROUTER serves
         self.tag_tasks: asyncio.Queue[Assign] = asyncio.Queue()
         self._offered = False
@@ -204,23 +205,16 @@ class TrainerActor(TrainerCheckpoints):
             return "step_out_of_window"
         if msg.task_id in self.revoked:
             return "revoked"
-        if isinstance(msg, Chunk):
-            if msg.step < v:
-                return "stale_chunk"  # its step is trained: nothing would ever consume it
-            trained = self._trained_of(msg.step)
-            owners = owners_for(trained, self.world_size, self.cfg.runtime.tsp, msg.fragment, F)
-            if msg.t_index not in trained or owners[trained.index(msg.t_index)] != self.rank:
-                return "not_owner"
-        elif isinstance(msg, CleanSample):
-            if msg.step < v:
-                return "stale_chunk"
-            trained = plan_for_step(self.cfg, msg.step)[0]  # the trainer's own draw slots
-            if self.rank not in owners_for(trained, self.world_size, self.cfg.runtime.tsp, msg.fragment, F):
-                return "not_owner"
-            per = self.cfg.train.prompts_per_step // F * self.cfg.train.group_size
-            if tuple(msg.x0.shape) != (per, *self.policy.model.latent_shape):
-                return "bad_shape"  # one final latent per trajectory of the fragment
-        return None
+        if isinstance(msg, Commit):
+            return None
+        if msg.step < v:
+            return "stale_chunk"  # its step is trained: nothing would ever consume it
+        trained = self._trained_of(msg.step)
+        per = self.cfg.train.prompts_per_step // F * self.cfg.train.group_size
+        return self.algorithm.refusal(
+            msg, trained=trained, owners=owners_for(trained, self.world_size, self.cfg.runtime.tsp,
+                                                    msg.fragment, F),
+            rank=self.rank, fragment_shape=(per, *self.policy.model.latent_shape))
 
     def _stage(self, msg: Chunk | CleanSample) -> str | None:
         """Keep a chunk, or a forward-process fragment's clean sample, until its commit; why
@@ -234,37 +228,30 @@ class TrainerActor(TrainerCheckpoints):
                 return "too_many_attempts_of_a_slot"
         elif self._staged_slot[task] != slot:
             return "task_changed_slot"
-        nbytes = _nbytes(msg)
-        if isinstance(msg, CleanSample):
-            old_final = self.finals.get(task)
-            freed = _nbytes(old_final[0]) if old_final is not None else 0
-            fragment_bytes = nbytes  # one clean sample is the whole fragment on this rank
-        else:
-            old = self.staged.get(task, {}).get(msg.t_index)
-            freed = _nbytes(old[0]) if old is not None else 0
-            fragment_bytes = nbytes * len(self._trained_of(msg.step))  # a whole fragment's chunks
+        nbytes = self._nbytes(msg)
+        slot_of = self.algorithm.slot(msg)
+        old = self.staged.get(task, {}).get(slot_of)
+        freed = self._nbytes(old[0]) if old is not None else 0
+        # a whole fragment's chunks (or its one clean sample) on this rank
+        fragment_bytes = nbytes * self.algorithm.staged_per_fragment(self._trained_of(msg.step))
         window = int(self.cfg.runtime.byte_window_mb * 2**20)
         if self.staged_bytes - freed + nbytes > window + fragment_bytes:
             return "staging_over_the_byte_window"
         self._staged_slot[task] = slot
         # on a GPU the copy starts now, on a side stream, while earlier work trains
-        if isinstance(msg, CleanSample):
-            self.finals[task] = (msg, self.h2d.stage([msg.x0]))
-        else:
-            self.staged[task][msg.t_index] = (msg, self.h2d.stage([msg.x_t, msg.x_next, msg.log_prob]))
+        self.staged[task][slot_of] = (msg, self.h2d.stage(self.algorithm.tensors(msg)))
         self.staged_bytes += nbytes - freed
         return None
 
-    def _unstage(self, task_id: int) -> dict[int, tuple[Chunk, Landed]]:
-        """Take a task's staged chunks out (for training, or to drop them) and drop its clean
-        sample (``_consume`` takes that first)."""
-        chunks = self.staged.pop(task_id, {})
-        final = self.finals.pop(task_id, None)
+    def _unstage(self, task_id: int) -> Staged:
+        """Take a task's staged messages out (for training, or to drop them)."""
+        staged = self.staged.pop(task_id, {})
         self._staged_slot.pop(task_id, None)
-        self.staged_bytes -= sum(_nbytes(c) for c, _ in chunks.values())
-        if final is not None:
-            self.staged_bytes -= _nbytes(final[0])
-        return chunks
+        self.staged_bytes -= sum(self._nbytes(c) for c, _ in staged.values())
+        return staged
+
+    def _nbytes(self, msg: Chunk | CleanSample) -> int:
+        return sum(t.nbytes for t in self.algorithm.tensors(msg))
 
     async def _data_loop(self) -> None:
         data = self.peers.data
@@ -272,7 +259,7 @@ class TrainerActor(TrainerCheckpoints):
         await self.restored.wait()
         while True:
             _, msg = await data.recv()
-            if not isinstance(msg, (Chunk, CleanSample, Commit)):
+            if not isinstance(msg, (self.algorithm.staged_type, Commit)):
                 self.unexpected("data", msg)
                 continue
             why = self._arrival_check(msg)
@@ -282,7 +269,7 @@ class TrainerActor(TrainerCheckpoints):
             if why is not None:
                 self.refuse(why, msg, task=msg.task_id, step=msg.step, fragment=msg.fragment)
                 continue
-            if isinstance(msg, (Chunk, CleanSample)):
+            if not isinstance(msg, Commit):
                 why = self._stage(msg)
                 if why is not None:
                     self.refuse(why, msg, task=msg.task_id, step=msg.step, staged_bytes=self.staged_bytes)
@@ -337,8 +324,7 @@ class TrainerActor(TrainerCheckpoints):
             if commit.task_id not in self.revoked:  # see _data_loop: report the duplicate
                 await self._report(commit, 0, {"duplicate_slot": len(commit.prompt_ids) * self.cfg.train.group_size}, 0.0)
             return
-        clean = self.finals.get(commit.task_id)  # taken before _unstage drops it
-        chunks = self._unstage(commit.task_id)
+        staged = self._unstage(commit.task_id)
         # a discarded fragment (its reward worker failed) carries no rewards: count its trajectories
         n = len(commit.prompt_ids) * self.cfg.train.group_size if commit.discard else len(commit.rewards)
         discarded: dict[str, int] = {}
@@ -354,7 +340,8 @@ class TrainerActor(TrainerCheckpoints):
                 await self.in_thread("fragment_train", self.learner.idle, passes, step=step)
             self.log.error("fragment discarded by its rollout", task=commit.task_id, step=step,
                            reason=commit.discard)
-        elif not within_staleness(self.policy.version, commit.policy_version, self.cfg.runtime.staleness):
+        elif not self.algorithm.within_staleness(self.policy.version, commit.policy_version,
+                                                 self.cfg.runtime.staleness):
             self.rejected_stale += n
             discarded["stale"] = n
             self.learner.discard(n, "stale")
@@ -363,19 +350,15 @@ class TrainerActor(TrainerCheckpoints):
             self.log.error("stale fragment rejected", task=commit.task_id, step=step,
                            gen_version=commit.policy_version, version=self.policy.version)
         else:
-            records: dict[int, Any] = chunks
-            if self.cfg.train.algorithm in FORWARD_ALGORITHMS:
-                # this rank's draw slots of the fragment (TSP over the trainer's own draws)
-                owners = owners_for(trained_steps, self.world_size, self.cfg.runtime.tsp,
-                                    commit.fragment, self.cfg.runtime.fragments_per_step)
-                records = {j: None for j, r in zip(trained_steps, owners) if r == self.rank}
-                if records and clean is None:
-                    raise RuntimeError(f"task {commit.task_id}: committed without its clean sample")
+            owners = owners_for(trained_steps, self.world_size, self.cfg.runtime.tsp,
+                                commit.fragment, self.cfg.runtime.fragments_per_step)
+            records = self.algorithm.to_train(staged, trained=trained_steps, owners=owners,
+                                              rank=self.rank, task_id=commit.task_id)
             crash_point("trainer", step, once=self.run_dir / "logs" / f"crashed-{self.node_id}")
             before = self.learner.stats.trained
             discarded_before = dict(self.learner.stats.discarded)
-            await self.in_thread("fragment_train", self._train, records, commit, len(trained_steps),
-                                 passes, clean, step=step, fragment=commit.fragment)
+            await self.in_thread("fragment_train", self._train, records, staged, commit,
+                                 len(trained_steps), passes, step=step, fragment=commit.fragment)
             trained = self.learner.stats.trained - before
             for reason, count in self.learner.stats.discarded.items():
                 if count - discarded_before.get(reason, 0):
@@ -415,22 +398,16 @@ class TrainerActor(TrainerCheckpoints):
             policy_version=commit.policy_version, trained=trained, discarded=discarded,
             train_seconds=seconds))
 
-    def _train(self, records: dict[int, Any], commit: Commit, n_trained_total: int, passes: int,
-               clean: tuple[CleanSample, Landed] | None) -> None:
+    def _train(self, records: Staged, staged: Staged, commit: Commit, n_trained_total: int,
+               passes: int) -> None:
         hang_point("trainer", commit.step, once=self.run_dir / "logs" / f"hung-{self.node_id}")  # TEST-ONLY
-        seeds, final = None, None
-        if clean is None:
-            # on the compute thread: its stream is the one that waits for the chunks' copies
-            records = {t: _record(c, landed) for t, (c, landed) in records.items()}
-        else:  # the fragment's trajectory seeds fix the trainer's draws
-            final = clean[1].wait()[0].float()
-            G, per = self.cfg.train.group_size, self.cfg.train.prompts_per_step // self.cfg.runtime.fragments_per_step
-            seeds = [trajectory_seed(self.cfg.run.seed, commit.step, q, g)
-                     for q in range(commit.fragment * per, (commit.fragment + 1) * per) for g in range(G)]
-        self.learner.train_fragment(records=records, cond=dict(commit.cond), rewards=commit.rewards,
+        # on the compute thread: its stream is the one that waits for the staged copies
+        inputs = self.algorithm.landed(records, staged, cfg=self.cfg, step=commit.step,
+                                       fragment=commit.fragment)
+        self.learner.train_fragment(records=inputs.records, cond=dict(commit.cond), rewards=commit.rewards,
                                     gen_version=commit.policy_version, n_trained_total=n_trained_total,
                                     sigma_max=self.sigma_max, reward_terms=commit.reward_terms,
-                                    passes=passes, final=final, seeds=seeds,
+                                    passes=passes, final=inputs.final, seeds=inputs.seeds,
                                     source=f"{commit.step}/{commit.fragment} task {commit.task_id} from {commit.node_id}")
 
     async def _finish_step(self, step: int) -> bool:
@@ -528,19 +505,6 @@ class TrainerActor(TrainerCheckpoints):
     async def _generate(self, task: Assign) -> None:
         """Trainer-assisted generation with the current weights; never touches gradients."""
         await self.streamer.generate_and_stream(task, self.policy.model, self.policy.version)
-
-
-def _nbytes(c: Chunk | CleanSample) -> int:
-    if isinstance(c, CleanSample):
-        return c.x0.nbytes
-    return c.x_t.nbytes + c.x_next.nbytes + c.log_prob.nbytes
-
-
-def _record(c: Chunk, landed: Landed) -> Any:
-    from digenrl.rl.sampler import StepRecord
-    x_t, x_next, log_prob = landed.wait()  # this thread's stream waits for the copies (GPU side)
-    return StepRecord(index=c.t_index, sigma=c.sigma, sigma_next=c.sigma_next,
-                      x_t=x_t.float(), x_next=x_next.float(), log_prob=log_prob.float(), sde=True)
 
 
 __all__ = ["FragmentJob", "TrainerActor"]

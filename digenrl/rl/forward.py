@@ -45,16 +45,29 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 
+from digenrl.config import SamplerConfig, TrainConfig
 from digenrl.core.plan import stable_int
 from digenrl.models.base import Cond, cond_select
 from digenrl.rl.grpo import loss_weight, ppo_surrogate
 
-if TYPE_CHECKING:
-    from digenrl.rl.policy import Policy
+
+class ForwardPolicy(Protocol):
+    """What the forward-process losses need of the trained policy
+    (:class:`~digenrl.rl.policy.Policy` is one)."""
+
+    train_cfg: TrainConfig
+    sampler_cfg: SamplerConfig
+    version: int
+    params: list[torch.Tensor]
+
+    def behaviour_weights(self, version: int) -> AbstractContextManager[None]: ...
+    def velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Cond) -> torch.Tensor: ...
+    def ref_velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Cond) -> torch.Tensor: ...
 
 
 def forward_draw_t(traj_seed: int, j: int, n_draws: int, shift: float) -> float:
@@ -122,7 +135,7 @@ def fm_log_likelihood(v: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return -_mean((v - target) ** 2)
 
 
-def fragment_backward(policy: Policy, final: torch.Tensor, cond: Cond, adv: torch.Tensor,
+def fragment_backward(policy: ForwardPolicy, final: torch.Tensor, cond: Cond, adv: torch.Tensor,
                       keep: torch.Tensor, *, seeds: Sequence[int], draws: Sequence[int],
                       gen_version: int, batch_size_total: int, n_draws_total: int) -> dict[str, float]:
     """Accumulate into ``.grad`` the forward-process loss of one fragment at draw slots ``draws``.

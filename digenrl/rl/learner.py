@@ -18,10 +18,9 @@ from pathlib import Path
 import torch
 
 from digenrl.config import Config
-from digenrl.core.plan import FORWARD_ALGORITHMS
 from digenrl.models.base import Cond
+from digenrl.rl.algorithm import TrainInputs, algorithm_for
 from digenrl.rl.finite import NONFINITE, fragment_tensors, nonfinite_rows
-from digenrl.rl.forward import fragment_backward as forward_fragment_backward
 from digenrl.rl.grpo import group_advantages
 from digenrl.rl.policy import Policy, StepLike
 
@@ -54,6 +53,7 @@ class Learner:
     def __init__(self, policy: Policy, cfg: Config) -> None:
         self.policy = policy
         self.cfg = cfg
+        self.algorithm = algorithm_for(cfg.train)
         self.stats = StepStats()
         self.last_discarded: dict[str, int] = {}
         self.skipped_steps = 0
@@ -77,9 +77,10 @@ class Learner:
         that many, padding with idle passes where the fragment trains less (zero advantages,
         a missing chunk), so the ranks' collectives stay paired.
 
-        Forward-process algorithms (``train.algorithm`` nft / awm): ``records`` holds this
-        rank's draw slots (values unused), ``final`` the fragment's clean latents and ``seeds``
-        its trajectory seeds (they fix each draw's noise level and noise).
+        The loss is the run's algorithm's (``rl/algorithm.py``). Forward-process algorithms
+        (``train.algorithm`` nft / awm): ``records`` holds this rank's draw slots (values
+        unused), ``final`` the fragment's clean latents and ``seeds`` its trajectory seeds (they
+        fix each draw's noise level and noise).
 
         A trajectory with a non-finite value in what is read of it (rl/finite.py) is discarded
         as ``nonfinite`` before advantages: its group's advantages are those of its finite
@@ -109,8 +110,7 @@ class Learner:
             st.reward_terms.setdefault(k, []).extend(float(x) for x in rows)
         staleness = self.policy.version - gen_version
         st.staleness += [staleness] * n
-        forward = self.cfg.train.algorithm in FORWARD_ALGORITHMS
-        if not self.policy.behaviour_available(gen_version) and (forward or self.cfg.train.guard):
+        if not self.policy.behaviour_available(gen_version) and self.algorithm.needs_behaviour:
             # the generating version's weights are gone (a resume dropped them): no v_old
             keep = torch.zeros_like(keep)
             self.discard(n - n_bad, "behaviour_unavailable")
@@ -124,18 +124,12 @@ class Learner:
         st.zero_adv_groups += int(zero_groups)
         st.trained += n_keep
         out: dict[str, float] = {}
-        if n_keep and records and forward:
-            if final is None or seeds is None:
-                raise ValueError(f"train.algorithm = {self.cfg.train.algorithm!r} trains on the "
-                                 "fragment's final latents and seeds; got none")
-            out = forward_fragment_backward(
-                self.policy, final, cond, adv, keep, seeds=seeds, draws=sorted(records),
-                gen_version=gen_version, batch_size_total=self.cfg.batch_size,
-                n_draws_total=n_trained_total)
-        elif n_keep and records:
-            out = self.policy.fragment_loss_backward(
-                records, cond, adv, keep, batch_size_total=self.cfg.batch_size,
-                n_trained_total=n_trained_total, sigma_max=sigma_max, gen_version=gen_version)
+        if n_keep and records:
+            out = self.algorithm.fragment_backward(
+                self.policy, TrainInputs(records=dict(records), final=final,
+                                         seeds=None if seeds is None else list(seeds)),
+                cond, adv, keep, gen_version=gen_version, batch_size_total=self.cfg.batch_size,
+                n_trained_total=n_trained_total, sigma_max=sigma_max)
         if out:
             if not math.isfinite(float(out.get("loss", 0.0))):
                 st.nonfinite_loss.append(source)

@@ -42,8 +42,8 @@ from typing import Any, Protocol
 import torch
 
 from digenrl.config import Config, SamplerConfig, TrainConfig
-from digenrl.core.plan import FORWARD_ALGORITHMS
 from digenrl.models.base import Cond, FlowModel, cond_select
+from digenrl.rl.algorithm import algorithm_for
 from digenrl.rl.grpo import (
     clipped_surrogate,
     guard_weight,
@@ -82,8 +82,7 @@ class Policy:
     def __init__(self, model: FlowModel, train_cfg: TrainConfig, sampler_cfg: SamplerConfig, *,
                  shard: bool = False, keep_versions: int = 0) -> None:
         self.model, self.train_cfg, self.sampler_cfg = model, train_cfg, sampler_cfg
-        needs = train_cfg.guard or train_cfg.algorithm in FORWARD_ALGORITHMS
-        self.keep_versions = keep_versions if needs else 0
+        self.keep_versions = keep_versions if algorithm_for(train_cfg).needs_behaviour else 0
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self._ref: FlowModel | None = None
         if train_cfg.kl_beta > 0 and not getattr(model, "lora_rank", 0):
