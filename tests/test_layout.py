@@ -1,8 +1,10 @@
-"""The package's shape: layers, no import cycle, and a README that lists every module.
+"""The package's shape: layers, no import cycle, algorithm-blind actors and transport, and a
+README that lists every module.
 
 Layers, lowest first (DESIGN.md, "Layout"); a module may import its own layer or a lower one,
 never a higher one, and the import graph (every ``import``, also those inside functions) has
-no cycle.
+no cycle. The actors and the transport never branch on the RL algorithm: what differs between
+algorithms is asked of ``rl/algorithm.py``'s interface.
 """
 
 from __future__ import annotations
@@ -115,6 +117,81 @@ def test_the_checks_find_a_planted_cycle_and_an_upward_import() -> None:
     planted = {"digenrl.core.a": {"digenrl.actors.b"}, "digenrl.actors.b": {"digenrl.core.a"}}
     assert _upward(planted) == ["digenrl.core.a (layer 1) imports digenrl.actors.b (layer 3)"]
     assert _cycles(planted) == ["digenrl.actors.b -> digenrl.core.a -> digenrl.actors.b"]
+
+
+ALGORITHM_BLIND = ("actors", "transport")
+"""Packages that dispatch through ``rl/algorithm.py`` and never test the algorithm themselves."""
+_ALGORITHM_NAMES = {"grpo", "nft", "awm", "dancegrpo", "flow_grpo"}
+_ALGORITHM_MESSAGES = {"Chunk", "CleanSample"}  # what differs per algorithm on the data path
+
+
+def _names_algorithm(node: ast.AST) -> bool:
+    """``x.algorithm``, ``algorithm``, ``x.algorithm.name`` or an algorithm's name as a literal."""
+    if isinstance(node, ast.Attribute) and node.attr == "algorithm":
+        return True
+    if isinstance(node, ast.Name) and node.id == "algorithm":
+        return True
+    if isinstance(node, ast.Attribute) and node.attr == "name" and _names_algorithm(node.value):
+        return True
+    if isinstance(node, ast.Constant) and node.value in _ALGORITHM_NAMES:
+        return True
+    return isinstance(node, ast.Tuple | ast.List | ast.Set) and any(_names_algorithm(e) for e in node.elts)
+
+
+def _algorithm_branches(source: str, where: str) -> list[str]:
+    """Where ``source`` branches on the algorithm: FORWARD_ALGORITHMS, a comparison or ``match``
+    on the algorithm (or its name), or an isinstance test on the per-algorithm data messages."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        at = f"{where}:{getattr(node, 'lineno', '?')}"
+        if "FORWARD_ALGORITHMS" in (getattr(node, "id", None), getattr(node, "attr", None),
+                                    node.name if isinstance(node, ast.alias) else None):
+            found.append(f"{at}: FORWARD_ALGORITHMS")
+        elif isinstance(node, ast.Compare) and any(map(_names_algorithm, [node.left, *node.comparators])):
+            found.append(f"{at}: compares the algorithm")
+        elif isinstance(node, ast.Match) and _names_algorithm(node.subject):
+            found.append(f"{at}: matches on the algorithm")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2
+              and {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} & _ALGORITHM_MESSAGES):
+            found.append(f"{at}: isinstance on {ast.unparse(node.args[1])}")
+    return found
+
+
+def test_actors_and_transport_never_branch_on_the_algorithm() -> None:
+    found = []
+    for package in ALGORITHM_BLIND:
+        for path in sorted((PKG / package).rglob("*.py")):
+            found += _algorithm_branches(path.read_text(), str(path.relative_to(ROOT)))
+    assert not found, "dispatch through rl/algorithm.py instead:\n" + "\n".join(found)
+
+
+def test_the_algorithm_scan_finds_the_branches_the_actors_once_had() -> None:
+    # as generate-and-stream and the trainer's staging and consume paths were written before
+    # rl/algorithm.py existed
+    planted = """
+from digenrl.core.plan import FORWARD_ALGORITHMS
+forward = cfg.train.algorithm in FORWARD_ALGORITHMS
+if isinstance(msg, CleanSample):
+    pass
+if not isinstance(msg, (Chunk, CleanSample, Commit)):
+    pass
+if self.algorithm.name == "nft":
+    pass
+if tc.algorithm != "grpo":
+    pass
+"""
+    assert sorted(_algorithm_branches(planted, "old.py")) == [
+        "old.py:10: compares the algorithm", "old.py:2: FORWARD_ALGORITHMS",
+        "old.py:3: FORWARD_ALGORITHMS", "old.py:3: compares the algorithm",
+        "old.py:4: isinstance on CleanSample", "old.py:6: isinstance on (Chunk, CleanSample, Commit)",
+        "old.py:8: compares the algorithm"]
+    blind = """
+trained = self.algorithm.streamed_steps(owners)
+if isinstance(msg, (self.algorithm.staged_type, Commit)):
+    pass
+"""
+    assert _algorithm_branches(blind, "new.py") == []
 
 
 def test_the_readme_file_tree_lists_exactly_the_package_modules() -> None:
