@@ -2,15 +2,26 @@
 
 The event loop (uvloop), logging and torch threads are set up once here, at the entry point,
 and passed down; nothing below creates its own loop or configures logging.
+
+The flags stop here: each command's config is loaded and resolved here, once
+(:func:`digenrl.config.resolve_mode`), and the layers below take it with typed, frozen
+options built from the rest of the flags (:class:`~digenrl.launch.LaunchOptions`,
+:class:`~digenrl.actors.node.NodeOptions`, :class:`~digenrl.sim.plan.PlanOptions`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from digenrl.config import CONFIG_ERROR_EXIT, MODES, ConfigError
+from digenrl.config import CONFIG_ERROR_EXIT, MODES, Config, ConfigError, load_config, resolve_mode
+
+if TYPE_CHECKING:
+    from digenrl.config import ResolvedConfig
+    from digenrl.launch import LaunchOptions
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -19,7 +30,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. --set train.lr=1e-4 (repeatable)")
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="digenrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -80,13 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["node"]:  # `digenrl node ARGS` is `digenrl-node ARGS` (how launch starts children)
         return node_main(argv[1:])
-    args = _build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "launch":
-            from digenrl.launch import launch_from_args
-            return launch_from_args(args)
+            from digenrl.launch import run_launch
+            return run_launch(*launch_inputs(args))
         if args.command == "config":
-            from digenrl.config import load_config, resolve_mode, to_toml
+            from digenrl.config import to_toml
             cfg = resolve_mode(load_config(args.config, args.overrides), args.mode)
             sys.stdout.write(to_toml(cfg))
             return 0
@@ -111,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: public {public}  secret {secret}")
             return 0
         if args.command == "plan":
-            from digenrl.sim.plan import plan_from_args
-            return plan_from_args(args)
+            return _plan(args)
     except Exception as e:
         code = exit_code(e)
         if code is None:
@@ -120,6 +130,68 @@ def main(argv: list[str] | None = None) -> int:
         print(f"digenrl: {one_line(e)}", file=sys.stderr)
         return code
     raise AssertionError(args.command)
+
+
+def _with_counts(cfg: Config, args: argparse.Namespace, mode: str | None) -> Config:
+    """``cfg`` with --steps / --rollouts / --rewards / --trainers applied, each checked (one-line errors)."""
+    run, cl = cfg.run, cfg.cluster
+    if args.steps is not None:
+        if args.steps < 1:
+            raise ConfigError(f"--steps {args.steps}: expected at least 1")
+        run = dataclasses.replace(run, steps=args.steps)
+    if args.rollouts is not None:
+        if args.rollouts < 0:
+            raise ConfigError(f"--rollouts {args.rollouts}: expected 0 or more")
+        if args.rollouts == 0 and (mode or cfg.run.mode) != "colocated":
+            raise ConfigError(f"--rollouts 0: mode {mode or cfg.run.mode} needs at least one "
+                              "rollout (only colocated runs without them)")
+        cl = dataclasses.replace(cl, rollouts=args.rollouts)
+    if args.rewards is not None:
+        if args.rewards < 0:
+            raise ConfigError(f"--rewards {args.rewards}: expected 0 or more")
+        cl = dataclasses.replace(cl, rewards=args.rewards)
+    if args.trainers is not None:
+        if args.trainers < 1:
+            raise ConfigError(f"--trainers {args.trainers}: expected at least 1")
+        cl = dataclasses.replace(cl, trainers=args.trainers)
+    return dataclasses.replace(cfg, run=run, cluster=cl)
+
+
+def launch_inputs(args: argparse.Namespace) -> tuple[ResolvedConfig, LaunchOptions]:
+    """``digenrl launch``'s flags as the resolved config and the options the launch takes: the
+    config (``--config``, or with ``--resume`` the run's own config.toml) with ``--set`` and the
+    counts applied, resolved for ``--mode``. ConfigError, in one line, for what the flags cannot ask."""
+    from digenrl.launch import LaunchOptions
+
+    opts = LaunchOptions(run_dir=args.run_dir, resume=args.resume, record=args.record,
+                         rollout_only=args.rollout_only, trainer_only=args.trainer_only)
+    if args.resume is None:
+        return resolve_mode(_with_counts(load_config(args.config, args.overrides), args, args.mode),
+                            args.mode), opts
+    for flag in ("mode", "config", "run_dir"):
+        if getattr(args, flag) is not None:
+            raise ConfigError(f"--resume {args.resume}: --{flag.replace('_', '-')} cannot be "
+                              "changed on resume (the run continues with its own config.toml)")
+    saved = Path(args.resume) / "config.toml"
+    if not saved.is_file():
+        raise ConfigError(f"--resume {args.resume}: no config.toml in that folder (not a run dir)")
+    return resolve_mode(_with_counts(load_config(saved, args.overrides), args, None)), opts
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """``digenrl plan``: a calibration, or the config (--config, --steps) in each mode."""
+    from digenrl.sim.plan import PlanOptions, calibrate_run, run_plan
+
+    if args.calibrate:
+        return calibrate_run(args.calibrate)
+    cfg = load_config(args.config)
+    if args.steps is not None:
+        if args.steps < 2:
+            raise ValueError(f"--steps {args.steps}: expected at least 2 (steady state needs two)")
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, steps=args.steps))
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    return run_plan(cfg, PlanOptions(cluster=args.cluster, modes=modes, cost=args.cost, json=args.json,
+                                     timeline=args.timeline, search=args.search))
 
 
 class UsageError(ValueError):
@@ -199,17 +271,28 @@ def node_main(argv: list[str] | None = None) -> int:
         parser.error("the following arguments are required: --role (or --from-env)")
     from digenrl.rl.rewards import RewardError
     try:
-        if args.from_env:
+        if args.from_env:  # the config is read by the processes it starts
             from digenrl.clusterenv import run_from_env
-            return run_from_env(args)
-        from digenrl.actors.node import run_node
+            extra = [*(["--config", args.config] if args.config else []),
+                     *(x for s in args.overrides for x in ("--set", s)),
+                     *(["--run-dir", args.run_dir] if args.run_dir else []),
+                     *(["--allow-plaintext"] if args.allow_plaintext else [])]
+            return run_from_env(role=args.role, trainers=args.trainers, coordinator_port=args.coordinator_port,
+                                gpus_per_node=args.gpus_per_node, gpu=args.gpu, dry_run=args.dry_run,
+                                extra=extra)
+        from digenrl.actors.node import NodeOptions, run_node
         if args.coordinator:  # a bad address is refused before anything is built
             from digenrl.transport.endpoints import Endpoint
             Endpoint.parse(args.coordinator)
         if args.bind:
             from digenrl.transport.endpoints import Endpoint
             Endpoint.parse(args.bind)
-        return run_node(args)
+        opts = NodeOptions(role=args.role, coordinator=args.coordinator, bind=args.bind, gpu=args.gpu,
+                           device=args.device, node_id=args.node_id, run_dir=args.run_dir,
+                           prometheus_port=args.prometheus_port, prometheus_addr=args.prometheus_addr,
+                           allow_plaintext=args.allow_plaintext)
+        overrides = [*args.overrides, *(["transport.allow_plaintext=true"] if args.allow_plaintext else [])]
+        return run_node(resolve_mode(load_config(args.config, overrides)), opts)
     except Exception as e:
         # a reward that cannot be built refuses the same way on every restart: a config error
         code = CONFIG_ERROR_EXIT if isinstance(e, RewardError) else exit_code(e)

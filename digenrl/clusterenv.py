@@ -33,7 +33,6 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 ROLES = ("trainer", "rollout", "reward")
 
@@ -240,17 +239,17 @@ def run(launches: Sequence[Launch], *, dry_run: bool = False) -> int:
     return next((c for c in codes if c != 0), 0)
 
 
-def run_from_env(args: object) -> int:
-    """``digenrl-node --from-env``: :func:`read_env`, :func:`plan`, :func:`run` for the parsed
-    node arguments (``--role`` given: only that role; ``coordinator``: only the coordinator)."""
-    a: Any = args
+def run_from_env(*, role: str | None, trainers: int, coordinator_port: int, gpus_per_node: int = 0,
+                 gpu: str | None = None, dry_run: bool = False, extra: Sequence[str] = ()) -> int:
+    """``digenrl-node --from-env``: :func:`read_env`, :func:`plan`, :func:`run` for the node's
+    flags (``role`` given: only that role; ``coordinator``: only the coordinator). ``extra``:
+    the config arguments every process gets (``--config``, ``--set``, ``--run-dir``,
+    ``--allow-plaintext``)."""
     env = os.environ
-    extra = [*(["--config", a.config] if a.config else []), *(x for s in a.overrides for x in ("--set", s)),
-             *(["--run-dir", a.run_dir] if a.run_dir else []), *(["--allow-plaintext"] if a.allow_plaintext else [])]
-    launches = plan(read_env(env), trainers=a.trainers, port=a.coordinator_port, bind_host=bind_host(env),
-                    gpus_per_node=a.gpus_per_node, role=None if a.role in (None, "coordinator") else a.role,
-                    gpu=a.gpu or "cpu", coordinator_here=True if a.role == "coordinator" else None,
+    launches = plan(read_env(env), trainers=trainers, port=coordinator_port, bind_host=bind_host(env),
+                    gpus_per_node=gpus_per_node, role=None if role in (None, "coordinator") else role,
+                    gpu=gpu or "cpu", coordinator_here=True if role == "coordinator" else None,
                     visible=env.get("CUDA_VISIBLE_DEVICES"), extra=tuple(extra))
-    if a.role == "coordinator":  # a coordinator-only task (its own pod)
+    if role == "coordinator":  # a coordinator-only task (its own pod)
         launches = launches[:1]
-    return run(launches, dry_run=a.dry_run)
+    return run(launches, dry_run=dry_run)

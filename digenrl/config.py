@@ -7,7 +7,14 @@ key, the value and what was expected. Runtime objects (models, sockets) never li
 
 Modes are configurations of one scheduler, not separate code paths: :func:`resolve_mode`
 returns the config with the runtime knobs that a mode fixes (staleness K, GAP fragments,
-TSP, TAG) set, and that resolved tree is what a run records in its run dir.
+TSP, TAG) set, as a :data:`ResolvedConfig`, and that resolved tree is what a run records in
+its run dir. It runs once, at the command line's edge (``digenrl/cli.py``); the code below
+takes a ``ResolvedConfig`` and never resolves again. A config written resolved (a run dir's
+``config.toml``, the one Welcome carries) is read back with :func:`read_resolved`.
+
+K, the staleness bound, is ``runtime.staleness`` of a resolved config (0 in colocated and
+disagg-sync mode); the scheduler takes it from there into its credit ledger, which the
+simulator and the trainer's checks share (:mod:`digenrl.core.credits`).
 
 Reading is ``tomllib`` and writing ``tomli-w``; the validator between them stays hand-written
 (a few functions) rather than a schema library, because what it does is the point: one line per
@@ -26,7 +33,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, NewType, get_args, get_origin
 
 import tomli_w
 
@@ -564,17 +571,29 @@ def to_toml(cfg: Config) -> str:
     return tomli_w.dumps(to_dict(cfg))
 
 
-def resolve_mode(cfg: Config, mode: str | None = None) -> Config:
-    """Fix the runtime knobs a mode implies (DESIGN.md, Modes).
+def check_mode(mode: str) -> Mode:
+    """``mode`` if it names a mode, else ConfigError naming it and the modes."""
+    if mode not in MODES:
+        raise ConfigError(f"run.mode = {mode!r}: expected one of {', '.join(MODES)}")
+    return typing.cast(Mode, mode)
+
+
+ResolvedConfig = NewType("ResolvedConfig", Config)
+"""A :class:`Config` whose mode's knobs are set: what :func:`resolve_mode` returns (and
+:func:`read_resolved` reads back). Code that reads a knob a mode fixes (K, fragments, TSP,
+TAG, the rollout count) takes this type, so that an unresolved config cannot reach it."""
+
+
+def resolve_mode(cfg: Config, mode: str | None = None) -> ResolvedConfig:
+    """Fix the runtime knobs a mode implies (DESIGN.md, Modes); called once per run, where
+    the command line is read.
 
     colocated: no rollout nodes, K = 0, one fragment, no TSP, trainers always generate.
     disagg-sync: rollout nodes, K = 0, one fragment (the whole batch), no TSP, no TAG.
     digenrl: rollout nodes, K, GAP fragments, TSP and TAG as configured.
     """
-    mode = mode or cfg.run.mode
-    if mode not in MODES:
-        raise ConfigError(f"run.mode = {mode!r}: expected one of {', '.join(MODES)}")
-    run = dataclasses.replace(cfg.run, mode=mode)  # type: ignore[arg-type]
+    mode = check_mode(mode or cfg.run.mode)
+    run = dataclasses.replace(cfg.run, mode=mode)
     rt, cl = cfg.runtime, cfg.cluster
     if mode == "colocated":
         rt = dataclasses.replace(rt, staleness=0, fragments_per_step=1, tsp=False, tag="always")
@@ -586,7 +605,29 @@ def resolve_mode(cfg: Config, mode: str | None = None) -> Config:
         cl = dataclasses.replace(cl, rollouts=max(cl.rollouts, 1))
     out = dataclasses.replace(cfg, run=run, runtime=rt, cluster=cl)
     _check_consistency(out)
-    return out
+    return ResolvedConfig(out)
+
+
+def read_resolved(text: str, origin: str = "config") -> ResolvedConfig:
+    """A config that was written resolved (``to_toml`` of a :data:`ResolvedConfig`: a run
+    dir's ``config.toml``, the one Welcome carries), read back as one. ConfigError if it is
+    not valid, or not resolved (a knob differs from what its mode fixes: it was not written
+    by a run)."""
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{origin}: not valid TOML: {e}") from None
+    cfg = config_from_dict(table)
+    fixed = resolve_mode(cfg)
+    if fixed != cfg:
+        key, want, got = next((f"{name}.{f.name}", getattr(getattr(fixed, name), f.name),
+                               getattr(getattr(cfg, name), f.name))
+                              for name in ("run", "runtime", "cluster")
+                              for f in dataclasses.fields(getattr(cfg, name))
+                              if getattr(getattr(fixed, name), f.name) != getattr(getattr(cfg, name), f.name))
+        raise ConfigError(f"{origin}: {key} = {got!r}: run.mode = {cfg.run.mode!r} fixes it to "
+                          f"{want!r} (not a resolved config)")
+    return fixed
 
 
 def describe_fields(cls: Any = Config, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -11,8 +11,6 @@ samples/step_<n>.png, logs/<node>.log.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -20,10 +18,11 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from digenrl.config import Config, ConfigError, load_config, resolve_mode, to_toml
+from digenrl.config import Config, ConfigError, ResolvedConfig, load_config, to_toml
 from digenrl.fileio import write_json_atomic, write_text_atomic
 from digenrl.transport.endpoints import free_port
 
@@ -31,35 +30,21 @@ if TYPE_CHECKING:
     from digenrl.actors.colocated import ColocatedResult
 
 
-def _counts(cfg: Config, args: argparse.Namespace, mode: str | None) -> Config:
-    """``cfg`` with --steps / --rollouts / --trainers applied, each checked (one-line errors)."""
-    run, cl = cfg.run, cfg.cluster
-    if args.steps is not None:
-        if args.steps < 1:
-            raise ConfigError(f"--steps {args.steps}: expected at least 1")
-        run = dataclasses.replace(run, steps=args.steps)
-    if args.rollouts is not None:
-        if args.rollouts < 0:
-            raise ConfigError(f"--rollouts {args.rollouts}: expected 0 or more")
-        if args.rollouts == 0 and (mode or cfg.run.mode) != "colocated":
-            raise ConfigError(f"--rollouts 0: mode {mode or cfg.run.mode} needs at least one "
-                              "rollout (only colocated runs without them)")
-        cl = dataclasses.replace(cl, rollouts=args.rollouts)
-    if getattr(args, "rewards", None) is not None:
-        if args.rewards < 0:
-            raise ConfigError(f"--rewards {args.rewards}: expected 0 or more")
-        cl = dataclasses.replace(cl, rewards=args.rewards)
-    if getattr(args, "trainers", None) is not None:
-        if args.trainers < 1:
-            raise ConfigError(f"--trainers {args.trainers}: expected at least 1")
-        cl = dataclasses.replace(cl, trainers=args.trainers)
-    return resolve_mode(dataclasses.replace(cfg, run=run, cluster=cl), mode)
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """What ``digenrl launch`` was asked besides the config (digenrl/cli.py builds it from the
+    flags, with the resolved config)."""
 
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    cfg = _counts(load_config(args.config, args.overrides), args, args.mode)
-    _check_prompts(cfg)
-    return cfg
+    run_dir: str | None = None
+    """--run-dir: the output folder; None = runs/<mode>-<time>."""
+    resume: str | None = None
+    """--resume RUN_DIR: continue that run from its checkpoint (the config is its config.toml)."""
+    record: bool = False
+    """--record: with --rollout-only, record the fragments for --trainer-only."""
+    rollout_only: bool = False
+    """--rollout-only: run rollouts alone (no training, weights stay at version 0)."""
+    trainer_only: str | None = None
+    """--trainer-only RECORDING: run trainers alone, fed from a recording."""
 
 
 def _check_prompts(cfg: Config) -> None:
@@ -81,48 +66,43 @@ def make_run_dir(cfg: Config, run_dir: str | None) -> Path:
     return path
 
 
-def resume_config(args: argparse.Namespace) -> tuple[Config, Path]:
-    """The config of the run ``--resume`` continues, with --steps / --rollouts / --set applied;
-    refuses (ConfigError) what a resume cannot honour, before anything starts."""
+def prepare_resume(cfg: ResolvedConfig, resume: str) -> Path:
+    """Check that the run in folder ``resume`` can continue as ``cfg`` (its config.toml with
+    --steps / --rollouts / --set applied, resolved by digenrl/cli.py) and record ``cfg`` there;
+    returns the run dir. Refuses (ConfigError) what a resume cannot honour, before anything
+    starts."""
     from digenrl.rl.checkpoint import latest_checkpoint, why_no_checkpoint
-    run_dir = Path(args.resume)
-    for flag in ("mode", "config", "run_dir"):
-        if getattr(args, flag, None) is not None:
-            raise ConfigError(f"--resume {args.resume}: --{flag.replace('_', '-')} cannot be "
-                              "changed on resume (the run continues with its own config.toml)")
-    if not (run_dir / "config.toml").is_file():
-        raise ConfigError(f"--resume {args.resume}: no config.toml in that folder (not a run dir)")
+    run_dir = Path(resume)
     saved = load_config(run_dir / "config.toml")
-    cfg = _counts(load_config(run_dir / "config.toml", args.overrides), args, None)
     ckpt = latest_checkpoint(run_dir)  # CheckpointError (runtime) if none verifies
     if ckpt is None:
-        raise ConfigError(f"--resume {args.resume}: no checkpoint there "
+        raise ConfigError(f"--resume {resume}: no checkpoint there "
                           f"({why_no_checkpoint(saved.run.checkpoint_every)})")
     for why in ckpt.skipped:
         print(f"digenrl: skipped a checkpoint that does not verify: {why}", file=sys.stderr, flush=True)
     was_colocated = "colocated" in ckpt.coordinator
     if was_colocated != (cfg.run.mode == "colocated"):
-        raise ConfigError(f"--resume {args.resume}: its checkpoint is of a "
+        raise ConfigError(f"--resume {resume}: its checkpoint is of a "
                           f"{'colocated' if was_colocated else 'disaggregated'} run; it cannot "
                           f"resume in {cfg.run.mode} mode")
     if not was_colocated:
         shape = list(ckpt.coordinator["scheduler"]["ledger"]["shape"])[1:]
         want = [cfg.train.prompts_per_step, cfg.train.group_size, cfg.runtime.fragments_per_step]
         if shape != want:
-            raise ConfigError(f"--resume {args.resume}: its checkpoint has (prompts_per_step, "
+            raise ConfigError(f"--resume {resume}: its checkpoint has (prompts_per_step, "
                               f"group_size, fragments_per_step) = {shape}; the config now says {want}")
     if cfg.run.steps < ckpt.version:
-        raise ConfigError(f"--resume {args.resume}: run.steps = {cfg.run.steps} but the checkpoint "
+        raise ConfigError(f"--resume {resume}: run.steps = {cfg.run.steps} but the checkpoint "
                           f"is at step {ckpt.version} already")
     if cfg.cluster.trainers != saved.cluster.trainers:
-        check_trainer_count(cfg, f"--resume {args.resume}: ")
+        check_trainer_count(cfg, f"--resume {resume}: ")
         print(f"digenrl: resuming with {cfg.cluster.trainers} trainer rank(s) (the run had "
               f"{saved.cluster.trainers}); {_reshard_how(ckpt.trainer.get('layout'), cfg)}",
               flush=True)
     _check_prompts(cfg)
     if cfg != saved:  # --steps / --rollouts / --trainers / --set: the run dir records what now runs
         write_text_atomic(run_dir / "config.toml", to_toml(cfg))
-    return cfg, run_dir
+    return run_dir
 
 
 def _reshard_how(layout: object, cfg: Config) -> str:
@@ -153,7 +133,7 @@ def _child_env(cfg: Config, index: int = 0) -> dict[str, str]:
     return env
 
 
-def run_colocated_ranks(cfg: Config, run_dir: Path, resume: bool = False) -> ColocatedResult:
+def run_colocated_ranks(cfg: ResolvedConfig, run_dir: Path, resume: bool = False) -> ColocatedResult:
     """One process per rank (world > 1) or this process (world 1)."""
     from digenrl.actors.colocated import run_colocated
     from digenrl.telemetry.progress import Progress
@@ -232,7 +212,7 @@ def check_before_start(cfg: Config) -> None:
             raise ConfigError(f"eval.terms: {e}") from None
 
 
-def launch(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:
+def launch(cfg: ResolvedConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to the end; returns (and writes) summary.json.
 
     ``resume`` continues from ``run_dir``'s checkpoint (:mod:`digenrl.rl.checkpoint`); without
@@ -322,31 +302,33 @@ def evaluate_run(run_dir: Path, checkpoint: str | None = None, overrides: list[s
     return {"policy_version": version, **row}
 
 
-def launch_from_args(args: argparse.Namespace) -> int:
+def run_launch(cfg: ResolvedConfig, opts: LaunchOptions) -> int:
+    """``digenrl launch``: ``cfg`` (resolved by digenrl/cli.py) run to the end as ``opts``
+    asks; the exit code, after one line saying how the run ended."""
     from digenrl.telemetry.logging import configure_logging
 
-    if args.resume:
-        cfg, run_dir = resume_config(args)
+    if opts.resume:
+        run_dir = prepare_resume(cfg, opts.resume)
     else:
-        cfg = config_from_args(args)
-        run_dir = make_run_dir(cfg, args.run_dir)
+        _check_prompts(cfg)
+        run_dir = make_run_dir(cfg, opts.run_dir)
     configure_logging(log_file=run_dir / "logs" / "launcher.log")
-    if args.rollout_only or args.trainer_only:
+    if opts.rollout_only or opts.trainer_only:
         from digenrl.actors import roles_alone
-        if args.trainer_only:
-            res = roles_alone.trainer_only(cfg, Path(args.trainer_only))
+        if opts.trainer_only:
+            res = roles_alone.trainer_only(cfg, Path(opts.trainer_only))
         else:
-            rec = run_dir / "recording.pt" if args.record else None
+            rec = run_dir / "recording.pt" if opts.record else None
             res = roles_alone.rollout_only(cfg, cfg.run.steps, record=rec)
         write_json_atomic(run_dir / "roles_alone.json", res)
-        print(f"digenrl: {'trainer' if args.trainer_only else 'rollout'} alone: "
+        print(f"digenrl: {'trainer' if opts.trainer_only else 'rollout'} alone: "
               f"{res['samples_per_s']:.2f} samples/s, step times "
               f"{', '.join(f'{t:.2f}' for t in res['step_seconds'])} s", flush=True)
         return 0
     print(f"digenrl: mode={cfg.run.mode} steps={cfg.run.steps} B={cfg.batch_size} "
           f"rollouts={cfg.cluster.rollouts} trainers={cfg.cluster.trainers} run_dir={run_dir}",
           flush=True)
-    summary = launch(cfg, run_dir, resume=bool(args.resume))
+    summary = launch(cfg, run_dir, resume=bool(opts.resume))
     # the run is over and the process exits next: without this its exit would walk every object
     # torch left (~0.6 s on a 2-core CPU; docs/benchmarks.md, Start-up), as a node's would
     gc.freeze()

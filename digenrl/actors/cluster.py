@@ -24,7 +24,7 @@ from typing import Any
 from digenrl.actors.base import COORDINATOR_STOPPED, RunFailed, stop_on_signals, stopped_by_signal
 from digenrl.actors.coordinator import CoordinatorActor
 from digenrl.actors.resume import drain_wait_s
-from digenrl.config import CONFIG_ERROR_EXIT, Config
+from digenrl.config import CONFIG_ERROR_EXIT, Config, ResolvedConfig
 from digenrl.core.scheduler import Scheduler, SchedulerParams
 from digenrl.data.prompts import load_splits
 from digenrl.fileio import remove_temp_files, write_json_atomic
@@ -52,7 +52,7 @@ def bytes_per_trajectory(cfg: Config, latent_numel: int) -> int:
     return algorithm_for(cfg.train).bytes_per_trajectory(cfg, latent_numel)
 
 
-def make_scheduler(cfg: Config, prompt_count: int) -> Scheduler:
+def make_scheduler(cfg: ResolvedConfig, prompt_count: int) -> Scheduler:
     """The run's scheduler. The latent shape comes from the config (and a checkpoint folder's
     ``config.json``): the coordinator never builds, or even reads the weights of, the model."""
     from math import prod
@@ -202,7 +202,7 @@ class Children:
                 await p.wait()
 
 
-async def serve_coordinator(cfg: Config, run_dir: Path, *, bind: str | None, spawn: bool,
+async def serve_coordinator(cfg: ResolvedConfig, run_dir: Path, *, bind: str | None, spawn: bool,
                             allow_plaintext: bool = False, resume: bool | None = None,
                             record_sink: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the coordinator (and with ``spawn`` the local children) to the end; writes summary.json.
@@ -364,7 +364,7 @@ def _os_error(e: OSError) -> str:
     return f"{e.strerror or e}" + (f" writing {e.filename}" if e.filename else "")
 
 
-def run_local_cluster(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:
+def run_local_cluster(cfg: ResolvedConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:
     """The coordinator here, the nodes as supervised children; ``resume``: from run_dir's checkpoint."""
     from digenrl.actors.base import loop_factory
     with asyncio.Runner(loop_factory=loop_factory()) as runner:

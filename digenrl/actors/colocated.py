@@ -21,7 +21,7 @@ from typing import TypedDict
 import torch
 import torch.distributed as dist
 
-from digenrl.config import Config
+from digenrl.config import ResolvedConfig
 from digenrl.core.plan import plan_for_step, step_prompts, trajectory_seed
 from digenrl.data.prompts import load_splits
 from digenrl.devices import init_process_group, resolve_device, use_device
@@ -54,7 +54,7 @@ class ColocatedResult(TypedDict):
     busy: float
 
 
-def run_colocated(cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int = 1,
+def run_colocated(cfg: ResolvedConfig, run_dir: Path, *, rank: int = 0, world_size: int = 1,
                   progress: Progress | None = None, log: object | None = None,
                   resume: bool = False, device: torch.device | None = None) -> ColocatedResult:
     """Train ``cfg.run.steps`` steps; rank 0 writes metrics.jsonl and sample grids.
@@ -176,11 +176,11 @@ def _rank_main(argv: list[str]) -> int:
     """Entry of one colocated rank process: RUN_DIR RANK WORLD INIT_METHOD [resume]."""
     import json
 
-    from digenrl.config import load_config
+    from digenrl.config import read_resolved
     from digenrl.fileio import write_text_atomic
 
     run_dir, rank, world, init = Path(argv[0]), int(argv[1]), int(argv[2]), argv[3]
-    cfg = load_config(run_dir / "config.toml")
+    cfg = read_resolved((run_dir / "config.toml").read_text(), str(run_dir / "config.toml"))
     device = resolve_device()  # the launcher gives each rank its GPU (CUDA_VISIBLE_DEVICES)
     init_process_group(device, init_method=init, rank=rank, world_size=world)
     try:

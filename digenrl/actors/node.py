@@ -16,7 +16,6 @@ security is decided by the node's *own* config (``--config``/``--set``,
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import logging
@@ -25,6 +24,7 @@ import signal
 import socket as pysocket
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -42,7 +42,7 @@ from digenrl.actors.base import (
     loop_factory,
     stop_on_signals,
 )
-from digenrl.config import Config, config_from_dict, load_config
+from digenrl.config import Config, ResolvedConfig, read_resolved
 from digenrl.devices import resolve_device, use_device
 from digenrl.faults import node_slowdown
 from digenrl.telemetry import sdnotify
@@ -62,34 +62,63 @@ if TYPE_CHECKING:  # imported where they are built: a node loads only its own ro
     from digenrl.telemetry.prometheus import MetricsServer
 
 
-def run_node(args: argparse.Namespace) -> int:
-    node_id = args.node_id or default_node_id(args.role)
-    run_dir = Path(args.run_dir) if args.run_dir else None
+@dataclass(frozen=True, kw_only=True)
+class NodeOptions:
+    """How ``digenrl-node`` runs this node, besides its config (digenrl/cli.py builds it from
+    the flags, with the node's own config, resolved)."""
+
+    role: str
+    """--role: coordinator, rollout, trainer or reward."""
+    coordinator: str | None = None
+    """--coordinator: the coordinator's control endpoint (every role but the coordinator)."""
+    bind: str | None = None
+    """--bind: the endpoint to bind (coordinator: control ROUTER; trainer: data PULL; reward:
+    requests ROUTER); None = loopback, any port."""
+    gpu: str | None = None
+    """--gpu: the GPU type this node declares; None = cpu."""
+    device: str | None = None
+    """--device: cpu, cuda or cuda:N; None = :func:`digenrl.devices.resolve_device`'s choice."""
+    node_id: str | None = None
+    """--node-id: a stable node id; None = role-host-pid."""
+    run_dir: str | None = None
+    """--run-dir: the run folder (logs, and the coordinator's metrics)."""
+    prometheus_port: int | None = None
+    """--prometheus-port: serve this node's metrics there; None = not served."""
+    prometheus_addr: str = "0.0.0.0"
+    """--prometheus-addr: the address the Prometheus endpoint binds."""
+    allow_plaintext: bool = False
+    """--allow-plaintext: permit an unencrypted bind on a non-loopback address (warns)."""
+
+
+def run_node(cfg: ResolvedConfig, opts: NodeOptions) -> int:
+    """Run one node to its end; its exit code. ``cfg`` is the node's own config (digenrl/cli.py
+    loads and resolves it): the run's for a coordinator, and for the other roles the transport
+    settings used until Welcome brings the run's."""
+    node_id = opts.node_id or default_node_id(opts.role)
+    run_dir = Path(opts.run_dir) if opts.run_dir else None
     configure_logging(log_file=(run_dir / "logs" / f"{node_id}.log") if run_dir else None)
     allocator.tune()  # received chunks reuse heap memory instead of faulting in fresh pages
-    overrides = [*args.overrides, *(["transport.allow_plaintext=true"] if args.allow_plaintext else [])]
     latest = LatestStats()
-    prometheus = _start_prometheus(args, latest, node_id)
+    prometheus = _start_prometheus(opts, latest, node_id)
     latest.served = prometheus is not None  # else nobody reads it: no snapshot per heartbeat
     try:
-        if args.role == "coordinator":
+        if opts.role == "coordinator":
             from digenrl.actors.cluster import serve_coordinator
-            cfg = load_config(args.config, overrides)
             # READY, the watchdog and the SIGTERM drain are serve_coordinator's own
             with asyncio.Runner(loop_factory=loop_factory()) as runner:
-                runner.run(serve_coordinator(cfg, run_dir or Path("runs") / "node-run", bind=args.bind,
-                                             spawn=False, allow_plaintext=args.allow_plaintext,
+                runner.run(serve_coordinator(cfg, run_dir or Path("runs") / "node-run", bind=opts.bind,
+                                             spawn=False, allow_plaintext=opts.allow_plaintext,
                                              record_sink=latest.update))
             return 0
-        if not args.coordinator:
+        if not opts.coordinator:
             raise SystemExit("digenrl-node: --coordinator ENDPOINT is required for rollout, trainer and reward")
         roles: dict[str, Role] = {"rollout": "rollout", "trainer": "trainer", "reward": "reward"}
-        role = roles[args.role]  # argparse checked it
-        device = resolve_device(getattr(args, "device", None))
+        role = roles[opts.role]  # argparse checked it
+        device = resolve_device(opts.device)
         use_device(device)
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            return int(runner.run(_node(role, node_id, args.coordinator, args.gpu or "cpu", args.bind,
-                                        run_dir, load_config(args.config, overrides), device, latest)))
+            return int(runner.run(_node(role, node_id, opts.coordinator, opts.gpu or "cpu", opts.bind,
+                                        run_dir, cfg, device, latest)))
     finally:
         if prometheus is not None:
             prometheus.close()
@@ -132,19 +161,19 @@ def socket_counters(sockets: list[Socket]) -> dict[str, Any]:
     return {"sockets": [{"index": name, **row} for name, row in sorted(by_name.items())]}
 
 
-def _start_prometheus(args: argparse.Namespace, latest: LatestStats, node_id: str) -> MetricsServer | None:
+def _start_prometheus(opts: NodeOptions, latest: LatestStats, node_id: str) -> MetricsServer | None:
     """Serve ``--prometheus-port`` (None without it): a coordinator, the run's last step record
     as ``digenrl_<name>`` gauges; any other node, its heartbeat counters, policy version, GPU
     reading and sockets as ``digenrl_node_<name>{node=...}`` (docs/metrics.md). Bound to
     ``--prometheus-addr`` (every interface by default: Prometheus scrapes from another host)."""
-    port = getattr(args, "prometheus_port", None)
+    port = opts.prometheus_port
     if port is None:
         return None
     from digenrl.telemetry.metrics import MissingExtraError
     from digenrl.telemetry.prometheus import serve_node_metrics, start_prometheus
-    addr = getattr(args, "prometheus_addr", None) or "0.0.0.0"
+    addr = opts.prometheus_addr or "0.0.0.0"
     try:
-        if args.role == "coordinator":
+        if opts.role == "coordinator":
             return start_prometheus(port, lambda: {**process_counters(), **latest.stats}, addr=addr)
         return serve_node_metrics(port, lambda: latest.stats, node_id=node_id, addr=addr)
     except MissingExtraError as e:
@@ -262,8 +291,7 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
             # incarnation's last messages): say so, then keep waiting for Welcome
             log.warning("unexpected_message", socket="control", msg=type(msg).__name__,
                         why="before Welcome")
-        import tomllib
-        cfg: Config = config_from_dict(tomllib.loads(msg.config_toml))
+        cfg = read_resolved(msg.config_toml, "Welcome's config")  # the coordinator's, resolved
         torch.set_num_threads(cfg.run.threads)
         rdir = run_dir or Path("runs") / msg.run_id
         recorder = SpanRecorder(node_id, role)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from digenrl.config import Config
+from digenrl.config import Config, ResolvedConfig
 from digenrl.core.plan import fragment_content, plan_for_step
 from digenrl.data.prompts import load_splits
 from digenrl.devices import resolve_device
@@ -37,7 +37,7 @@ def _fragments(cfg: Config, step: int, prompt_count: int) -> list[tuple[tuple[in
             for f in range(cfg.runtime.fragments_per_step)]
 
 
-def rollout_only(cfg: Config, steps: int, record: Path | None = None) -> dict[str, Any]:
+def rollout_only(cfg: ResolvedConfig, steps: int, record: Path | None = None) -> dict[str, Any]:
     """Generate ``steps`` steps (all fragments) with the initial policy; wall and CPU
     seconds per step (``step_seconds``, ``cpu_seconds``)."""
     torch.set_num_threads(cfg.run.threads)
@@ -67,7 +67,7 @@ def rollout_only(cfg: Config, steps: int, record: Path | None = None) -> dict[st
     return {"step_seconds": times, "cpu_seconds": cpu, "samples_per_s": cfg.batch_size * steps / sum(times)}
 
 
-def trainer_only(cfg: Config, recording: Path) -> dict[str, Any]:
+def trainer_only(cfg: ResolvedConfig, recording: Path) -> dict[str, Any]:
     """Train on a recording (one optimizer step per recorded step); seconds per step."""
     torch.set_num_threads(cfg.run.threads)
     data = torch.load(recording, weights_only=False)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from digenrl.config import Config, resolve_mode
+from digenrl.config import ResolvedConfig
 from digenrl.core.plan import DEFAULT_GPU_SPEEDS
 
 Role = Literal["rollout", "trainer", "reward"]
@@ -71,10 +71,9 @@ class SchedulerParams:
                                  " expected 0 < alpha <= 1 and switch_s >= 0")
 
     @classmethod
-    def from_config(cls, cfg: Config, *, prompt_count: int,
+    def from_config(cls, cfg: ResolvedConfig, *, prompt_count: int,
                     bytes_per_trajectory: int) -> SchedulerParams:
-        """Params for ``cfg`` after :func:`resolve_mode` (idempotent, so resolved input is fine)."""
-        cfg = resolve_mode(cfg)
+        """Params for a resolved config (its mode's K, fragments, TSP and TAG)."""
         rt = cfg.runtime
         return cls(steps=cfg.run.steps, prompts_per_step=cfg.train.prompts_per_step,
                    group_size=cfg.train.group_size, fragments_per_step=rt.fragments_per_step,

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 import torch
 
-from digenrl.config import Config, SamplerConfig, TrainConfig
+from digenrl.config import ResolvedConfig, SamplerConfig, TrainConfig
 from digenrl.models.base import Cond, FlowModel, cond_select
 from digenrl.rl.algorithm import algorithm_for
 from digenrl.rl.grpo import (
@@ -442,20 +442,19 @@ class Policy:
                                  options=StateDictOptions(full_state_dict=True))
 
 
-def build_policy(cfg: Config, world_size: int = 1, gpu: str | None = None, *,
+def build_policy(cfg: ResolvedConfig, world_size: int = 1, gpu: str | None = None, *,
                  device: str | torch.device = "cpu") -> Policy:
     """The trainer's policy on ``device`` (its transformer, reference, text encoders and VAE);
     with ``model.fsdp`` and several ranks (process group initialised) its transformer is
     sharded over them (FSDP2). One rank has nothing to shard. ``gpu``: the node's declared GPU
     type (default the config's trainer GPU; read by emulated models)."""
-    from digenrl.config import resolve_mode
     from digenrl.models import build_model
 
     gpu = gpu or cfg.cluster.trainer_gpu or cfg.cluster.gpu
     model = build_model(cfg.model, seed=cfg.run.seed, gpu=gpu, in_trainer=True, device=device,
                         embedded_guidance=cfg.sampler.embedded_guidance)
     return Policy(model, cfg.train, cfg.sampler, shard=cfg.model.fsdp and world_size > 1,
-                  keep_versions=resolve_mode(cfg).runtime.staleness)
+                  keep_versions=cfg.runtime.staleness)
 
 
 def _to_master(master: torch.Tensor, param: torch.Tensor) -> None:

@@ -13,13 +13,13 @@ all rollouts but trains only once the whole batch is in (no GAP).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from digenrl.config import Config, load_config, resolve_mode
+from digenrl.config import Config, ResolvedConfig, check_mode, resolve_mode
 from digenrl.core.costmodel import load_calibration
 from digenrl.sim.calibrate import calibrate
 from digenrl.sim.cluster import Cluster, load_cluster
@@ -33,8 +33,10 @@ def _divisor_at_most(n: int, cap: int) -> int:
 
 
 def mode_run(cfg: Config, mode: str, cluster: Cluster, *, trainers: int | None = None,
-             off: str | None = None, **setup_kw: Any) -> tuple[Config, SimSetup]:
-    """The (Config, SimSetup) pair one simulated mode (optionally with one mechanism off) runs."""
+             off: str | None = None, **setup_kw: Any) -> tuple[ResolvedConfig, SimSetup]:
+    """The (config, SimSetup) pair one simulated mode (optionally with one mechanism off) runs:
+    ``cfg`` resolved for ``mode`` (the planner's question is this config in each mode), with
+    the planner's choices on top: the baselines' fragments, the ablated mechanism, the split."""
     rollouts: list[str]
     if mode == "colocated":
         rollouts, train = [], cluster.all_gpus()
@@ -59,7 +61,9 @@ def mode_run(cfg: Config, mode: str, cluster: Cluster, *, trainers: int | None =
     elif off == "relay":  # every rollout fetches each version from trainer rank 0
         rt = dataclasses.replace(rt, weights_fanout=0)
     cl = dataclasses.replace(c.cluster, rollouts=len(rollouts), trainers=len(train))
-    c = dataclasses.replace(c, runtime=rt, cluster=cl)
+    # still resolved: the mode's K, TSP and TAG are kept or switched off, the rollout count
+    # stays 0 for colocated; only the baselines' fragments are the planner's own
+    c = ResolvedConfig(dataclasses.replace(c, runtime=rt, cluster=cl))
     return c, SimSetup(rollout_gpus=tuple(rollouts), trainer_gpus=tuple(train),
                        network=cluster.network, gap=gap, **setup_kw)
 
@@ -157,29 +161,44 @@ def draw_timeline(results: dict[str, SimResult], path: str | Path) -> Path:
 # ----------------------------------------------------------------------------- calibration
 
 
-def plan_from_args(args: argparse.Namespace) -> int:
-    """Entry point of ``digenrl plan`` (wired in digenrl/cli.py)."""
-    if args.calibrate:
-        fit = calibrate(args.calibrate)
-        out = Path(args.calibrate) / "costfit.json"
-        out.write_text(json.dumps(fit, indent=2, sort_keys=True) + "\n")
-        print(json.dumps(fit, indent=2, sort_keys=True))
-        print(f"written {out}; predict with: digenrl plan --config <tiny> --cost {out}")
-        return 0
-    cfg = load_config(args.config)
-    if args.steps is not None:
-        if args.steps < 2:
-            raise ValueError(f"--steps {args.steps}: expected at least 2 (steady state needs two)")
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, steps=args.steps))
-    cluster = load_cluster(args.cluster)
-    cost = getattr(args, "cost", None)  # --cost needs a flag in cli.py; see docs/benchmarks.md
-    calibration = load_calibration(cost) if cost else None
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for m in modes:
-        resolve_mode(cfg, m)  # names the bad mode
-    report = plan(cfg, cluster, modes, calibration=calibration, search=args.search)
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """What ``digenrl plan`` was asked besides the config (digenrl/cli.py builds it)."""
+
+    cluster: str | None = None
+    """--cluster: cluster TOML (GPU types per role); None = the planner's default."""
+    modes: tuple[str, ...] = ("colocated", "disagg-sync", "digenrl")
+    """--modes: the modes to simulate, in the report's order."""
+    cost: str | None = None
+    """--cost: a cost model fitted by --calibrate (costfit.json)."""
+    json: bool = False
+    """--json: the report as JSON instead of the table."""
+    timeline: str | None = None
+    """--timeline: write a Gantt chart of each mode's last steps to this PNG."""
+    search: bool = False
+    """--search: also search the rollout/trainer split."""
+
+
+def calibrate_run(run_dir: str) -> int:
+    """``digenrl plan --calibrate RUN_DIR``: fit the cost model to a run, write costfit.json."""
+    fit = calibrate(run_dir)
+    out = Path(run_dir) / "costfit.json"
+    out.write_text(json.dumps(fit, indent=2, sort_keys=True) + "\n")
+    print(json.dumps(fit, indent=2, sort_keys=True))
+    print(f"written {out}; predict with: digenrl plan --config <tiny> --cost {out}")
+    return 0
+
+
+def run_plan(cfg: Config, opts: PlanOptions) -> int:
+    """Entry point of ``digenrl plan`` (wired in digenrl/cli.py): ``cfg`` in each of
+    ``opts.modes``, printed as a table or JSON."""
+    cluster = load_cluster(opts.cluster)
+    calibration = load_calibration(opts.cost) if opts.cost else None
+    for m in opts.modes:
+        check_mode(m)  # names the bad mode before anything is simulated
+    report = plan(cfg, cluster, list(opts.modes), calibration=calibration, search=opts.search)
     results = report.pop("_results")
-    if args.timeline:
-        print(f"timeline: {draw_timeline(results, args.timeline)}")
-    print(json.dumps(report, indent=2, sort_keys=True) if args.json else render(report))
+    if opts.timeline:
+        print(f"timeline: {draw_timeline(results, opts.timeline)}")
+    print(json.dumps(report, indent=2, sort_keys=True) if opts.json else render(report))
     return 0

@@ -33,7 +33,7 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from digenrl.config import Config
+from digenrl.config import Config, ResolvedConfig
 from digenrl.core.costmodel import (
     GPUS,
     Network,
@@ -110,7 +110,7 @@ def trained_timesteps(cfg: Config) -> list[int]:
     return plan_for_step(cfg, 0)[0]
 
 
-def sim_config(cfg: Config, setup: SimSetup, costs: NodeCosts) -> Config:
+def sim_config(cfg: ResolvedConfig, setup: SimSetup, costs: NodeCosts) -> ResolvedConfig:
     """Heartbeat and lease scaled to the work: a 200 s fragment needs a lease above 200 s, and
     heartbeats every 0.5 s would cost millions of events without changing the schedule."""
     if setup.keep_timeouts:
@@ -119,7 +119,7 @@ def sim_config(cfg: Config, setup: SimSetup, costs: NodeCosts) -> Config:
     frag = n * cfg.sampler.num_steps * max(costs.gen_step_s, costs.colo_gen_step_s)
     rt = dataclasses.replace(cfg.runtime, heartbeat_s=max(cfg.runtime.heartbeat_s, frag / 4),
                              lease_s=max(cfg.runtime.lease_s, 4 * frag + 60))
-    return dataclasses.replace(cfg, runtime=rt)
+    return ResolvedConfig(dataclasses.replace(cfg, runtime=rt))  # no mode fixes these two
 
 
 @dataclass
@@ -147,14 +147,13 @@ class _Node:
 class Simulator:
     """One simulated run; call :meth:`run` once."""
 
-    def __init__(self, cfg: Config, setup: SimSetup) -> None:
+    def __init__(self, cfg: ResolvedConfig, setup: SimSetup) -> None:
         self.setup = setup
         self.wl = workload_from_config(cfg)
         self.R = len(setup.trainer_gpus)
         probe = node_costs(setup.trainer_gpus[0], self.wl, trainer_ranks=self.R,
                            calibration=setup.calibration)
         self.cfg = sim_config(cfg, setup, probe)
-        self.K = self.cfg.runtime.staleness
         self.F = self.cfg.runtime.fragments_per_step
         self.colocated = self.cfg.run.mode == "colocated"
         self.rng = random.Random(setup.seed)
@@ -164,12 +163,8 @@ class Simulator:
         per_traj = chunk_bytes(self.wl.model, self.cfg.sampler.wire_dtype == "float32") * self.wl.trained_steps
         params = SchedulerParams.from_config(self.cfg, prompt_count=max(1, self.cfg.train.prompts_per_step),
                                              bytes_per_trajectory=per_traj)
-        rt = self.cfg.runtime
-        # from_config re-resolves the mode; the simulator's own choices (fragments per trainer
-        # or rollout for the baselines, ablations) are set explicitly here.
         params = dataclasses.replace(
-            params, fragments_per_step=self.F, staleness=self.K, tsp=rt.tsp, tag=rt.tag,
-            trainer_ranks=self.R, switch_s=probe.switch_s,
+            params, trainer_ranks=self.R, switch_s=probe.switch_s,
             speeds={g: GPUS["H100"].gen_tflops / spec.gen_tflops for g, spec in GPUS.items()} | {"cpu": 1.0})
         cfg_sim = self.cfg
         self.sched = Scheduler(params, plan_timesteps=lambda step: plan_for_step(cfg_sim, step))
@@ -430,7 +425,7 @@ class Simulator:
             while pending:
                 task, n, gen_v, owns, u = pending.popleft()
                 self.consumed[(node.rank, s)] += 1
-                if not within_staleness(s, gen_v, self.K):  # the trainer's oracle: must never fire
+                if not within_staleness(s, gen_v, self.sched.ledger.staleness):  # the trainer's oracle: must never fire
                     self.rejected_stale += n
                     if owns:
                         self._apply(self.sched.fragment_consumed(task.task_id, node.rank, 0, {"stale": n}, 0.0, self.now))
@@ -541,6 +536,6 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def simulate(cfg: Config, setup: SimSetup) -> SimResult:
-    """Simulate ``cfg`` (already resolved for its mode) on ``setup``'s GPUs."""
+def simulate(cfg: ResolvedConfig, setup: SimSetup) -> SimResult:
+    """Simulate ``cfg`` (resolved for its mode) on ``setup``'s GPUs."""
     return Simulator(cfg, setup).run()
