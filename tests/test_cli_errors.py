@@ -143,12 +143,12 @@ def test_each_bad_input_is_one_line_and_the_right_exit_code(
 
 
 def test_resume_honours_steps_and_rollouts_and_records_them(tmp_path: Path) -> None:
-    import argparse
-
-    from digenrl.launch import resume_config
+    from digenrl.cli import build_parser, launch_inputs
+    from digenrl.launch import prepare_resume
     run = _run_dir_with_checkpoint(tmp_path, "digenrl")
-    args = argparse.Namespace(resume=str(run), steps=5, rollouts=2, trainers=None, mode=None,
-                              config=None, run_dir=None, overrides=[])
-    cfg, run_dir = resume_config(args)
+    cfg, opts = launch_inputs(build_parser().parse_args(["launch", "--resume", str(run), "--steps", "5",
+                                                         "--rollouts", "2"]))
+    assert opts.resume is not None
+    run_dir = prepare_resume(cfg, opts.resume)
     assert (cfg.run.steps, cfg.cluster.rollouts, run_dir) == (5, 2, run)
     assert load_config(run / "config.toml").run.steps == 5  # the run dir says what now runs

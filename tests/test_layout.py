@@ -219,3 +219,60 @@ def test_the_readme_file_tree_lists_exactly_the_package_modules() -> None:
     actual = {str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if p.name != "__init__.py"}
     assert sorted(actual - listed) == [], "modules missing from README's file tree"
     assert sorted(listed - actual) == [], "README lists modules that do not exist"
+
+
+def _argparse_users(pkg: Path) -> list[str]:
+    """Modules of ``pkg`` other than cli.py that import argparse or name ``Namespace``
+    (``argparse.Namespace``, a bare ``Namespace``, or either in a string annotation)."""
+    found = []
+    for path in sorted(pkg.rglob("*.py")):
+        rel = str(path.relative_to(pkg.parent))
+        if rel == "digenrl/cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            hit = ((isinstance(node, ast.Import) and any(a.name.split(".")[0] == "argparse" for a in node.names))
+                   or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "argparse")
+                   or (isinstance(node, ast.Name) and node.id == "Namespace")
+                   or (isinstance(node, ast.Attribute) and node.attr == "Namespace")
+                   or (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                       and re.search(r"\bargparse\.Namespace\b", node.value) is not None))
+            if hit:
+                found.append(f"{rel}:{node.lineno}")
+                break
+    return found
+
+
+def test_the_command_line_flags_stop_at_the_cli() -> None:
+    """Only digenrl/cli.py sees argparse: it parses and resolves the config once and hands the
+    layers below typed options (LaunchOptions, NodeOptions, PlanOptions), never the Namespace."""
+    bad = _argparse_users(PKG)
+    assert not bad, "argparse below digenrl/cli.py: " + ", ".join(bad)
+
+
+def test_the_flags_check_finds_a_planted_namespace(tmp_path: Path) -> None:
+    pkg = tmp_path / "digenrl"
+    (pkg / "sim").mkdir(parents=True)
+    (pkg / "cli.py").write_text("import argparse\n")
+    (pkg / "launch.py").write_text("from types import SimpleNamespace\n")
+    (pkg / "sim" / "plan.py").write_text("def plan_from_args(args: 'argparse.Namespace') -> int:\n    return 0\n")
+    (pkg / "node.py").write_text("from argparse import Namespace\n")
+    assert _argparse_users(pkg) == ["digenrl/node.py:1", "digenrl/sim/plan.py:1"]
+
+
+RESOLVERS = {"digenrl/config.py": "defines it", "digenrl/cli.py": "the command line's edge",
+             "digenrl/sim/plan.py": "the planner puts one config in each mode it compares"}
+
+
+def test_the_mode_is_resolved_only_at_the_edge() -> None:
+    """resolve_mode runs where a config enters (the CLI), and in the planner, whose question is
+    one config in several modes; the code below takes a ResolvedConfig and never resolves again."""
+    assert _resolvers(PKG) == sorted(RESOLVERS)
+
+
+def _resolvers(pkg: Path) -> list[str]:
+    """Modules of ``pkg`` that name ``resolve_mode`` (a call, a reference or an import)."""
+    def names(tree: ast.AST) -> set[str]:
+        return ({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+                | {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names})
+    return sorted(str(p.relative_to(pkg.parent)) for p in pkg.rglob("*.py")
+                  if "resolve_mode" in names(ast.parse(p.read_text())))

@@ -145,13 +145,11 @@ def test_the_last_step_record_is_served_with_node_and_term_labels():
 def test_a_coordinator_nodes_endpoint_serves_each_step_record_as_it_is_written(tmp_path):
     """``digenrl-node --role coordinator --prometheus-port``: the run's MetricsWriter hands each
     record it writes to the endpoint (actors/node.py), nothing before the first."""
-    import argparse
-
-    from digenrl.actors.node import LatestStats, _start_prometheus
+    from digenrl.actors.node import LatestStats, NodeOptions, _start_prometheus
     from digenrl.telemetry.metrics import MetricsWriter
     latest = LatestStats()
-    args = argparse.Namespace(role="coordinator", prometheus_port=0, prometheus_addr="127.0.0.1")
-    server = _start_prometheus(args, latest, "coordinator-0")
+    opts = NodeOptions(role="coordinator", prometheus_port=0, prometheus_addr="127.0.0.1")
+    server = _start_prometheus(opts, latest, "coordinator-0")
     assert server is not None
     try:
         assert not any(k.startswith("digenrl_reward") for k in _scrape(server.url))
@@ -179,16 +177,14 @@ def test_a_node_without_a_prometheus_port_takes_no_snapshot_per_heartbeat():
 
 @needs_prometheus
 def test_a_nodes_prometheus_port_already_taken_is_a_one_line_error_naming_it():
-    import argparse
-
-    from digenrl.actors.node import LatestStats, _start_prometheus
+    from digenrl.actors.node import LatestStats, NodeOptions, _start_prometheus
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        args = argparse.Namespace(role="trainer", prometheus_port=port, prometheus_addr="127.0.0.1")
+        opts = NodeOptions(role="trainer", prometheus_port=port, prometheus_addr="127.0.0.1")
         with pytest.raises(SystemExit, match=rf"--prometheus-port {port} on 127.0.0.1: .*in use"):
-            _start_prometheus(args, LatestStats(), "trainer-0")
+            _start_prometheus(opts, LatestStats(), "trainer-0")
 
 
 def test_node_metrics_without_prometheus_client_is_a_clear_error(monkeypatch):

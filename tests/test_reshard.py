@@ -8,7 +8,6 @@ refused in one line before any process starts.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -74,10 +73,15 @@ def test_a_run_of_two_sharded_ranks_killed_mid_run_resumes_on_one_with_exact_acc
 # ---------------------------------------------------------------------------- refusals
 
 
-def _args(run_dir: Path, **kw: Any) -> argparse.Namespace:
-    base = dict(resume=str(run_dir), mode=None, trainers=None, config=None, run_dir=None,
-                steps=None, rollouts=None, rewards=None, overrides=[])
-    return argparse.Namespace(**{**base, **kw})
+def _resume(run_dir: Path, *flags: str) -> Any:
+    """``digenrl launch --resume RUN_DIR FLAGS``'s config as the launch would resume it."""
+    from digenrl.cli import build_parser, launch_inputs
+    from digenrl.launch import prepare_resume
+
+    cfg, opts = launch_inputs(build_parser().parse_args(["launch", "--resume", str(run_dir), *flags]))
+    assert opts.resume is not None
+    prepare_resume(cfg, opts.resume)
+    return cfg
 
 
 def _colocated_run(tmp_path: Path, sets: list[str]) -> Path:
@@ -94,32 +98,28 @@ def _colocated_run(tmp_path: Path, sets: list[str]) -> Path:
 
 
 def test_resume_takes_another_trainer_count_and_records_it(tmp_path: Path, capsys: Any) -> None:
-    from digenrl.launch import resume_config
-
     run = _colocated_run(tmp_path, ["train.prompts_per_step=4"])
-    cfg, _ = resume_config(_args(run, trainers=4))
+    cfg = _resume(run, "--trainers", "4")
     assert cfg.cluster.trainers == 4 and load_config(run / "config.toml").cluster.trainers == 4
     assert "resuming with 4 trainer rank(s) (the run had 2)" in capsys.readouterr().out
-    cfg, _ = resume_config(_args(run, overrides=["cluster.trainers=1"]))  # the same through --set
+    cfg = _resume(run, "--set", "cluster.trainers=1")  # the same through --set
     assert cfg.cluster.trainers == 1 and load_config(run / "config.toml").cluster.trainers == 1
 
 
-@pytest.mark.parametrize(("kw", "why"), [
-    ({"trainers": 0}, r"^--trainers 0: expected at least 1$"),
+@pytest.mark.parametrize(("flags", "why"), [
+    (["--trainers", "0"], r"^--trainers 0: expected at least 1$"),
     # colocated ranks split the step's prompts: 2 prompts over 3 ranks cannot be
-    ({"trainers": 3}, r"^--resume .*: cluster\.trainers = 3: colocated ranks split "
-                      r"train\.prompts_per_step = 2 evenly; use a divisor of it$"),
-    ({"overrides": ["cluster.trainers=3"]}, r"cluster\.trainers = 3: colocated ranks split"),
-    ({"mode": "digenrl"}, r"--mode cannot be changed on resume"),
+    (["--trainers", "3"], r"^--resume .*: cluster\.trainers = 3: colocated ranks split "
+                          r"train\.prompts_per_step = 2 evenly; use a divisor of it$"),
+    (["--set", "cluster.trainers=3"], r"cluster\.trainers = 3: colocated ranks split"),
+    (["--mode", "digenrl"], r"--mode cannot be changed on resume"),
 ])
 def test_resume_refuses_in_one_line_a_trainer_count_the_run_cannot_use(
-        tmp_path: Path, kw: dict[str, Any], why: str) -> None:
-    from digenrl.launch import resume_config
-
+        tmp_path: Path, flags: list[str], why: str) -> None:
     run = _colocated_run(tmp_path, ["train.prompts_per_step=2"])
     before = (run / "config.toml").read_text()
     with pytest.raises(ConfigError, match=why) as e:
-        resume_config(_args(run, **kw))
+        _resume(run, *flags)
     assert "\n" not in str(e.value)
     assert (run / "config.toml").read_text() == before  # nothing recorded for a refused resume
 
