@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from digenrl.config import load_config
+from digenrl.config import load_config, resolve_mode
 from digenrl.core.bts import StepForecast, helper_shortens_step, predict_step_finish
 from digenrl.core.scheduler import (
     AssignCmd,
@@ -404,7 +404,7 @@ def test_tag_work_never_advances_the_version():
 
 
 def test_colocated_mode_runs_to_completion_with_only_trainers():
-    cfg = load_config(overrides=["run.mode=colocated", "run.steps=3", "cluster.trainers=2"])
+    cfg = resolve_mode(load_config(overrides=["run.mode=colocated", "run.steps=3", "cluster.trainers=2"]))
     s = Scheduler(SchedulerParams.from_config(cfg, prompt_count=5, bytes_per_trajectory=100))
     assert (s.params.staleness, s.params.fragments_per_step, s.params.tag) == (0, 1, "always")
     sim = Sim(s, {"t0": 1.0, "t1": 1.0}, offer=("t0", "t1"))
