@@ -13,8 +13,9 @@ takes a ``ResolvedConfig`` and never resolves again. A config written resolved (
 ``config.toml``, the one Welcome carries) is read back with :func:`read_resolved`.
 
 K, the staleness bound, is ``runtime.staleness`` of a resolved config (0 in colocated and
-disagg-sync mode); the scheduler takes it from there into its credit ledger, which the
-simulator and the trainer's checks share (:mod:`digenrl.core.credits`).
+disagg-sync mode): the trainer and the policy read it there, and the scheduler hands it to
+its credit ledger, where the scheduler's checks and the simulator read it
+(:mod:`digenrl.core.credits` states the rule).
 
 Reading is ``tomllib`` and writing ``tomli-w``; the validator between them stays hand-written
 (a few functions) rather than a schema library, because what it does is the point: one line per

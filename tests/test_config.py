@@ -17,6 +17,7 @@ from digenrl.config import (
     default_config_text,
     describe_fields,
     load_config,
+    read_resolved,
     resolve_mode,
     to_dict,
     to_toml,
@@ -122,6 +123,18 @@ def test_the_resolved_config_round_trips_through_toml() -> None:
     cfg = resolve_mode(load_config(None, ["train.lr=1e-5"]), "digenrl")
     again = config_from_dict(tomllib.loads(to_toml(cfg)))
     assert again == cfg
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_config_written_resolved_reads_back_resolved_and_an_unresolved_one_is_refused(mode: str) -> None:
+    cfg = resolve_mode(load_config(None, ["cluster.rollouts=2"]), mode)
+    assert read_resolved(to_toml(cfg)) == cfg
+    if mode == "digenrl":
+        return  # K, TSP and TAG are the user's in digenrl mode: any values are resolved
+    unresolved = to_toml(load_config(None, [f"run.mode={mode!r}"]))  # K = 1 as configured
+    with pytest.raises(ConfigError, match=rf"^Welcome: runtime\.staleness = 1: run\.mode = '{mode}' "
+                                          r"fixes it to 0 \(not a resolved config\)$"):
+        read_resolved(unresolved, "Welcome")
 
 
 def test_strings_and_keys_toml_must_escape_or_quote_round_trip() -> None:
