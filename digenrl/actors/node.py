@@ -113,7 +113,7 @@ def run_node(cfg: ResolvedConfig, opts: NodeOptions) -> int:
         if not opts.coordinator:
             raise SystemExit("digenrl-node: --coordinator ENDPOINT is required for rollout, trainer and reward")
         roles: dict[str, Role] = {"rollout": "rollout", "trainer": "trainer", "reward": "reward"}
-        role = roles[opts.role]  # argparse checked it
+        role = roles[opts.role]  # the --role choices checked it (cli.py)
         device = resolve_device(opts.device)
         use_device(device)
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
