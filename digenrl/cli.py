@@ -187,7 +187,7 @@ def _plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.steps is not None:
         if args.steps < 2:
-            raise ValueError(f"--steps {args.steps}: expected at least 2 (steady state needs two)")
+            raise ConfigError(f"--steps {args.steps}: expected at least 2 (steady state needs two)")
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, steps=args.steps))
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     return run_plan(cfg, PlanOptions(cluster=args.cluster, modes=modes, cost=args.cost, json=args.json,

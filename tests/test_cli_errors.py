@@ -78,6 +78,7 @@ def _prompt_file(tmp: Path, name: str, content: bytes | None) -> list[str]:
 # (case id, build argv from tmp_path, expected exit code, a phrase the line must contain)
 CASES: list[tuple[str, Callable[[Path, contextlib.ExitStack], list[str]], int, str]] = [
     ("report on a missing folder", lambda t, s: ["report", str(t / "nope")], 2, "no such run folder"),
+    ("plan with one step", lambda t, s: ["plan", "--steps", "1"], 2, "--steps 1: expected at least 2"),
     ("keys generate into a read-only folder",
      lambda t, s: ["keys", "generate", str(s.enter_context(read_only_dir(t / "ro")) / "keys")], 1,
      "Read-only file system"),
