@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override the run's config, e.g. --set eval.prompts=32 (repeatable)")
 
+    p = sub.add_parser("export", help="a run's trained policy as a standalone diffusers folder with a model card")
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
+    p.add_argument("--merge", action="store_true",
+                   help="fold a LoRA into the transformer's weights (plain diffusers loads it, no peft); "
+                        "without it the adapter sits beside the base pipeline")
+
     p = sub.add_parser("keys", help="CurveZMQ keys")
     ks = p.add_subparsers(dest="keys_command", required=True)
     g = ks.add_parser("generate", help="write server and client key pairs into DIR")
@@ -114,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
             row = evaluate_run(Path(args.run_dir), args.checkpoint, args.overrides,
                                Path(args.out) if args.out else None)
             print(json.dumps(row, indent=1))
+            return 0
+        if args.command == "export":
+            from digenrl.export import export_run
+            res = export_run(Path(args.run_dir), Path(args.out), merge=args.merge)
+            print(f"digenrl: exported the {res['kind']} of policy version {res['version']}"
+                  f"{' (LoRA merged)' if res['merged'] else ''} from {res['from']} to {res['out']}")
             return 0
         if args.command == "keys":
             from digenrl.transport.curve import generate_keys

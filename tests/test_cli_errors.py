@@ -124,6 +124,11 @@ CASES: list[tuple[str, Callable[[Path, contextlib.ExitStack], list[str]], int, s
      "expected a finite number"),
     ("--rollouts -1", lambda t, s: ["launch", "--run-dir", str(t / "r"), "--rollouts", "-1"], 2,
      "--rollouts -1"),
+    ("export of a folder that is not a run",
+     lambda t, s: ["export", str(t), "--out", str(t / "o")], 2, "no config.toml in that folder"),
+    ("export of a run with no final/ or checkpoint",
+     lambda t, s: [(t / "config.toml").write_text(to_toml(load_config())) and "export", str(t), "--out",
+                   str(t / "o")], 2, "neither final/policy.safetensors nor an unsharded checkpoint"),
     ("--rollouts 0 in digenrl mode",
      lambda t, s: ["launch", "--run-dir", str(t / "r"), "--rollouts", "0"], 2, "needs at least one"),
 ]
