@@ -211,8 +211,8 @@ def check_runtime_support(cfg: Config) -> None:
 def check_before_start(cfg: Config) -> None:
     """What a node would refuse when it starts, refused here, before any process starts (a
     child that refused its configuration would only be restarted to refuse it again): the
-    runtime's limits, the model folder (family, completeness, size; config files only) and
-    the reward terms (names, plug-in imports, args; nothing is built)."""
+    runtime's limits, the model folder (family, completeness, size; config files only), the
+    memory a step's buffers take (:mod:`digenrl.models.footprint`) and the reward terms (names, plug-in imports, args; nothing is built)."""
     from digenrl.models import check_model_path
     from digenrl.models.meta import latent_shape_of
     from digenrl.rl.evaluate import eval_terms
@@ -220,7 +220,13 @@ def check_before_start(cfg: Config) -> None:
 
     check_runtime_support(cfg)
     check_model_path(cfg.model)
-    latent_shape_of(cfg.model)
+    shape = latent_shape_of(cfg.model)
+    from digenrl.models.footprint import check_footprint
+    test = None
+    if cfg.run.eval_every:
+        from digenrl.data.prompts import load_splits
+        test = load_splits(cfg.prompts)[1]
+    check_footprint(cfg, shape, test_prompts=len(test) if test is not None else 0)
     try:
         check_reward(cfg.reward.terms)
     except RewardError as e:
