@@ -133,6 +133,7 @@ def exit_code(e: BaseException) -> int | None:
     from digenrl.actors.base import RunFailed
     from digenrl.clusterenv import EnvError
     from digenrl.data.prompts import PromptError
+    from digenrl.fileio import DamagedFile
     from digenrl.rl.checkpoint import CheckpointError
     from digenrl.transport.curve import CurveKeyError
     from digenrl.transport.errors import EndpointError
@@ -140,7 +141,7 @@ def exit_code(e: BaseException) -> int | None:
     if isinstance(e, ConfigError | UsageError | PromptError | EndpointError | PlaintextRefused
                   | CurveKeyError | EnvError):
         return 2
-    if isinstance(e, CheckpointError | RunFailed | OSError):
+    if isinstance(e, CheckpointError | RunFailed | DamagedFile | OSError):
         return 1
     return None
 
