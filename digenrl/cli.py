@@ -131,6 +131,7 @@ def exit_code(e: BaseException) -> int | None:
     run that failed (a broken checkpoint, a full or read-only disk, no recovery left), None for
     anything else (a bug: it keeps its traceback)."""
     from digenrl.actors.base import RunFailed
+    from digenrl.actors.connect import ConnectFailed
     from digenrl.clusterenv import EnvError
     from digenrl.data.prompts import PromptError
     from digenrl.fileio import DamagedFile
@@ -138,6 +139,8 @@ def exit_code(e: BaseException) -> int | None:
     from digenrl.transport.curve import CurveKeyError
     from digenrl.transport.errors import EndpointError
     from digenrl.transport.security import PlaintextRefused
+    if isinstance(e, ConnectFailed):
+        return e.code
     if isinstance(e, ConfigError | UsageError | PromptError | EndpointError | PlaintextRefused
                   | CurveKeyError | EnvError):
         return 2
@@ -156,6 +159,17 @@ def one_line(e: BaseException) -> str:
     else:
         text = str(e)
     return " ".join(text.split())
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds") from None
+    if not 0 < value < 1e6:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds > 0")
+    return value
 
 
 def build_node_parser() -> argparse.ArgumentParser:
@@ -180,6 +194,11 @@ def build_node_parser() -> argparse.ArgumentParser:
                    help="address the Prometheus endpoint binds (default every interface; 127.0.0.1 keeps it local)")
     p.add_argument("--allow-plaintext", action="store_true",
                    help="permit an unencrypted bind on a non-loopback address (warns)")
+    p.add_argument("--connect-timeout", type=_seconds, default=30.0, metavar="S",
+                   help="no Welcome from the coordinator within S seconds: say what answers there, "
+                        "and again at growing intervals while retrying (default 30)")
+    p.add_argument("--exit-on-connect-failure", action="store_true",
+                   help="stop with a one-line error (exit 1) instead of retrying after --connect-timeout")
     g = p.add_argument_group("cluster launchers (digenrl/clusterenv.py, ops/)")
     g.add_argument("--from-env", action="store_true",
                    help="rank, world and coordinator from Slurm, torchrun or Kubernetes variables: start "

@@ -42,7 +42,8 @@ from digenrl.actors.base import (
     loop_factory,
     stop_on_signals,
 )
-from digenrl.config import Config, config_from_dict, load_config
+from digenrl.actors.connect import ConnectPolicy, wait_welcome
+from digenrl.config import Config, ConfigError, config_from_dict, load_config
 from digenrl.devices import resolve_device, use_device
 from digenrl.faults import node_slowdown
 from digenrl.telemetry import sdnotify
@@ -88,8 +89,11 @@ def run_node(args: argparse.Namespace) -> int:
         device = resolve_device(getattr(args, "device", None))
         use_device(device)
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            connect = ConnectPolicy(timeout_s=getattr(args, "connect_timeout", 30.0),
+                                    exit_on_failure=getattr(args, "exit_on_connect_failure", False))
             return int(runner.run(_node(role, node_id, args.coordinator, args.gpu or "cpu", args.bind,
-                                        run_dir, load_config(args.config, overrides), device, latest)))
+                                        run_dir, load_config(args.config, overrides), device, latest,
+                                        connect)))
     finally:
         if prometheus is not None:
             prometheus.close()
@@ -222,8 +226,19 @@ def _watchdog_loops(control: Socket) -> tuple[Loop, ...]:
     return (watchdog,)
 
 
+def welcome_config(msg: Welcome, coordinator: str) -> Config:
+    """The run's config a Welcome carries; an error says that the coordinator sent it."""
+    import tomllib
+    try:
+        return config_from_dict(tomllib.loads(msg.config_toml))
+    except (ConfigError, tomllib.TOMLDecodeError, RecursionError) as e:
+        raise ConfigError(f"the coordinator at {coordinator} sent a config that does not validate "
+                          f"here ({e}); is it another DigenRL version?") from None
+
+
 async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str | None,
-                run_dir: Path | None, boot: Config, device: torch.device, latest: LatestStats) -> int:
+                run_dir: Path | None, boot: Config, device: torch.device, latest: LatestStats,
+                connect: ConnectPolicy | None = None) -> int:
     """``boot`` is the local config: transport settings (keys, limits) until Welcome brings the run's.
     Models (policy, reference, text encoders, VAE) go on ``device``; trainer ranks group over
     NCCL on CUDA, gloo on the CPU."""
@@ -251,19 +266,11 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                                  pid=os.getpid(), host=pysocket.gethostname(),
                                  data_endpoint=data.endpoint if data else "",
                                  weights_endpoint=weights.endpoint if weights else ""))
-        while True:
-            _, msg = await control.recv()
-            if isinstance(msg, Welcome):
-                break
-            if isinstance(msg, Shutdown):
-                log.error("refused by coordinator", reason=msg.reason)
-                return 3
-            # nothing else is sent before Welcome (a restarted node may get its old
-            # incarnation's last messages): say so, then keep waiting for Welcome
-            log.warning("unexpected_message", socket="control", msg=type(msg).__name__,
-                        why="before Welcome")
-        import tomllib
-        cfg: Config = config_from_dict(tomllib.loads(msg.config_toml))
+        msg = await wait_welcome(control, coordinator, connect or ConnectPolicy(), log)
+        if isinstance(msg, Shutdown):
+            log.error("refused by coordinator", reason=msg.reason)
+            return 3
+        cfg = welcome_config(msg, coordinator)
         torch.set_num_threads(cfg.run.threads)
         rdir = run_dir or Path("runs") / msg.run_id
         recorder = SpanRecorder(node_id, role)
