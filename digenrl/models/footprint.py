@@ -4,8 +4,11 @@ The launcher refuses a setting whose estimate cannot fit (:func:`check_footprint
 naming the keys and the estimate, instead of a process that exhausts memory or swaps for an
 hour. The estimates are lower bounds of the buffers the settings size directly, not a profile:
 
-* the trainer's step buffer: B = prompts_per_step x group_size trajectories, each (x_t, x_next)
-  per trained denoising step in the wire dtype (the final latents alone for nft / awm);
+* a fragment's latents, what a rollout streams and a trainer rank holds at least at once
+  (``runtime.byte_window_mb`` bounds what is in flight beyond it): prompts_per_step /
+  fragments_per_step x group_size trajectories, each (x_t, x_next) per trained denoising step
+  in the wire dtype (the final latents alone for nft / awm) -- the whole step's B trajectories
+  when a mode cuts no fragments;
 * the evaluation: every sample's decoded image (uint8, kept for the scores and the grid) and one
   batch's latents;
 * LoRA: a rank past the transformer's width adds parameters without adding capacity.
@@ -53,10 +56,15 @@ def transformer_width(cfg: Config) -> int | None:
 def step_footprint(cfg: Config, latent_shape: tuple[int, ...], test_prompts: int = 0) -> dict[str, int]:
     """Estimated bytes of the buffers the settings size, by the keys that size them.
     ``test_prompts``: prompts in the test split (0 when unknown)."""
+    from digenrl.core.plan import plan_for_step
     numel = prod(latent_shape)
     elem = 2 if cfg.sampler.wire_dtype == "bfloat16" else 4
-    per_sample = numel * elem * (1 if cfg.train.algorithm != "grpo" else 2 * cfg.sampler.num_steps)
-    out = {"train.prompts_per_step x train.group_size": cfg.batch_size * per_sample}
+    trained = max(1, len(plan_for_step(cfg, 0)[0]))
+    per_sample = numel * elem * (1 if cfg.train.algorithm != "grpo" else 2 * trained)
+    fragments = cfg.runtime.fragments_per_step
+    key = "train.prompts_per_step x train.group_size" + (
+        f" / runtime.fragments_per_step ({fragments})" if fragments > 1 else "")
+    out = {key: cfg.batch_size // fragments * per_sample}
     if cfg.run.eval_every:
         n = min(cfg.eval.prompts or test_prompts, test_prompts or cfg.eval.prompts)
         pixels = numel // max(1, latent_shape[0]) * VAE_PIXELS_PER_LATENT
@@ -79,5 +87,5 @@ def check_footprint(cfg: Config, latent_shape: tuple[int, ...], *, test_prompts:
         return
     for keys, need in step_footprint(cfg, latent_shape, test_prompts).items():
         if need > have:
-            raise ConfigError(f"{keys}: a step's buffers alone take about {gib(need)} (latent shape "
+            raise ConfigError(f"{keys}: these buffers alone take about {gib(need)} (latent shape "
                               f"{list(latent_shape)}), more than this host's {gib(have)} of memory")
