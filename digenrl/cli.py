@@ -216,16 +216,20 @@ def exit_code(e: BaseException) -> int | None:
     run that failed (a broken checkpoint, a full or read-only disk, no recovery left), None for
     anything else (a bug: it keeps its traceback)."""
     from digenrl.actors.base import RunFailed
+    from digenrl.actors.connect import ConnectFailed
     from digenrl.clusterenv import EnvError
     from digenrl.data.prompts import PromptError
+    from digenrl.fileio import DamagedFile
     from digenrl.rl.checkpoint import CheckpointError
     from digenrl.transport.curve import CurveKeyError
     from digenrl.transport.errors import EndpointError
     from digenrl.transport.security import PlaintextRefused
+    if isinstance(e, ConnectFailed):
+        return e.code
     if isinstance(e, ConfigError | UsageError | PromptError | EndpointError | PlaintextRefused
                   | CurveKeyError | EnvError):
         return 2
-    if isinstance(e, CheckpointError | RunFailed | OSError):
+    if isinstance(e, CheckpointError | RunFailed | DamagedFile | OSError):
         return 1
     return None
 
@@ -240,6 +244,17 @@ def one_line(e: BaseException) -> str:
     else:
         text = str(e)
     return " ".join(text.split())
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds") from None
+    if not 0 < value < 1e6:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds > 0")
+    return value
 
 
 def build_node_parser() -> argparse.ArgumentParser:
@@ -264,6 +279,11 @@ def build_node_parser() -> argparse.ArgumentParser:
                    help="address the Prometheus endpoint binds (default every interface; 127.0.0.1 keeps it local)")
     p.add_argument("--allow-plaintext", action="store_true",
                    help="permit an unencrypted bind on a non-loopback address (warns)")
+    p.add_argument("--connect-timeout", type=_seconds, default=30.0, metavar="S",
+                   help="no Welcome from the coordinator within S seconds: say what answers there, "
+                        "and again at growing intervals while retrying (default 30)")
+    p.add_argument("--exit-on-connect-failure", action="store_true",
+                   help="stop with a one-line error (exit 1) instead of retrying after --connect-timeout")
     g = p.add_argument_group("cluster launchers (digenrl/clusterenv.py, ops/)")
     g.add_argument("--from-env", action="store_true",
                    help="rank, world and coordinator from Slurm, torchrun or Kubernetes variables: start "
@@ -303,7 +323,8 @@ def node_main(argv: list[str] | None = None) -> int:
         opts = NodeOptions(role=args.role, coordinator=args.coordinator, bind=args.bind, gpu=args.gpu,
                            device=args.device, node_id=args.node_id, run_dir=args.run_dir,
                            prometheus_port=args.prometheus_port, prometheus_addr=args.prometheus_addr,
-                           allow_plaintext=args.allow_plaintext)
+                           allow_plaintext=args.allow_plaintext, connect_timeout_s=args.connect_timeout,
+                           exit_on_connect_failure=args.exit_on_connect_failure)
         overrides = [*args.overrides, *(["transport.allow_plaintext=true"] if args.allow_plaintext else [])]
         return run_node(resolve_mode(load_config(args.config, overrides)), opts)
     except Exception as e:

@@ -61,9 +61,9 @@ def _f(default: Any, help: str, **bounds: float) -> Any:
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     seed: int = _f(0, "seed for prompts, noise and parameter init; runs replay from it", ge=0)
-    steps: int = _f(30, "optimizer steps (= policy versions) to train", ge=1)
+    steps: int = _f(30, "optimizer steps (= policy versions) to train", ge=1, le=10**9)
     mode: Mode = _f("digenrl", "digenrl | disagg-sync | colocated (see DESIGN.md, Modes)")
-    threads: int = _f(1, "torch intra-op threads per process", ge=1)
+    threads: int = _f(1, "torch intra-op threads per process", ge=1, le=1024)
     checkpoint_every: int = _f(100, "write a checkpoint every N steps, and at the end (0 = only at "
                                     "the end: a lost trainer or a stop then rewinds to the start)", ge=0)
     sample_grid_every: int = _f(0, "also save a sample grid every N steps (0 = first and last only)", ge=0)
@@ -100,17 +100,20 @@ class ModelConfig:
         "float32", "compute dtype of the transformer and text encoders; trained parameters and "
         "optimizer state stay float32 (master weights) whatever this is")
     height: int = _f(0, "image height in pixels; 0 = the pipeline's default (SD3: sample_size x VAE "
-                     "factor, FLUX/Qwen-Image 1024, Wan 480, HunyuanVideo 720; tiny models 32)", ge=0)
-    width: int = _f(0, "image width in pixels; 0 = the pipeline's default (Wan 832, HunyuanVideo 1280)", ge=0)
+                     "factor, FLUX/Qwen-Image 1024, Wan 480, HunyuanVideo 720; tiny models 32)", ge=0,
+                     le=16384)
+    width: int = _f(0, "image width in pixels; 0 = the pipeline's default (Wan 832, HunyuanVideo 1280)", ge=0, le=16384)
     num_frames: int = _f(0, "video frames (wan, hunyuanvideo); 0 = the pipeline's default (81, 129); "
-                         "must be 1 + a multiple of the VAE's time factor", ge=0)
+                         "must be 1 + a multiple of the VAE's time factor", ge=0, le=2049)
     text_encoder: Literal["auto", "pipeline", "hash"] = _f(
         "auto", "prompt encoder: 'pipeline' = the folder's own text encoders (as its diffusers "
         "pipeline encodes), 'hash' = the toy hash-of-words encoder; 'auto' = pipeline for a "
         "pipeline folder, hash for 'builtin' / 'random' (any other folder must say which)")
     max_text_tokens: int = _f(0, "prompt tokens the text encoders keep; 0 = the pipeline's default "
-                              "(SD3 256, FLUX 512, Wan 226, Qwen-Image 1024, HunyuanVideo 256)", ge=0)
-    lora_rank: int = _f(0, "LoRA rank via peft; 0 trains all parameters", ge=0)
+                              "(SD3 256, FLUX 512, Wan 226, Qwen-Image 1024, HunyuanVideo 256)", ge=0,
+                              le=8192)
+    lora_rank: int = _f(0, "LoRA rank via peft; 0 trains all parameters (at most the "
+                       "transformer's width, checked at launch)", ge=0, le=16384)
     lora_alpha: float = _f(0.0, "LoRA alpha; 0 means 2 * rank (the Flow-GRPO default)", ge=0)
     lora_targets: list[str] = _f(
         ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
@@ -151,8 +154,9 @@ class SamplerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    prompts_per_step: int = _f(4, "distinct prompts (GRPO groups) per optimizer step", ge=1)
-    group_size: int = _f(4, "generations per prompt (G)", ge=2)
+    prompts_per_step: int = _f(4, "distinct prompts (GRPO groups) per optimizer step", ge=1,
+                            le=65536)
+    group_size: int = _f(4, "generations per prompt (G)", ge=2, le=4096)
     lr: float = _f(3e-4, "AdamW learning rate", gt=0)
     weight_decay: float = _f(1e-4, "AdamW weight decay", ge=0)
     adam_betas: tuple[float, float] = _f((0.9, 0.999), "AdamW betas")
@@ -167,7 +171,8 @@ class TrainConfig:
         "window at a random place (SDE inside, ODE outside), or mix: MixGRPO's sliding window "
         "(SDE inside, ODE outside) whose position advances over training")
     timestep_fraction: float = _f(1.0, "fraction of steps trained when timesteps='fraction'", gt=0, le=1)
-    window_size: int = _f(2, "window length W when timesteps='window' or 'mix'", ge=1)
+    window_size: int = _f(2, "window length W when timesteps='window' or 'mix'", ge=1,
+                     le=1000)
     window_lo: int = _f(0, "earliest window start (inclusive)", ge=0)
     window_hi: int = _f(0, "latest window end (exclusive); 0 means T//2", ge=0)
     window_shift_every: int = _f(
@@ -190,7 +195,7 @@ class TrainConfig:
                      "normalisation, 1/|dt| gradient reweighting); 'sde' and 'dance' steps only")
     forward_timesteps: int = _f(
         2, "nft/awm: timesteps the trainer draws per sample and step (stratified, shifted like "
-        "the sampler); at most sampler.num_steps", ge=1)
+        "the sampler); at most sampler.num_steps", ge=1, le=1000)
     nft_beta: float = _f(1.0, "nft: beta, the step from the behaviour velocity to the implicit "
                          "positive/negative policies", gt=0)
     awm_clip: float = _f(1.0, "awm: PPO clip range of AWM's flow-matching likelihood ratio (the "
@@ -214,9 +219,10 @@ class RewardTerm:
 class RewardConfig:
     terms: list[RewardTerm] = _f([RewardTerm()], "weighted reward terms, summed")
     worker_batch: int = _f(32, "reward workers (cluster.rewards > 0) score up to this many images "
-                           "per call, gathered across fragments and rollouts", ge=1)
+                           "per call, gathered across fragments and rollouts", ge=1,
+                           le=65536)
     worker_timeout_s: float = _f(300.0, "a fragment whose scores have not come back from a reward "
-                                 "worker within this is discarded as 'reward_timeout'", gt=0)
+                                 "worker within this is discarded as 'reward_timeout'", ge=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,28 +242,32 @@ class PromptConfig:
 class EvalConfig:
     terms: list[RewardTerm] = _f([], "what evaluation scores (same entries as reward.terms, "
                                  "weights ignored); empty: the training reward's terms")
-    prompts: int = _f(0, "evaluate the first N test prompts (0 = all)", ge=0)
-    samples_per_prompt: int = _f(1, "samples per test prompt, each with its own fixed seed", ge=1)
+    prompts: int = _f(0, "evaluate the first N test prompts (0 = all)", ge=0, le=10**6)
+    samples_per_prompt: int = _f(1, "samples per test prompt, each with its own fixed seed", ge=1,
+                                    le=4096)
     seed: int = _f(0, "seed of the evaluation noise (fixed: every evaluation of a run and of "
                    "runs with other run.seed values sees the same noise)", ge=0)
     num_steps: int = _f(0, "denoising steps of evaluation sampling (ODE); 0 = sampler.num_steps",
                         ge=0, le=1000)
-    batch_size: int = _f(16, "samples generated per batch during evaluation", ge=1)
+    batch_size: int = _f(16, "samples generated per batch during evaluation", ge=1, le=65536)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
     staleness: int = _f(1, "K: rollouts may be at most K policy versions behind (digenrl mode)", ge=0, le=8)
-    fragments_per_step: int = _f(4, "GAP: fragments (of whole groups) a step is cut into", ge=1)
+    fragments_per_step: int = _f(4, "GAP: fragments (of whole groups) a step is cut into", ge=1,
+                                    le=65536)
     tsp: bool = _f(True, "TSP: spread trained timesteps over trainer ranks")
     tag: Literal["bts", "always", "never"] = _f(
         "bts", "trainer-assisted generation: bts (only when predicted to shorten the step)")
     tag_switch_s: float = _f(0.01, "BTS: seconds a trainer loses switching to generation and back "
                              "(same process and weights here: near 0; GPU offload: seconds)", ge=0)
     tag_min_free_mb: int = _f(0, "TAG needs this much free GPU memory (NVML); 0 = no check", ge=0)
-    byte_window_mb: float = _f(256.0, "latent bytes in flight to trainers before rollouts block", gt=0)
+    byte_window_mb: float = _f(256.0, "latent bytes in flight to trainers before rollouts block", gt=0,
+                                    le=1 << 24)
     lease_s: float = _f(120.0, "a fragment not committed within this of starting (reaching the head "
-                        "of its rollout's queue) is re-assigned", gt=0)
+                        "of its rollout's queue) is re-assigned (a shorter lease would re-assign "
+                        "work that is merely being generated)", ge=1)
     lease_factor: float = _f(4.0, "the lease stretches to this many times the rollout's measured "
                              "seconds per fragment (a slow device is not re-assigned for being "
                              "slow); 0 = always lease_s", ge=0)
@@ -265,22 +275,24 @@ class RuntimeConfig:
         1800.0, "no optimizer step completed for this long (heartbeats still flowing: a wedged "
         "GPU or collective) rewinds the run to its last checkpoint and restarts every node; 0 = off",
         ge=0)
-    heartbeat_s: float = _f(0.5, "heartbeat interval", gt=0)
+    heartbeat_s: float = _f(0.5, "heartbeat interval", ge=0.01)
     heartbeat_misses: int = _f(10, "a peer silent for this many intervals is lost", ge=1)
     trace_flush_s: float = _f(5.0, "each node appends its new trace events to run_dir/trace every "
                               "this many seconds (memory stays flat; a killed node loses at most this much)",
-                              gt=0)
+                              ge=0.01)
     weights_fanout: int = _f(1, "weights relay: each rollout serves the parts it has verified to at "
                              "most this many others, trainer rank 0 serves one (1: a chain; 0: every "
-                             "rollout fetches from rank 0, whose egress grows with the rollouts)", ge=0)
+                             "rollout fetches from rank 0, whose egress grows with the rollouts)", ge=0,
+                             le=1024)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
-    rollouts: int = _f(1, "rollout processes `digenrl launch` starts", ge=0)
+    rollouts: int = _f(1, "rollout processes `digenrl launch` starts", ge=0, le=65536)
     rewards: int = _f(0, "reward worker processes (`digenrl-node --role reward`) hosting the reward "
-                      "terms; 0 scores in the generating process (cheap rewards)", ge=0)
-    trainers: int = _f(1, "trainer ranks `digenrl launch` starts", ge=1)
+                      "terms; 0 scores in the generating process (cheap rewards)", ge=0,
+                      le=65536)
+    trainers: int = _f(1, "trainer ranks `digenrl launch` starts", ge=1, le=65536)
     gpu: str = _f("cpu", "GPU type nodes declare (H100, H800, H20, L40S, cpu)")
     rollout_gpu: str = _f("", "GPU type the launcher's rollout nodes declare ('' = cluster.gpu)")
     trainer_gpu: str = _f("", "GPU type the launcher's trainer ranks declare ('' = cluster.gpu)")
@@ -292,8 +304,9 @@ class ClusterConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TransportConfig:
-    max_frame_bytes: int = _f(256 << 20, "largest frame a socket accepts", ge=1024)
-    hwm: int = _f(64, "ZeroMQ high-water mark, messages", ge=1)
+    max_frame_bytes: int = _f(256 << 20, "largest frame a socket accepts", ge=1024,
+                               le=1 << 34)
+    hwm: int = _f(64, "ZeroMQ high-water mark, messages", ge=1, le=1 << 20)
     curve: Literal["auto", "on", "off"] = _f(
         "auto", "CurveZMQ: auto = on whenever a non-loopback address is bound")
     keys_dir: str = _f("", "folder written by `digenrl keys generate`")
@@ -340,6 +353,75 @@ class Config:
 
 # ----------------------------------------------------------------------------- loading
 
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest config file read (the shipped ones are a few KiB)."""
+
+MAX_OVERRIDE_BYTES = 64 << 10
+"""Largest ``--set`` value."""
+
+MAX_DEPTH = 12
+"""Deepest nesting of tables and lists in a config (``reward.terms[0].args`` is 4 levels)."""
+
+SHOW_CHARS = 80
+"""Characters of a value an error message quotes before cutting it."""
+
+
+def show(value: Any, limit: int = SHOW_CHARS) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters with the full length
+    named: a 20 MB value must not be printed whole."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters as text"
+    return f"{text[:limit]}... ({size})"
+
+
+def nesting_depth(value: Any) -> int:
+    """How deeply lists and tables nest in ``value`` (a scalar is 0), without recursion."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, list | tuple):
+            deepest = max(deepest, d + 1)
+            todo.extend((x, d + 1) for x in v)
+    return deepest
+
+
+def parse_toml(text: str, origin: str) -> dict[str, Any]:
+    """``tomllib.loads`` bounded: nesting past :data:`MAX_DEPTH` is a ConfigError naming
+    ``origin``, never a RecursionError (tomllib's parser recurses once per level)."""
+    try:
+        table = tomllib.loads(text)
+    except RecursionError:
+        depth = None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{origin}: not valid TOML: {e}") from None
+    else:
+        depth = nesting_depth(table)
+        if depth <= MAX_DEPTH:
+            return table
+    raise ConfigError(f"{origin}: nested deeper than {MAX_DEPTH} levels of tables and lists"
+                      + (f" ({depth})" if depth is not None else ""))
+
+
+def read_config_text(path: Path) -> str:
+    """A config file's text: at most :data:`MAX_CONFIG_BYTES`, UTF-8 (an error names the byte)."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {str(path)!r}: {size} bytes; expected at most "
+                              f"{MAX_CONFIG_BYTES} (is it a config file?)")
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r}: not UTF-8 at byte {e.start} "
+                          f"({data[e.start:e.start + 1]!r}); TOML files are UTF-8") from None
+
 
 def _check_bounds(key: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
     for name, op, word in (("ge", float.__ge__, ">="), ("gt", float.__gt__, ">"),
@@ -353,7 +435,7 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:
-            raise ConfigError(f"{key} = {value!r}: expected one of {', '.join(map(repr, allowed))}")
+            raise ConfigError(f"{key} = {show(value)}: expected one of {', '.join(map(repr, allowed))}")
         return value
     if origin in (typing.Union, types.UnionType):
         errors = []
@@ -365,41 +447,41 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
         raise ConfigError(errors[0])
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{key} = {value!r}: expected a table")
+            raise ConfigError(f"{key} = {show(value)}: expected a table")
         return _build(tp, value, key)
     if origin is dict:  # a free-form table (a reward term's args): TOML values as they are
         if not isinstance(value, dict):
-            raise ConfigError(f"{key} = {value!r}: expected a table")
+            raise ConfigError(f"{key} = {show(value)}: expected a table")
         return {str(k): v for k, v in value.items()}
     if origin is list:
         (inner,) = get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"{key} = {value!r}: expected a list")
+            raise ConfigError(f"{key} = {show(value)}: expected a list")
         return [_convert(f"{key}[{i}]", v, inner) for i, v in enumerate(value)]
     if origin is tuple:
         args = get_args(tp)
         if not isinstance(value, list | tuple) or len(value) != len(args):
-            raise ConfigError(f"{key} = {value!r}: expected a list of {len(args)} values")
+            raise ConfigError(f"{key} = {show(value)}: expected a list of {len(args)} values")
         return tuple(_convert(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{key} = {value!r}: expected true or false")
+            raise ConfigError(f"{key} = {show(value)}: expected true or false")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} = {value!r}: expected an integer")
+            raise ConfigError(f"{key} = {show(value)}: expected an integer")
         if not -(2**63) <= value < 2**63:
-            raise ConfigError(f"{key} = {value!r}: expected a 64-bit integer")
+            raise ConfigError(f"{key} = {show(value)}: expected a 64-bit integer")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{key} = {value!r}: expected a number")
+            raise ConfigError(f"{key} = {show(value)}: expected a number")
         if not math.isfinite(value):  # inf/nan parse as TOML floats; no setting means them
-            raise ConfigError(f"{key} = {value!r}: expected a finite number")
+            raise ConfigError(f"{key} = {show(value)}: expected a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{key} = {value!r}: expected a string")
+            raise ConfigError(f"{key} = {show(value)}: expected a string")
         return value
     raise TypeError(f"config field {key} has unsupported type {tp!r}")  # our bug, not the user's
 
@@ -411,7 +493,7 @@ def _build(cls: Any, table: dict[str, Any], prefix: str) -> Any:
     if unknown:
         where = f"{prefix}." if prefix else ""
         raise ConfigError(
-            f"unknown key {where}{unknown[0]}: expected one of {', '.join(sorted(names))}")
+            f"unknown key {where}{unknown[0][:SHOW_CHARS]}: expected one of {', '.join(sorted(names))}")
     kwargs = {}
     for name, value in table.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -494,6 +576,9 @@ def _check_consistency(cfg: Config) -> None:
             "rewards arrive, which defeats GAP; use 'group' or set runtime.fragments_per_step = 1")
     if not cfg.reward.terms:
         raise ConfigError("reward.terms = []: expected at least one reward term")
+    if 0 < cfg.runtime.stall_timeout_s < 1:
+        raise ConfigError(f"runtime.stall_timeout_s = {cfg.runtime.stall_timeout_s!r}: expected 0 "
+                          "(off) or at least 1 (seconds without an optimizer step)")
     if cfg.run.eval_every and not (cfg.prompts.test_file or cfg.prompts.test_fraction > 0):
         raise ConfigError(
             f"run.eval_every = {cfg.run.eval_every}: evaluation needs held-out prompts; set "
@@ -503,14 +588,19 @@ def _check_consistency(cfg: Config) -> None:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Parse ``section.key=value``; the value is TOML (bare words are taken as strings)."""
     if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected section.key=value")
+        raise ConfigError(f"--set {show(text)}: expected section.key=value")
     key, raw = text.split("=", 1)
     key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"--set {text!r}: expected a dotted key such as train.lr")
+    if not key or len(key) > 200 or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {show(text)}: expected a dotted key such as train.lr")
+    if len(raw) > MAX_OVERRIDE_BYTES:
+        raise ConfigError(f"--set {key}: a value of {len(raw)} bytes; expected at most "
+                          f"{MAX_OVERRIDE_BYTES}")
     try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
+        value = parse_toml(f"v = {raw.strip()}", f"--set {key}")["v"]
+    except ConfigError as e:
+        if "nested deeper" in str(e):
+            raise
         value = raw.strip()
     return key.split("."), value
 
@@ -521,6 +611,8 @@ def default_config_text() -> str:
 
 
 def config_from_dict(table: dict[str, Any]) -> Config:
+    if nesting_depth(table) > MAX_DEPTH:
+        raise ConfigError(f"config nested deeper than {MAX_DEPTH} levels of tables and lists")
     cfg: Config = _build(Config, table, "")
     _check_consistency(cfg)
     return cfg
@@ -534,18 +626,15 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        text, origin = p.read_text(), str(p)
-    try:
-        table = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{origin}: not valid TOML: {e}") from None
+        text, origin = read_config_text(p), str(p)
+    table = parse_toml(text, origin)
     for ov in overrides:
         parts, value = parse_override(ov)
         node = table
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {ov!r}: {part} is not a section")
+                raise ConfigError(f"--set {show(ov)}: {part} is not a section")
         node[parts[-1]] = value
     return config_from_dict(table)
 

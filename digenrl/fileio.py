@@ -59,3 +59,42 @@ def remove_temp_files(folder: Path) -> list[Path]:
                 p.unlink()
                 removed.append(p)
     return removed
+
+
+class DamagedFile(ValueError):
+    """A file a run left is damaged (not what its writer writes); the message names the file,
+    where, and what to do."""
+
+
+def read_jsonl(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
+    """The (line, row) pairs of a JSON-lines file its owner appends to, and what was dropped.
+
+    A last line that is not a JSON object is what a crash mid-write leaves (a torn line, or the
+    zeros some file systems show after a power loss): it is dropped, and the second value says
+    so (None when nothing was). A bad line with good lines after it is damage no crash of the
+    writer explains: :class:`DamagedFile` naming the line.
+    """
+    lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    rows: list[tuple[str, dict[str, Any]]] = []
+    bad: tuple[int, str] | None = None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if bad is not None:
+            raise DamagedFile(f"{path} line {bad[0]}: not a JSON row ({bad[1]}), with rows after it: "
+                              f"damaged, not torn by a crash; move the file aside (or delete that "
+                              "line) to go on")
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as e:
+            bad = (n, e.msg if isinstance(e, json.JSONDecodeError) else "nested too deep")
+            continue
+        if not isinstance(row, dict):
+            bad = (n, f"a JSON {type(row).__name__}")
+            continue
+        rows.append((line, row))
+    dropped = None
+    if bad is not None:
+        dropped = (f"{path}: dropped a torn last line (line {bad[0]}, {len(lines[bad[0] - 1])} "
+                   f"characters: {bad[1]}), as a crash mid-write leaves")
+    return rows, dropped

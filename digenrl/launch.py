@@ -100,6 +100,10 @@ def prepare_resume(cfg: ResolvedConfig, resume: str) -> Path:
               f"{saved.cluster.trainers}); {_reshard_how(ckpt.trainer.get('layout'), cfg)}",
               flush=True)
     _check_prompts(cfg)
+    from digenrl.telemetry.metrics import repair_metrics
+    dropped = repair_metrics(run_dir)  # DamagedFile if the damage is not a torn last line
+    if dropped is not None:
+        print(f"digenrl: warning: {dropped}", file=sys.stderr, flush=True)
     if cfg != saved:  # --steps / --rollouts / --trainers / --set: the run dir records what now runs
         write_text_atomic(run_dir / "config.toml", to_toml(cfg))
     return run_dir
@@ -191,8 +195,8 @@ def check_runtime_support(cfg: Config) -> None:
 def check_before_start(cfg: Config) -> None:
     """What a node would refuse when it starts, refused here, before any process starts (a
     child that refused its configuration would only be restarted to refuse it again): the
-    runtime's limits, the model folder (family, completeness, size; config files only) and
-    the reward terms (names, plug-in imports, args; nothing is built)."""
+    runtime's limits, the model folder (family, completeness, size; config files only), the
+    memory a step's buffers take (:mod:`digenrl.models.footprint`) and the reward terms (names, plug-in imports, args; nothing is built)."""
     from digenrl.models import check_model_path
     from digenrl.models.meta import latent_shape_of
     from digenrl.rl.evaluate import eval_terms
@@ -200,7 +204,13 @@ def check_before_start(cfg: Config) -> None:
 
     check_runtime_support(cfg)
     check_model_path(cfg.model)
-    latent_shape_of(cfg.model)
+    shape = latent_shape_of(cfg.model)
+    from digenrl.models.footprint import check_footprint
+    test = None
+    if cfg.run.eval_every:
+        from digenrl.data.prompts import load_splits
+        test = load_splits(cfg.prompts)[1]
+    check_footprint(cfg, shape, test_prompts=len(test) if test is not None else 0)
     try:
         check_reward(cfg.reward.terms)
     except RewardError as e:
@@ -257,7 +267,7 @@ def evaluate_run(run_dir: Path, checkpoint: str | None = None, overrides: list[s
     ``checkpoint/v<N>/``), or a sharded run's ``checkpoint/v<N>/`` (``dcp/``, read whole here). Writes ``eval/v<version>.jsonl`` and ``samples/eval_v<version>.png``
     under ``out_dir`` (default ``run_dir``); returns the ``eval/`` metrics plus the version.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     from digenrl.data.prompts import load_splits
@@ -294,9 +304,15 @@ def evaluate_run(run_dir: Path, checkpoint: str | None = None, overrides: list[s
         if not path.is_file():
             raise ConfigError(f"digenrl eval: {str(path)!r} does not exist (expected a "
                               "policy.safetensors written by a run, its folder, or 'base')")
-        with safe_open(str(path), framework="pt") as f:
-            version = int((f.metadata() or {}).get("version", 0))
-        model.load_sync_state_dict(load_file(str(path)))
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                version = int((f.metadata() or {}).get("version", 0))
+            weights = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as e:
+            from digenrl.rl.checkpoint import CheckpointError
+            raise CheckpointError(f"digenrl eval: {path}: truncated or not safetensors ({e}); "
+                                  "evaluate another one (--checkpoint checkpoint/v<N>) or 'base'") from None
+        model.load_sync_state_dict(weights)
     row = evaluate(model, cfg, test, build_eval_reward(cfg, device), version=version,
                    run_dir=out_dir or run_dir)
     return {"policy_version": version, **row}

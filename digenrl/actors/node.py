@@ -42,7 +42,8 @@ from digenrl.actors.base import (
     loop_factory,
     stop_on_signals,
 )
-from digenrl.config import Config, ResolvedConfig, read_resolved
+from digenrl.actors.connect import ConnectPolicy, wait_welcome
+from digenrl.config import Config, ConfigError, ResolvedConfig, read_resolved
 from digenrl.devices import resolve_device, use_device
 from digenrl.faults import node_slowdown
 from digenrl.telemetry import sdnotify
@@ -88,6 +89,10 @@ class NodeOptions:
     """--prometheus-addr: the address the Prometheus endpoint binds."""
     allow_plaintext: bool = False
     """--allow-plaintext: permit an unencrypted bind on a non-loopback address (warns)."""
+    connect_timeout_s: float = 30.0
+    """--connect-timeout: no Welcome within this many seconds: say what answers at the address."""
+    exit_on_connect_failure: bool = False
+    """--exit-on-connect-failure: exit with a one-line error after the timeout instead of retrying."""
 
 
 def run_node(cfg: ResolvedConfig, opts: NodeOptions) -> int:
@@ -117,8 +122,9 @@ def run_node(cfg: ResolvedConfig, opts: NodeOptions) -> int:
         device = resolve_device(opts.device)
         use_device(device)
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            connect = ConnectPolicy(timeout_s=opts.connect_timeout_s, exit_on_failure=opts.exit_on_connect_failure)
             return int(runner.run(_node(role, node_id, opts.coordinator, opts.gpu or "cpu", opts.bind,
-                                        run_dir, cfg, device, latest)))
+                                        run_dir, cfg, device, latest, connect)))
     finally:
         if prometheus is not None:
             prometheus.close()
@@ -251,8 +257,18 @@ def _watchdog_loops(control: Socket) -> tuple[Loop, ...]:
     return (watchdog,)
 
 
+def welcome_config(msg: Welcome, coordinator: str) -> ResolvedConfig:
+    """The run's config a Welcome carries, resolved; an error says that the coordinator sent it."""
+    try:
+        return read_resolved(msg.config_toml, "Welcome's config")
+    except (ConfigError, RecursionError) as e:
+        raise ConfigError(f"the coordinator at {coordinator} sent a config that does not validate "
+                          f"here ({e}); is it another DigenRL version?") from None
+
+
 async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str | None,
-                run_dir: Path | None, boot: Config, device: torch.device, latest: LatestStats) -> int:
+                run_dir: Path | None, boot: Config, device: torch.device, latest: LatestStats,
+                connect: ConnectPolicy | None = None) -> int:
     """``boot`` is the local config: transport settings (keys, limits) until Welcome brings the run's.
     Models (policy, reference, text encoders, VAE) go on ``device``; trainer ranks group over
     NCCL on CUDA, gloo on the CPU."""
@@ -280,18 +296,11 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                                  pid=os.getpid(), host=pysocket.gethostname(),
                                  data_endpoint=data.endpoint if data else "",
                                  weights_endpoint=weights.endpoint if weights else ""))
-        while True:
-            _, msg = await control.recv()
-            if isinstance(msg, Welcome):
-                break
-            if isinstance(msg, Shutdown):
-                log.error("refused by coordinator", reason=msg.reason)
-                return 3
-            # nothing else is sent before Welcome (a restarted node may get its old
-            # incarnation's last messages): say so, then keep waiting for Welcome
-            log.warning("unexpected_message", socket="control", msg=type(msg).__name__,
-                        why="before Welcome")
-        cfg = read_resolved(msg.config_toml, "Welcome's config")  # the coordinator's, resolved
+        msg = await wait_welcome(control, coordinator, connect or ConnectPolicy(), log)
+        if isinstance(msg, Shutdown):
+            log.error("refused by coordinator", reason=msg.reason)
+            return 3
+        cfg = welcome_config(msg, coordinator)  # the coordinator's, resolved
         torch.set_num_threads(cfg.run.threads)
         rdir = run_dir or Path("runs") / msg.run_id
         recorder = SpanRecorder(node_id, role)

@@ -30,7 +30,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from digenrl.config import PromptConfig
+from digenrl.config import PromptConfig, nesting_depth, show
+
+MAX_PROMPT_CHARS = 8192
+"""Longest prompt accepted (text encoders keep a few hundred tokens; a longer line is a mistake)."""
+
+MAX_LINE_BYTES = 256 << 10
+"""Longest line of a prompt file (a .jsonl line carries the prompt's metadata too)."""
+
+MAX_METADATA_DEPTH = 16
+"""Deepest nesting of lists and objects in a .jsonl line."""
 
 
 class PromptError(ValueError):
@@ -59,7 +68,14 @@ class PromptSet:
 
 def parse_prompts(text: str, origin: str = "<text>") -> list[str]:
     """The prompts in ``text`` (one per line, blank and ``#`` lines skipped)."""
-    prompts = [s for line in text.splitlines() if (s := line.strip()) and not s.startswith("#")]
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        s = line.strip()
+        if s and not s.startswith("#"):
+            if len(s) > MAX_PROMPT_CHARS:
+                raise PromptError(f"prompt file {origin} line {n}: a prompt of {len(s)} characters, "
+                                  f"longer than the limit of {MAX_PROMPT_CHARS}")
+            prompts.append(s)
     if not prompts:
         raise PromptError(f"prompt file {origin}: holds no prompts (only blank or # lines)")
     if all(p.startswith("{") and p.endswith("}") for p in prompts):
@@ -80,17 +96,29 @@ def parse_jsonl(text: str, origin: str = "<jsonl>") -> PromptSet:
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        if len(line) > MAX_LINE_BYTES:
+            raise PromptError(f"prompt file {origin} line {n}: {len(line)} characters, longer than "
+                              f"the limit of {MAX_LINE_BYTES} for a line")
         try:
             record = json.loads(line)
+            too_deep = nesting_depth(record) > MAX_METADATA_DEPTH
         except json.JSONDecodeError as e:
             raise PromptError(f"prompt file {origin} line {n}: not JSON ({e.msg})") from None
+        except RecursionError:  # json's parser recurses once per level
+            too_deep = True
+        if too_deep:
+            raise PromptError(f"prompt file {origin} line {n}: nested deeper than "
+                              f"{MAX_METADATA_DEPTH} levels of lists and objects")
         if not isinstance(record, dict):
             raise PromptError(f"prompt file {origin} line {n}: expected a JSON object, got "
                               f"{type(record).__name__}")
         prompt = record.get("prompt")
         if not isinstance(prompt, str) or not prompt.strip():
             raise PromptError(f"prompt file {origin} line {n}: expected a non-empty string field "
-                              f"'prompt', got {prompt!r}")
+                              f"'prompt', got {show(prompt)}")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise PromptError(f"prompt file {origin} line {n}: a prompt of {len(prompt)} characters, "
+                              f"longer than the limit of {MAX_PROMPT_CHARS}")
         prompts.append(prompt.strip())
         metadata.append(record)
     if not prompts:
@@ -126,9 +154,15 @@ def load_prompt_set(path: str) -> PromptSet:
     if not p.is_file():
         raise PromptError(f"prompt file {path!r} does not exist")
     try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise PromptError(f"prompt file {path!r} cannot be read: {e}") from None
+        data = p.read_bytes()
+    except OSError as e:
+        raise PromptError(f"prompt file {path!r} cannot be read: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise PromptError(f"prompt file {path!r} cannot be read: not UTF-8 at byte {e.start} "
+                          f"(line {line})") from None
     if p.suffix.lower() == ".jsonl":
         return parse_jsonl(text, repr(path))
     return PromptSet(parse_prompts(text, repr(path)))

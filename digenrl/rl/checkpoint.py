@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from digenrl.fileio import write_atomic, write_json_atomic, write_text_atomic
+from digenrl.fileio import read_jsonl, write_atomic, write_json_atomic, write_text_atomic
 
 FORMAT = 1
 TRAINER_FILES = ("policy.safetensors", "optimizer.pt", "trainer.json")
@@ -326,8 +326,7 @@ def trim_metrics(run_dir: Path, below_step: int) -> None:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", -1) < below_step]
+    keep = [line for line, row in read_jsonl(path)[0] if row.get("step", -1) < below_step]
     write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
@@ -338,11 +337,9 @@ def dedupe_metrics(run_dir: Path) -> None:
     if not path.is_file():
         return
     rows: dict[tuple[int, int], str] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            is_eval = any(k.startswith("eval/") for k in row)
-            rows[(int(row.get("step", -1)), 0 if is_eval else 1)] = line
+    for line, row in read_jsonl(path)[0]:
+        is_eval = any(k.startswith("eval/") for k in row)
+        rows[(int(row.get("step", -1)), 0 if is_eval else 1)] = line
     write_text_atomic(path, "".join(rows[k] + "\n" for k in sorted(rows)))
 
 

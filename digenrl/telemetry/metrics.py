@@ -25,6 +25,8 @@ from typing import Any
 
 import structlog
 
+from digenrl.fileio import read_jsonl, write_text_atomic
+
 __all__ = ["DOCS_PATH", "MetricsWriter", "MissingExtraError", "StepMetrics", "documented_keys",
            "finite_only", "is_documented", "is_eval_row", "read_metrics"]
 
@@ -234,22 +236,30 @@ def is_eval_row(row: Mapping[str, Any]) -> bool:
 
 
 def read_metrics(run_dir: Path | str, kind: str = "train") -> list[dict[str, Any]]:
-    """The rows of ``run_dir/metrics.jsonl`` in order (a torn last line is ignored):
+    """The rows of ``run_dir/metrics.jsonl`` in order (a torn last line is ignored, damage
+    before the last line is :class:`~digenrl.fileio.DamagedFile`):
     ``kind`` "train" (one per optimizer step), "eval" (one per evaluation) or "all"."""
     if kind not in ("train", "eval", "all"):
         raise ValueError(f"kind {kind!r}: expected 'train', 'eval' or 'all'")
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if kind == "all" or is_eval_row(row) == (kind == "eval"):
-            records.append(row)
-    return records
+    return [row for _, row in read_jsonl(path)[0]
+            if kind == "all" or is_eval_row(row) == (kind == "eval")]
+
+
+def repair_metrics(run_dir: Path | str) -> str | None:
+    """Drop a torn last line of ``run_dir/metrics.jsonl`` (a crash mid-write), rewriting the
+    file; returns what was dropped (for the operator's warning) or None. Damage with rows
+    after it raises :class:`~digenrl.fileio.DamagedFile`."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows, dropped = read_jsonl(path)
+    if dropped is not None:
+        write_text_atomic(path, "".join(line + "\n" for line, _ in rows))
+        _log.warning("metrics_torn_line_dropped", detail=dropped)
+    return dropped
 
 
 # ----------------------------------------------------------------------------- documentation

@@ -34,6 +34,7 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 from PIL import Image
 
+from digenrl.fileio import DamagedFile
 from digenrl.telemetry.metrics import read_metrics
 from digenrl.telemetry.trace import (
     BUSY_SPANS,
@@ -256,6 +257,20 @@ def _plot_samples(samples: list[tuple[int, Path]], path: Path) -> Path:
     return _save(fig, path)
 
 
+def _read_summary(path: Path) -> dict[str, Any]:
+    """summary.json, or DamagedFile naming it and what to do."""
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deep"
+        raise DamagedFile(f"{path}: not JSON ({why}); the run writes it at its end: resume or "
+                          "rerun the run to rewrite it, or move it aside to report the metrics alone") from None
+    if not isinstance(summary, dict):
+        raise DamagedFile(f"{path}: a JSON {type(summary).__name__}, not an object; move it aside "
+                          "to report the metrics alone")
+    return summary
+
+
 def make_report(run_dir: Path | str, out_dir: Path | str | None = None, *,
                 stream: TextIO | None = sys.stdout, last_steps: int = 3) -> dict[str, Any]:
     """Print the summary table of ``run_dir`` to ``stream`` and write the report's PNGs.
@@ -269,7 +284,7 @@ def make_report(run_dir: Path | str, out_dir: Path | str | None = None, *,
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.exists() else {}
+    summary = _read_summary(summary_path) if summary_path.exists() else {}
     metrics = read_metrics(run_dir)
 
     trace_path = run_dir / "trace.json"

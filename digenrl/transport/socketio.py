@@ -83,6 +83,7 @@ class Socket:
         self.name = name or type(self).__name__.lower()
         self.endpoint = ""  # the address of the last bind (wildcards resolved) or connect
         self._stats = SocketStatistics()
+        self.last_bad: ProtocolError | None = None  # why the last dropped frame was dropped
         self._closed = False
         sock = ctx.socket(self.KIND)
         self._sock: zmq.asyncio.Socket = sock  # for options and monitors only (zmq_socket)
@@ -423,6 +424,7 @@ class Socket:
     def _on_bad_frames(self, peer: bytes | None, frames: list[zmq.Frame],
                        error: ProtocolError) -> None:
         stats = self._stats
+        self.last_bad = error
         stats.bad_frames += 1
         stats.bad_by_reason[error.reason] = stats.bad_by_reason.get(error.reason, 0) + 1
         # rate-limited: a hostile peer must not be able to flood the logs (counters stay exact)

@@ -1,0 +1,91 @@
+"""What a step's settings cost in memory, estimated from the config before anything is built.
+
+The launcher refuses a setting whose estimate cannot fit (:func:`check_footprint`) with one line
+naming the keys and the estimate, instead of a process that exhausts memory or swaps for an
+hour. The estimates are lower bounds of the buffers the settings size directly, not a profile:
+
+* a fragment's latents, what a rollout streams and a trainer rank holds at least at once
+  (``runtime.byte_window_mb`` bounds what is in flight beyond it): prompts_per_step /
+  fragments_per_step x group_size trajectories, each (x_t, x_next) per trained denoising step
+  in the wire dtype (the final latents alone for nft / awm) -- the whole step's B trajectories
+  when a mode cuts no fragments;
+* the evaluation: every sample's decoded image (uint8, kept for the scores and the grid) and one
+  batch's latents;
+* LoRA: a rank past the transformer's width adds parameters without adding capacity.
+
+What is compared is this host's physical memory: a step's buffers do not fit a cluster's GPUs
+if they do not fit in one host's memory either.
+"""
+
+from __future__ import annotations
+
+import os
+from math import prod
+from typing import Any
+
+from digenrl.config import Config, ConfigError
+
+VAE_PIXELS_PER_LATENT = 64
+"""Pixels per latent position (an 8x8 VAE); video's time factor is left out (a lower bound)."""
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory (0 where the platform does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def transformer_width(cfg: Config) -> int | None:
+    """The transformer's hidden width (heads x head dim) from its config; None if unknown."""
+    if cfg.model.path == "emulated":
+        return None
+    from digenrl.models.meta import transformer_config
+    config: dict[str, Any] = transformer_config(cfg.model)[0]
+    heads, dim = config.get("num_attention_heads"), config.get("attention_head_dim")
+    if isinstance(heads, int) and isinstance(dim, int):
+        return heads * dim
+    return None
+
+
+def step_footprint(cfg: Config, latent_shape: tuple[int, ...], test_prompts: int = 0) -> dict[str, int]:
+    """Estimated bytes of the buffers the settings size, by the keys that size them.
+    ``test_prompts``: prompts in the test split (0 when unknown)."""
+    from digenrl.core.plan import plan_for_step
+    numel = prod(latent_shape)
+    elem = 2 if cfg.sampler.wire_dtype == "bfloat16" else 4
+    trained = max(1, len(plan_for_step(cfg, 0)[0]))
+    per_sample = numel * elem * (1 if cfg.train.algorithm != "grpo" else 2 * trained)
+    fragments = cfg.runtime.fragments_per_step
+    key = "train.prompts_per_step x train.group_size" + (
+        f" / runtime.fragments_per_step ({fragments})" if fragments > 1 else "")
+    out = {key: cfg.batch_size // fragments * per_sample}
+    if cfg.run.eval_every:
+        n = min(cfg.eval.prompts or test_prompts, test_prompts or cfg.eval.prompts)
+        pixels = numel // max(1, latent_shape[0]) * VAE_PIXELS_PER_LATENT
+        out["eval.prompts x eval.samples_per_prompt"] = n * cfg.eval.samples_per_prompt * 3 * pixels
+        out["eval.batch_size"] = cfg.eval.batch_size * numel * 4 * 3  # x, velocity, x_next
+    return out
+
+
+def check_footprint(cfg: Config, latent_shape: tuple[int, ...], *, test_prompts: int = 0,
+                    available: int | None = None) -> None:
+    """ConfigError (one line: the keys, the estimate, what there is) for a setting that cannot fit."""
+    rank = cfg.model.lora_rank
+    width = transformer_width(cfg) if rank else None
+    if width is not None and rank > width:
+        raise ConfigError(f"model.lora_rank = {rank}: more than the transformer's width {width} "
+                          f"({cfg.model.family}, model.path = {cfg.model.path!r}); a LoRA rank is at "
+                          "most the width of the layers it adapts")
+    have = host_memory_bytes() if available is None else available
+    if not have:
+        return
+    for keys, need in step_footprint(cfg, latent_shape, test_prompts).items():
+        if need > have:
+            raise ConfigError(f"{keys}: these buffers alone take about {gib(need)} (latent shape "
+                              f"{list(latent_shape)}), more than this host's {gib(have)} of memory")
