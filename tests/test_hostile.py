@@ -123,10 +123,10 @@ async def test_a_rank_whose_peer_alone_voted_to_stop_leaves_for_its_supervisor(t
     from digenrl.actors.base import DRAINED
     from digenrl.actors.resume import TRAINER_RANK_STOPPED
     alone, _ = _trainer(tmp_path, "runtime.heartbeat_s=0.01", "runtime.heartbeat_misses=2")
-    await alone._peer_voted_to_stop(3)
+    await alone.resume.peer_voted_to_stop(3)
     assert alone.stop_reason == TRAINER_RANK_STOPPED and TRAINER_RANK_STOPPED not in DRAINED
     whole, _ = _trainer(tmp_path, "runtime.heartbeat_s=5")
-    waiting = asyncio.create_task(whole._peer_voted_to_stop(3))
+    waiting = asyncio.create_task(whole.resume.peer_voted_to_stop(3))
     await asyncio.sleep(0)
     whole.request_stop("SIGTERM")  # the same stop reaches this rank a moment later
     await asyncio.wait_for(waiting, 1.0)
@@ -147,13 +147,13 @@ async def test_a_sharded_drain_write_a_rank_never_joins_gives_up_and_marks_the_n
     monkeypatch.setattr(resume, "save_trainer_state", lambda *a, **k: release.wait(30))
     actor, _ = _trainer(tmp_path)
     actor.policy.sharded = True
-    actor._boundary = (actor.policy.version, {}, {})
+    actor.resume.boundary = (actor.policy.version, {}, {})
     try:
         assert await asyncio.wait_for(actor.drain_checkpoint(), 5.0) is None  # the vote said no drain
-        assert not actor.drain_stuck
-        actor._drain_voted = True
+        assert not actor.resume.drain_stuck
+        actor.resume.drain_voted = True
         assert await asyncio.wait_for(actor.drain_checkpoint(), 5.0) is None
-        assert actor.drain_stuck
+        assert actor.resume.drain_stuck
     finally:
         release.set()
 
@@ -178,7 +178,7 @@ async def test_an_unsharded_rank_0_writes_a_drain_checkpoint_only_after_a_signal
     from digenrl.rl.checkpoint import capture_rng, trainer_part_ready
     actor, _ = _trainer(tmp_path)
     actor.policy.version = 3
-    actor._boundary = (3, capture_rng(), {})
+    actor.resume.boundary = (3, capture_rng(), {})
     actor.request_stop("restart: trainer_lost: rank 1")
     assert await actor.drain_checkpoint() is None and not trainer_part_ready(tmp_path, 3)
     actor.stop_reason = "SIGTERM"

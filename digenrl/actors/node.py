@@ -377,7 +377,7 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
         finally:
             unhandle()
             recorder.dump(trace_path)
-            stuck = actor.compute_stuck() or ("checkpoint_save" if trainer is not None and trainer.drain_stuck
+            stuck = actor.compute_stuck() or ("checkpoint_save" if trainer is not None and trainer.resume.drain_stuck
                                               else None)
             if stuck is not None:
                 # a torch call that never returns cannot be interrupted, and the interpreter
