@@ -304,18 +304,6 @@ class TransportConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FaultsConfig:
-    """TEST-ONLY knobs (``digenrl/faults.py``): a production config never sets ``[faults]``."""
-
-    slowdown: float = _f(1.0, "a generating node sleeps (slowdown-1)x its denoising work "
-                         "(an emulated slower GPU)", ge=1)
-    slowdown_nodes: list[str] = _f([], "node ids the slowdown applies to (empty = every rollout; "
-                                   "a trainer named here is slowed when it generates for TAG)")
-    trainer_slowdown: float = _f(1.0, "a trainer rank sleeps (trainer_slowdown-1)x its training "
-                                 "work (fragment train, optimizer step)", ge=1)
-
-
-@dataclass(frozen=True, kw_only=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -327,7 +315,6 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
-    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     @property
     def batch_size(self) -> int:
@@ -521,6 +508,9 @@ def default_config_text() -> str:
 
 
 def config_from_dict(table: dict[str, Any]) -> Config:
+    if "faults" in table:  # the TEST-ONLY slowdowns' old home
+        raise ConfigError("[faults] is not a config section: test failpoints are set by the "
+                          "environment variable DIGENRL_FAILPOINTS (digenrl/faults.py)")
     cfg: Config = _build(Config, table, "")
     _check_consistency(cfg)
     return cfg
