@@ -21,8 +21,8 @@ from digenrl.actors.trainer import TrainerActor
 from digenrl.config import load_config, resolve_mode
 from digenrl.core.plan import plan_for_step
 from digenrl.telemetry.trace import SpanRecorder
-from digenrl.transport import hostile
 from digenrl.transport.protocol import Chunk, CleanSample, Commit
+from tests import hostile
 
 
 class FakeSocket:

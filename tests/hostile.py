@@ -1,17 +1,18 @@
-"""TEST-ONLY: the catalogue of hostile but decodable messages (issue 20's adversary), in one place.
+"""The catalogue of hostile but decodable messages (a spoofing, out-of-bounds adversary), in one place.
 
 ``bench/faults.py`` (its hostile peer), ``tests/test_fuzz_node.py`` (semantic fuzzing of live
 nodes) and ``tests/test_hostile.py`` (each refusal, in process) build their messages here, so
-a field added to the protocol is added once: mypy checks every constructor call below, where a
-copy of them in the bench went stale twice (``Commit.discard``, ``Consumed.policy_version``)
-and hung it. A production run uses none of this.
+a field added to the protocol is added once: mypy checks every constructor call below
+(``pyproject.toml`` lists this file), where a copy of them in the bench went stale twice
+(``Commit.discard``, ``Consumed.policy_version``) and hung it. It lives with the tests, outside
+the package: a production run uses none of it.
 
 Two parts:
 
 * **Builders**, one per message a peer sends the coordinator or a trainer's data socket: every
   field set to a value an honest peer could send, a few parameters for what the callers vary.
   The Hypothesis strategies of ``tests/test_fuzz_node.py`` are ``st.builds`` over them.
-* **Attacks**: what issue 20's adversary sent, each a builder with the values no honest peer
+* **Attacks**: what the adversary sends, each a builder with the values no honest peer
   sends. :func:`coordinator_attack` and :func:`trainer_attack` are the bench's rounds.
 """
 
@@ -90,7 +91,7 @@ def version_announce(version: int = 1, step: int = 1) -> VersionAnnounce:
     return VersionAnnounce(version=version, step=step, nparts=1, nbytes=1, checksum="x")
 
 
-# ----------------------------------------------------------------------------- issue 20's attacks
+# ----------------------------------------------------------------------------- the attacks
 
 
 def future_step_done(i: int = 0) -> StepDone:
