@@ -23,6 +23,7 @@ from digenrl.core.plan import plan_for_step
 from digenrl.telemetry.trace import SpanRecorder
 from digenrl.transport.protocol import Chunk, CleanSample, Commit
 from tests import hostile
+from tests.factories import clean_sample
 
 
 class FakeSocket:
@@ -204,8 +205,7 @@ async def test_clean_samples_for_another_step_shape_or_revoked_attempt_are_refus
     shape = actor.policy.model.latent_shape
 
     def clean(task_id: int, step: int = 0, n: int = 8, *latent: int) -> CleanSample:  # 2 prompts x 4
-        return CleanSample(task_id=task_id, step=step, fragment=0, policy_version=0,
-                           x0=torch.zeros(n, *(latent or shape)))
+        return clean_sample(task_id, step, x0=torch.zeros(n, *(latent or shape)))
 
     actor.policy.version = 1
     await _feed(actor, data, [clean(1), clean(2, step=1, n=3), clean(3, 1, 8, *shape[:-1], shape[-1] + 1),
@@ -224,7 +224,7 @@ async def test_clean_samples_are_staged_within_the_same_bounds_as_chunks(tmp_pat
     assert 2 * x0.nbytes <= window + x0.nbytes < 3 * x0.nbytes  # room for two, not three
 
     def clean(task_id: int, step: int) -> CleanSample:
-        return CleanSample(task_id=task_id, step=step, fragment=0, policy_version=0, x0=x0)
+        return clean_sample(task_id, step, x0=x0)
 
     await _feed(actor, data, [*(clean(100 + i, 0) for i in range(10)), clean(200, 1)])
     assert actor.refused == {"too_many_attempts_of_a_slot": 8, "staging_over_the_byte_window": 1}

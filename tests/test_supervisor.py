@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config import load_config, resolve_mode, to_toml
+from digenrl.config import to_toml
 from digenrl.faults import FAILPOINTS_ENV, Failpoints
 from digenrl.transport.endpoints import free_port
-from tests.conftest import SMALL as TINY_RUN
 from tests.conftest import wait_until
+from tests.factories import tiny_config
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-SMALL = [*TINY_RUN, "run.steps=4", "runtime.heartbeat_s=0.2", "runtime.tag=\"never\""]
+SMALL = ["run.steps=4", "runtime.heartbeat_s=0.2", "runtime.tag=\"never\""]  # over the suite's tiny run
 SLOWDOWN = Failpoints(slowdown=2)  # the rollouts' denoising, unless a test asks for another
 
 
@@ -54,7 +54,7 @@ def start_supervisord(tmp_path: Path, sets: list[str], failpoints: Failpoints = 
     state, run_dir = tmp_path / "state", tmp_path / "run"
     state.mkdir()
     cfg_path = tmp_path / "run.toml"
-    cfg_path.write_text(to_toml(resolve_mode(load_config(None, [*SMALL, *sets]), "digenrl")))
+    cfg_path.write_text(to_toml(tiny_config(*SMALL, *sets, mode="digenrl")))
     endpoint = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
                DIGENRL_STATE_DIR=str(state), DIGENRL_COORDINATOR=endpoint,

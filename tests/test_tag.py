@@ -6,14 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config import load_config, resolve_mode
 from digenrl.faults import FAILPOINTS_ENV, Failpoints
 from digenrl.launch import launch, make_run_dir
-from tests.conftest import SMALL as TINY_RUN
+from tests.factories import tiny_config
 
 pytestmark = pytest.mark.slow
 
-SMALL = [*TINY_RUN, "train.prompts_per_step=4", "runtime.fragments_per_step=4"]
+SMALL = ["train.prompts_per_step=4", "runtime.fragments_per_step=4"]  # over the suite's tiny run
 
 
 def _launch(tmp_path: Path, name: str, extra: list[str], mode: str = "digenrl",
@@ -22,7 +21,7 @@ def _launch(tmp_path: Path, name: str, extra: list[str], mode: str = "digenrl",
     if failpoints is not None:
         assert monkeypatch is not None
         monkeypatch.setenv(FAILPOINTS_ENV, failpoints.to_env())  # the spawned nodes inherit it
-    cfg = resolve_mode(load_config(None, [*SMALL, *extra]), mode)
+    cfg = tiny_config(*SMALL, *extra, mode=mode)
     return launch(cfg, make_run_dir(cfg, str(tmp_path / name)))
 
 
