@@ -12,9 +12,8 @@
 |                             | to stop (Learner.reduce_gradients)       |                               |
 | control ``recv()``          | Welcome, Assign (TAG), Revoke, Shutdown  | the coordinator               |
 
-Checkpoints, the drain after a stop and the stop vote in a step's all-reduce are
-:mod:`digenrl.actors.resume` (:class:`~digenrl.actors.resume.TrainerResume`, held as
-``self.resume``): every rank
+Checkpoints, the drain after a stop and the stop vote in a step's all-reduce are a component
+the trainer holds, ``self.resume`` (:class:`~digenrl.actors.resume.TrainerResume`): every rank
 loads the newest checkpoint of its run dir before it judges any work, and rank 0 announces
 the restored version, so rollouts re-sync through the normal VersionAnnounce/WeightsRequest
 path. Rank 0 writes its part of a due checkpoint at the step boundary, before announcing the
