@@ -11,7 +11,7 @@ Faults, one per run, taking ``--faults`` in turn:
   StepDone/Consumed/VersionAnnounce/Hello, out-of-bounds Heartbeat stats, a Commit with
   fragment 99), says Hello as a rollout of its own, and sends the trainer's data socket chunks
   and commits for slots outside the run; every one must be refused. The messages come from
-  the catalogue the tests share, ``digenrl/transport/hostile.py``.
+  the catalogue the tests share, ``tests/hostile.py``.
 
 Each run is a real ``digenrl launch`` (tiny CPU config, 6-8 steps, checkpoint every step,
 two rollouts and one trainer) in its own process group. After a random delay the bench
@@ -41,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/hostile.py: the messages' catalogue
+
 from digenrl.telemetry.metrics import read_metrics
 
 SETS = ["model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
@@ -54,8 +56,8 @@ def _hostile_peer(endpoint: str) -> int:
     adversary sent; returns how many messages it sent."""
     import zmq
 
-    from digenrl.transport import hostile
     from digenrl.transport.protocol import Welcome, decode, encode
+    from tests import hostile  # the repo root is on sys.path (top of this file)
     ctx = zmq.Context()
     sent = 0
     try:

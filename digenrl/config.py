@@ -317,18 +317,6 @@ class TransportConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FaultsConfig:
-    """TEST-ONLY knobs (``digenrl/faults.py``): a production config never sets ``[faults]``."""
-
-    slowdown: float = _f(1.0, "a generating node sleeps (slowdown-1)x its denoising work "
-                         "(an emulated slower GPU)", ge=1)
-    slowdown_nodes: list[str] = _f([], "node ids the slowdown applies to (empty = every rollout; "
-                                   "a trainer named here is slowed when it generates for TAG)")
-    trainer_slowdown: float = _f(1.0, "a trainer rank sleeps (trainer_slowdown-1)x its training "
-                                 "work (fragment train, optimizer step)", ge=1)
-
-
-@dataclass(frozen=True, kw_only=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -340,7 +328,6 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
-    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     @property
     def batch_size(self) -> int:
@@ -610,9 +597,23 @@ def default_config_text() -> str:
     return importlib.resources.files("digenrl.data").joinpath("tiny-cpu.toml").read_text()
 
 
+#: What run dirs' config.toml held when the slowdowns were a config section: with these values
+#: it did nothing, so such a file still loads (an older run dir resumes).
+_INERT_FAULTS = {"slowdown": 1.0, "slowdown_nodes": [], "trainer_slowdown": 1.0}
+
+
+def _is_inert_faults(value: Any) -> bool:
+    return isinstance(value, dict) and all(k in _INERT_FAULTS and v == _INERT_FAULTS[k] for k, v in value.items())
+
+
 def config_from_dict(table: dict[str, Any]) -> Config:
     if nesting_depth(table) > MAX_DEPTH:
         raise ConfigError(f"config nested deeper than {MAX_DEPTH} levels of tables and lists")
+    if "faults" in table:  # the TEST-ONLY slowdowns' old home
+        if not _is_inert_faults(table["faults"]):
+            raise ConfigError("[faults] is not a config section: test failpoints are set by the "
+                              "environment variable DIGENRL_FAILPOINTS (digenrl/faults.py)")
+        table = {k: v for k, v in table.items() if k != "faults"}  # a run dir's config.toml of before
     cfg: Config = _build(Config, table, "")
     _check_consistency(cfg)
     return cfg

@@ -1,20 +1,28 @@
 """TEST-ONLY fault injection and slowdowns, in one place: a production run uses none of it.
 
-Two kinds of knob:
+Every knob here is a *failpoint* set by the environment of the processes meant to misbehave,
+never by the run's config: a spawned node inherits its launcher's environment, and a run
+resumed from its checkpoint reads the same config but not the same faults.
 
-* **Slowdowns**, from the config's ``[faults]`` section (:class:`~digenrl.config.FaultsConfig`;
-  it reaches every node in Welcome with the rest of the run's config). :func:`node_slowdown`
-  turns it into a :class:`Slowdown`: per kind of compute span, how many times longer the work
-  takes. The actor sleeps ``(factor - 1) x`` the span's own time after each such span, outside
-  the span, so a slowed node looks like a slower GPU that idles the difference. Generating
-  spans (``denoise_step``, ``tag_generate``) are stretched on the compute thread, between two
-  pulls of the sampler; training spans (``fragment_train``, ``optimizer_step``) after the
-  compute thread returns.
+* **Slowdowns**, from ``DIGENRL_FAILPOINTS`` (:data:`FAILPOINTS_ENV`), ``name=value`` pairs
+  separated by ``;`` (e.g. ``slowdown=5;slowdown_nodes=rollout-1,trainer-0``), read once per
+  process (:func:`failpoints`); tests in one process call :func:`set_failpoints` instead.
+  :func:`node_slowdown` turns them into a :class:`Slowdown`: per kind of compute span, how
+  many times longer the work takes. The actor sleeps ``(factor - 1) x`` the span's own time
+  after each such span, outside the span, so a slowed node looks like a slower GPU that idles
+  the difference. Generating spans (``denoise_step``, ``tag_generate``) are stretched on the
+  compute thread, between two pulls of the sampler; training spans (``fragment_train``,
+  ``optimizer_step``) after the compute thread returns.
+
+  | failpoint          | value                | what it does                                    |
+  |--------------------|----------------------|-------------------------------------------------|
+  | ``slowdown``         | factor >= 1          | a generating node sleeps (factor-1)x its denoising work |
+  | ``slowdown_nodes``   | node ids, comma-separated | the nodes ``slowdown`` applies to (none: every rollout; a trainer named here is slowed when it generates for TAG) |
+  | ``trainer_slowdown`` | factor >= 1          | a trainer rank sleeps (factor-1)x its training work (fragment train, optimizer step) |
+
 * **Crash and hang points**, from the environment of the process meant to fail:
   ``DIGENRL_TEST_CRASH=point:N``, ``DIGENRL_TEST_HANG=point:N`` and
-  ``DIGENRL_TEST_SIGTERM=point:N`` fire at ``point`` once the step (or version) reaches ``N``. An environment variable and not a config key because the
-  fault is meant for one process invocation: a run resumed from its checkpoint reads the same
-  config and must not crash again.
+  ``DIGENRL_TEST_SIGTERM=point:N`` fire at ``point`` once the step (or version) reaches ``N``.
 
 | point      | hook          | where                                           | what happens                      |
 |------------|---------------|-------------------------------------------------|-----------------------------------|
@@ -34,17 +42,19 @@ Two kinds of knob:
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from digenrl.config import FaultsConfig
+from digenrl.config import ConfigError
 
+FAILPOINTS_ENV = "DIGENRL_FAILPOINTS"
 CRASH_ENV = "DIGENRL_TEST_CRASH"
 HANG_ENV = "DIGENRL_TEST_HANG"
 SIGNAL_ENV = "DIGENRL_TEST_SIGTERM"
@@ -54,6 +64,72 @@ GENERATION_SPANS = ("denoise_step", "tag_generate")
 """Spans of generating work: a rollout's pulls of the sampler, a trainer's TAG pulls."""
 TRAINING_SPANS = ("fragment_train", "optimizer_step")
 """Spans of a trainer rank's training work."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failpoints:
+    """The slowdown failpoints of this process (the module doc's table); the defaults do nothing."""
+
+    slowdown: float = 1.0
+    slowdown_nodes: tuple[str, ...] = ()
+    trainer_slowdown: float = 1.0
+
+    def to_env(self) -> str:
+        """The ``DIGENRL_FAILPOINTS`` text that :func:`parse_failpoints` reads back as these."""
+        out = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v != f.default:
+                out.append(f"{f.name}={','.join(v) if isinstance(v, tuple) else v}")
+        return ";".join(out)
+
+
+NO_FAILPOINTS = Failpoints()
+
+
+def parse_failpoints(text: str) -> Failpoints:
+    """``name=value`` pairs separated by ``;`` (blank ones ignored); a ConfigError naming the
+    variable, the failpoint and the bad value otherwise."""
+    known = {f.name for f in fields(Failpoints)}
+    factors: dict[str, float] = {}
+    nodes: tuple[str, ...] = ()
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        name, eq, raw = (x.strip() for x in item.partition("="))
+        if not eq or name not in known:
+            raise ConfigError(f"{FAILPOINTS_ENV}: {item!r}: expected name=value with a name among "
+                             f"{', '.join(sorted(known))}")
+        if name == "slowdown_nodes":
+            nodes = tuple(n for n in (x.strip() for x in raw.split(",")) if n)
+            continue
+        try:
+            factor = float(raw)
+        except ValueError:
+            factor = math.nan
+        if not 1.0 <= factor < math.inf:
+            raise ConfigError(f"{FAILPOINTS_ENV}: {name} = {raw!r}: expected a finite factor >= 1")
+        factors[name] = factor
+    return Failpoints(slowdown=factors.get("slowdown", 1.0), slowdown_nodes=nodes,
+                      trainer_slowdown=factors.get("trainer_slowdown", 1.0))
+
+
+_active: Failpoints | None = None  # read from the environment on first use, once per process
+
+
+def failpoints() -> Failpoints:
+    """This process's failpoints: :func:`set_failpoints`'s, else ``$DIGENRL_FAILPOINTS`` as it
+    was when first asked (read once: the process's start, for a node)."""
+    global _active
+    if _active is None:
+        _active = parse_failpoints(os.environ.get(FAILPOINTS_ENV, ""))
+    return _active
+
+
+def set_failpoints(fp: Failpoints | None) -> None:
+    """Set this process's failpoints (a test in one process); None: read the environment
+    again at the next :func:`failpoints`. Processes it spawns read their environment: to
+    reach them, set ``DIGENRL_FAILPOINTS`` (``fp.to_env()``) there."""
+    global _active
+    _active = fp
 
 
 @dataclass(frozen=True)
@@ -70,16 +146,16 @@ class Slowdown:
 NO_SLOWDOWN = Slowdown()
 
 
-def node_slowdown(faults: FaultsConfig, *, node_id: str, role: str) -> Slowdown:
-    """The node's slowdown: ``faults.slowdown`` for its generating spans when it is named in
-    ``faults.slowdown_nodes`` (every rollout when that list is empty), and on a trainer rank
-    ``faults.trainer_slowdown`` for its training spans."""
+def node_slowdown(fp: Failpoints, *, node_id: str, role: str) -> Slowdown:
+    """The node's slowdown: ``fp.slowdown`` for its generating spans when it is named in
+    ``fp.slowdown_nodes`` (every rollout when that list is empty), and on a trainer rank
+    ``fp.trainer_slowdown`` for its training spans."""
     factors: dict[str, float] = {}
-    generates_slowly = node_id in faults.slowdown_nodes if faults.slowdown_nodes else role == "rollout"
-    if generates_slowly and faults.slowdown > 1.0:
-        factors.update(dict.fromkeys(GENERATION_SPANS, faults.slowdown))
-    if role == "trainer" and faults.trainer_slowdown > 1.0:
-        factors.update(dict.fromkeys(TRAINING_SPANS, faults.trainer_slowdown))
+    generates_slowly = node_id in fp.slowdown_nodes if fp.slowdown_nodes else role == "rollout"
+    if generates_slowly and fp.slowdown > 1.0:
+        factors.update(dict.fromkeys(GENERATION_SPANS, fp.slowdown))
+    if role == "trainer" and fp.trainer_slowdown > 1.0:
+        factors.update(dict.fromkeys(TRAINING_SPANS, fp.trainer_slowdown))
     return Slowdown(MappingProxyType(factors)) if factors else NO_SLOWDOWN
 
 

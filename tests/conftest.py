@@ -237,9 +237,9 @@ def bare_coordinator(tmp_path: Path, sets: Sequence[str] = (), trainers: int = 1
 
     from digenrl.actors.cluster import make_scheduler
     from digenrl.actors.coordinator import CoordinatorActor
-    from digenrl.config import load_config
+    from digenrl.config import load_config, resolve_mode
     from digenrl.telemetry.trace import SpanRecorder
-    cfg = load_config(None, [*sets, f"cluster.trainers={trainers}"])
+    cfg = resolve_mode(load_config(None, [*sets, f"cluster.trainers={trainers}"]))
     return CoordinatorActor(cfg=cfg, scheduler=make_scheduler(cfg, prompt_count=8), control=None,
                             pub=None, prompts=[], run_dir=tmp_path, dist_endpoint="tcp://127.0.0.1:1",
                             metrics=None, expected_trainers=trainers, node_id="coordinator",

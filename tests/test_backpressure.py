@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from digenrl.actors.cluster import bytes_per_trajectory
-from digenrl.config import load_config, resolve_mode
+from digenrl.faults import FAILPOINTS_ENV, Failpoints
 from digenrl.launch import launch, make_run_dir
 from digenrl.models import build_model
-from tests.conftest import SMALL, node_final
+from tests.conftest import node_final
+from tests.factories import tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -21,9 +22,10 @@ WINDOW_MB = 0.02
 MARGIN_MB = 96.0
 
 
-def test_a_tenfold_slower_trainer_keeps_rollout_memory_within_the_byte_window(tmp_path: Path) -> None:
-    cfg = resolve_mode(load_config(None, [*SMALL, "run.steps=3", "faults.trainer_slowdown=10",
-                                          f"runtime.byte_window_mb={WINDOW_MB}"]), "digenrl")
+def test_a_tenfold_slower_trainer_keeps_rollout_memory_within_the_byte_window(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FAILPOINTS_ENV, Failpoints(trainer_slowdown=10).to_env())  # the nodes inherit it
+    cfg = tiny_config("run.steps=3", f"runtime.byte_window_mb={WINDOW_MB}", mode="digenrl")
     run_dir = make_run_dir(cfg, str(tmp_path / "bp"))
     summary = launch(cfg, run_dir)
 

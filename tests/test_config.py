@@ -161,3 +161,14 @@ def test_any_positive_step_count_is_accepted(n: int) -> None:
 def test_to_dict_is_plain_data() -> None:
     d = to_dict(load_config(None))
     assert isinstance(d["reward"]["terms"][0], dict) and isinstance(d["train"]["adam_betas"], list)
+
+
+def test_a_run_dirs_config_with_the_old_inert_faults_table_still_loads_and_a_live_one_is_refused() -> None:
+    """Run dirs written when slowdowns were a config section hold ``[faults]`` with its
+    defaults; they must still resume. A table that would slow something down is refused."""
+    import tomllib
+    text = to_toml(load_config())
+    old = text + "\n[faults]\nslowdown = 1.0\nslowdown_nodes = []\ntrainer_slowdown = 1.0\n"
+    assert to_toml(config_from_dict(tomllib.loads(old))) == text
+    with pytest.raises(ConfigError, match="DIGENRL_FAILPOINTS"):
+        config_from_dict(tomllib.loads(text + "\n[faults]\nslowdown = 5.0\n"))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from digenrl.config import load_config
 from digenrl.models.base import cond_select
 from digenrl.rl.forward import (
     fm_log_likelihood,
@@ -22,6 +21,7 @@ from digenrl.rl.grpo import group_advantages
 from digenrl.rl.learner import Learner
 from digenrl.rl.policy import Policy
 from digenrl.rl.sampler import rollout, seeded_generators
+from tests.factories import batch_config
 from tests.test_policy import TinyFlow, _perturb
 
 P, G, T = 4, 2, 4
@@ -30,10 +30,7 @@ SEEDS = list(range(500, 500 + B))
 
 
 def _cfg(algorithm: str, *extra: str):
-    return load_config(overrides=[f"sampler.num_steps={T}", f"train.prompts_per_step={P}",
-                                  f"train.group_size={G}", "runtime.fragments_per_step=1",
-                                  f"train.algorithm={algorithm}", "train.forward_timesteps=4",
-                                  *extra])
+    return batch_config(T, P, G, f"train.algorithm={algorithm}", "train.forward_timesteps=4", *extra)
 
 
 def _batch(model, cfg):

@@ -32,10 +32,10 @@ from hypothesis import strategies as st
 from digenrl.actors.coordinator import CoordinatorActor
 from digenrl.config import Config
 from digenrl.transport import factory as zs
-from digenrl.transport import hostile
 from digenrl.transport.endpoints import free_port
 from digenrl.transport.errors import ProtocolError
 from digenrl.transport.protocol import Heartbeat, Welcome, decode, encode
+from tests import hostile
 from tests.conftest import wait_until_async
 from tests.test_security import config, start_coordinator
 

@@ -21,8 +21,9 @@ from digenrl.actors.trainer import TrainerActor
 from digenrl.config import load_config, resolve_mode
 from digenrl.core.plan import plan_for_step
 from digenrl.telemetry.trace import SpanRecorder
-from digenrl.transport import hostile
 from digenrl.transport.protocol import Chunk, CleanSample, Commit
+from tests import hostile
+from tests.factories import clean_sample
 
 
 class FakeSocket:
@@ -123,10 +124,10 @@ async def test_a_rank_whose_peer_alone_voted_to_stop_leaves_for_its_supervisor(t
     from digenrl.actors.base import DRAINED
     from digenrl.actors.resume import TRAINER_RANK_STOPPED
     alone, _ = _trainer(tmp_path, "runtime.heartbeat_s=0.01", "runtime.heartbeat_misses=2")
-    await alone._peer_voted_to_stop(3)
+    await alone.resume.peer_voted_to_stop(3)
     assert alone.stop_reason == TRAINER_RANK_STOPPED and TRAINER_RANK_STOPPED not in DRAINED
     whole, _ = _trainer(tmp_path, "runtime.heartbeat_s=5")
-    waiting = asyncio.create_task(whole._peer_voted_to_stop(3))
+    waiting = asyncio.create_task(whole.resume.peer_voted_to_stop(3))
     await asyncio.sleep(0)
     whole.request_stop("SIGTERM")  # the same stop reaches this rank a moment later
     await asyncio.wait_for(waiting, 1.0)
@@ -147,13 +148,13 @@ async def test_a_sharded_drain_write_a_rank_never_joins_gives_up_and_marks_the_n
     monkeypatch.setattr(resume, "save_trainer_state", lambda *a, **k: release.wait(30))
     actor, _ = _trainer(tmp_path)
     actor.policy.sharded = True
-    actor._boundary = (actor.policy.version, {}, {})
+    actor.resume.boundary = (actor.policy.version, {}, {})
     try:
         assert await asyncio.wait_for(actor.drain_checkpoint(), 5.0) is None  # the vote said no drain
-        assert not actor.drain_stuck
-        actor._drain_voted = True
+        assert not actor.resume.drain_stuck
+        actor.resume.drain_voted = True
         assert await asyncio.wait_for(actor.drain_checkpoint(), 5.0) is None
-        assert actor.drain_stuck
+        assert actor.resume.drain_stuck
     finally:
         release.set()
 
@@ -178,7 +179,7 @@ async def test_an_unsharded_rank_0_writes_a_drain_checkpoint_only_after_a_signal
     from digenrl.rl.checkpoint import capture_rng, trainer_part_ready
     actor, _ = _trainer(tmp_path)
     actor.policy.version = 3
-    actor._boundary = (3, capture_rng(), {})
+    actor.resume.boundary = (3, capture_rng(), {})
     actor.request_stop("restart: trainer_lost: rank 1")
     assert await actor.drain_checkpoint() is None and not trainer_part_ready(tmp_path, 3)
     actor.stop_reason = "SIGTERM"
@@ -204,8 +205,7 @@ async def test_clean_samples_for_another_step_shape_or_revoked_attempt_are_refus
     shape = actor.policy.model.latent_shape
 
     def clean(task_id: int, step: int = 0, n: int = 8, *latent: int) -> CleanSample:  # 2 prompts x 4
-        return CleanSample(task_id=task_id, step=step, fragment=0, policy_version=0,
-                           x0=torch.zeros(n, *(latent or shape)))
+        return clean_sample(task_id, step, x0=torch.zeros(n, *(latent or shape)))
 
     actor.policy.version = 1
     await _feed(actor, data, [clean(1), clean(2, step=1, n=3), clean(3, 1, 8, *shape[:-1], shape[-1] + 1),
@@ -224,7 +224,7 @@ async def test_clean_samples_are_staged_within_the_same_bounds_as_chunks(tmp_pat
     assert 2 * x0.nbytes <= window + x0.nbytes < 3 * x0.nbytes  # room for two, not three
 
     def clean(task_id: int, step: int) -> CleanSample:
-        return CleanSample(task_id=task_id, step=step, fragment=0, policy_version=0, x0=x0)
+        return clean_sample(task_id, step, x0=x0)
 
     await _feed(actor, data, [*(clean(100 + i, 0) for i in range(10)), clean(200, 1)])
     assert actor.refused == {"too_many_attempts_of_a_slot": 8, "staging_over_the_byte_window": 1}

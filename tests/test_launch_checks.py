@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config import ConfigError, load_config, resolve_mode
+from digenrl.config import ConfigError
 from digenrl.launch import launch, make_run_dir
-from tests.conftest import SUITE_SETS
+from tests.factories import tiny_config
 
-SMALL = [*SUITE_SETS, "run.steps=2", "model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2",
-         "runtime.fragments_per_step=1", "sampler.num_steps=2", "train.timesteps=\"all\""]
+SMALL = ["run.steps=2", "runtime.fragments_per_step=1", "sampler.num_steps=2",
+         "train.timesteps=\"all\""]  # over the suite's tiny run
 
 
 def _cfg(*extra: str, mode: str = "digenrl"):
-    return resolve_mode(load_config(None, [*SMALL, *extra]), mode)
+    return tiny_config(*SMALL, *extra, mode=mode)
 
 
 @pytest.mark.parametrize(("extra", "message"), [

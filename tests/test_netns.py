@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config import load_config, resolve_mode, to_toml
+from digenrl.config import to_toml
 from digenrl.transport.curve import generate_keys
-from tests.conftest import SMALL as TINY_RUN
+from tests.factories import tiny_config
 from tests.netns import Fabric, netns_unavailable
 
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
-SMALL = [*TINY_RUN, "run.steps=2", "runtime.tag=\"never\""]
+SMALL = ["run.steps=2", "runtime.tag=\"never\""]  # over the suite's tiny run
 
 
 @pytest.fixture
@@ -53,8 +53,7 @@ def test_three_namespaces_train_two_steps_over_tcp_with_curve(tmp_path: Path, na
     keys, run_dir = tmp_path / "keys", tmp_path / "run"
     generate_keys(keys)
     (c_ns, c_addr), (t_ns, t_addr), (r_ns, _) = (namespaces[r] for r in ("coordinator", "trainer", "rollout"))
-    cfg = resolve_mode(load_config(None, [*SMALL, f"cluster.host=\"{c_addr}\"",
-                                          f"transport.keys_dir=\"{keys}\""]), "digenrl")
+    cfg = tiny_config(*SMALL, f"cluster.host=\"{c_addr}\"", f"transport.keys_dir=\"{keys}\"", mode="digenrl")
     assert cfg.transport.curve == "auto"
     cfg_path = tmp_path / "run.toml"
     cfg_path.write_text(to_toml(cfg))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from digenrl.faults import FAILPOINTS_ENV, Failpoints
 from tests.conftest import SMALL, final_weights, launch_command, launch_env
 
 pytestmark = pytest.mark.slow
@@ -27,9 +28,10 @@ STEPS = 6
 def _launch(run_dir: Path, *sets: str) -> subprocess.CompletedProcess[str]:
     cmd = launch_command("--mode", "digenrl", "--steps", str(STEPS), "--rollouts", "2",
                          "--run-dir", str(run_dir),
-                         sets=[*SMALL, "runtime.heartbeat_s=0.25", "run.node_fault_limit=2",
-                               "faults.slowdown=6.0", 'faults.slowdown_nodes=["rollout-0"]', *sets])
-    return subprocess.run(cmd, env=launch_env(nan="rollout-1:3"), start_new_session=True,
+                         sets=[*SMALL, "runtime.heartbeat_s=0.25", "run.node_fault_limit=2", *sets])
+    slow = Failpoints(slowdown=6.0, slowdown_nodes=("rollout-0",))  # the nodes inherit the launcher's env
+    env = {**launch_env(nan="rollout-1:3"), FAILPOINTS_ENV: slow.to_env()}
+    return subprocess.run(cmd, env=env, start_new_session=True,
                           capture_output=True, text=True, timeout=400, check=False)
 
 

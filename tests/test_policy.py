@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from digenrl.config import ModelConfig, load_config
+from digenrl.config import ModelConfig
 from digenrl.models.base import Cond, cond_select
 from digenrl.rl.grpo import group_advantages
 from digenrl.rl.policy import Policy
 from digenrl.rl.sampler import StepRecord, rollout, seeded_generators
 from tests.conftest import assert_close_across_instances, assert_same_weights
+from tests.factories import batch_config
 
 P, G, T = 4, 2, 4
 B = P * G
@@ -58,9 +59,7 @@ class TinyFlow:
 
 
 def _cfg(*extra: str):
-    return load_config(overrides=[f"sampler.num_steps={T}", f"train.prompts_per_step={P}",
-                                  f"train.group_size={G}", "runtime.fragments_per_step=1",
-                                  "train.clip_range=0.2", "train.timesteps=all", *extra])
+    return batch_config(T, P, G, "train.clip_range=0.2", "train.timesteps=all", *extra)
 
 
 def _batch(model, cfg, seeds=None):

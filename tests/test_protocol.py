@@ -38,6 +38,7 @@ from digenrl.transport.protocol import (
     messages_equal,
     tensor_checksum,
 )
+from tests.factories import chunk
 
 LIMIT = 1 << 20
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -115,11 +116,11 @@ def test_every_message_type_round_trips_bit_identical(tag: str, data: st.DataObj
 
 def _chunk(**over: object) -> Chunk:
     fields: dict[str, object] = dict(
-        task_id=7, step=3, fragment=1, t_index=2, sigma=0.9, sigma_next=0.8, policy_version=4,
+        task_id=7, step=3, fragment=1, t_index=2, policy_version=4,
         x_t=torch.arange(24, dtype=torch.float32).reshape(2, 3, 4),
         x_next=torch.ones(2, 3, 4, dtype=torch.bfloat16), log_prob=torch.zeros(2))
     fields.update(over)
-    return Chunk(**fields)  # type: ignore[arg-type]
+    return chunk(**fields)  # type: ignore[arg-type]
 
 
 def test_decoded_tensor_shares_the_received_frame_memory() -> None:

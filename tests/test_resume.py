@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -301,12 +302,13 @@ def test_a_resumed_coordinator_does_not_commit_the_checkpoint_it_restored_again(
     before = {p.name: p.stat().st_mtime_ns for p in checkpoint_root(tmp_path).rglob("*.json")}
     actor = bare_coordinator(tmp_path, sets)
     actor.restore_from(latest_checkpoint(tmp_path))
-    actor._checkpoint(VersionAnnounce(version=2, step=2, nparts=1, nbytes=4, checksum="c"))  # rank 0, restored
+    announce = partial(VersionAnnounce, nparts=1, nbytes=4, checksum="c")
+    actor.resume.take_cut(announce(version=2, step=2), actor.sched, actor.staleness_hist)  # rank 0, restored
     assert {p.name: p.stat().st_mtime_ns for p in checkpoint_root(tmp_path).rglob("*.json")} == before
     assert actor.recovery["checkpoints"] == 0
     policy.version = 3
     save_trainer_state(tmp_path, policy, {})
-    actor._checkpoint(VersionAnnounce(version=3, step=3, nparts=1, nbytes=4, checksum="c"))  # the next one is
+    actor.resume.take_cut(announce(version=3, step=3), actor.sched, actor.staleness_hist)  # the next one is
     assert latest_checkpoint(tmp_path).version == 3 and actor.recovery["checkpoints"] == 1
 
 
@@ -317,8 +319,9 @@ def test_a_drain_keeps_no_cut_of_the_version_the_run_started_from(tmp_path: Path
     actor = bare_coordinator(tmp_path, ["run.steps=10", "run.checkpoint_every=100"])
     actor.restore_from(None)
     for v, kept in ((0, None), (1, 1), (2, 2)):
-        actor._checkpoint(VersionAnnounce(version=v, step=v, nparts=1, nbytes=4, checksum="c"))
-        assert (actor.cut[0] if actor.cut else None) == kept
+        announce = VersionAnnounce(version=v, step=v, nparts=1, nbytes=4, checksum="c")
+        actor.resume.take_cut(announce, actor.sched, actor.staleness_hist)
+        assert (actor.resume.cut[0] if actor.resume.cut else None) == kept
     assert checkpoint_root(tmp_path).exists() is False  # none was due: only kept
 
 
@@ -356,9 +359,9 @@ def test_a_k0_run_stopped_by_sigterm_between_checkpoints_resumes_bit_identical(
     ``announce_in_flight``: the coordinator SIGTERMs itself as it handles the StepDone of
     version 2 (digenrl/faults.py), before rank 0's announcement of version 2 arrives; the
     coordinator stops reading, so the cut must come from the messages it reads after the
-    stop (CoordinatorCheckpoints.read_late, actors/resume.py). Without them no drain
-    checkpoint is written (seen in CI as a flaky ``after_publish``). Two ranks: both finish the step in progress, and the
-    resumed ranks restore before they judge work (TrainerCheckpoints.restore). Sharded (FSDP)
+    stop (CoordinatorActor._read_late, for CoordinatorResume.drain in actors/resume.py). Without
+    them no drain checkpoint is written (seen in CI as a flaky ``after_publish``). Two ranks: both finish the step in progress, and the
+    resumed ranks restore before they judge work (TrainerResume.restore). Sharded (FSDP)
     ranks: the one told to stop first pads the step's passes, the ranks vote, and every rank
     writes its shard of the drain checkpoint (actors/resume.py)."""
     extra = (f"cluster.trainers={trainers}", *(["model.fsdp=true"] if fsdp else []))

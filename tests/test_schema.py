@@ -12,7 +12,6 @@ import torch
 from digenrl.transport import schema
 from digenrl.transport.protocol import (
     Chunk,
-    CleanSample,
     Commit,
     Consumed,
     Heartbeat,
@@ -23,6 +22,7 @@ from digenrl.transport.protocol import (
     encode,
     message_types,
 )
+from tests.factories import chunk, clean_sample, commit
 
 LIMIT = 1 << 24
 
@@ -35,24 +35,12 @@ def _heartbeat(**kw: Any) -> Heartbeat:
 
 
 def _chunk(**kw: Any) -> Chunk:
-    x = torch.zeros(4, 2, 3)
-    args: dict[str, Any] = dict(task_id=1, step=0, fragment=0, t_index=2, sigma=0.9, sigma_next=0.8,
-                                policy_version=0, x_t=x, x_next=x, log_prob=torch.zeros(4))
-    return Chunk(**{**args, **kw})
+    return chunk(**{"t_index": 2, "x_t": torch.zeros(4, 2, 3), **kw})
 
 
 def _commit(**kw: Any) -> Commit:
-    args: dict[str, Any] = dict(task_id=1, step=0, fragment=0, node_id="rollout-0", policy_version=0,
-                                prompt_ids=[3, 4], rewards=[0.5] * 4, reward_terms={"jpeg": [1.0] * 4},
-                                gen_seconds=0.1, cond={}, images=torch.zeros(4, 3, 8, 8, dtype=torch.uint8),
-                                discard="")
-    return Commit(**{**args, **kw})
-
-
-def _clean(**kw: Any) -> CleanSample:
-    args: dict[str, Any] = dict(task_id=1, step=0, fragment=0, policy_version=0,
-                                x0=torch.zeros(4, 2, 3, dtype=torch.bfloat16))
-    return CleanSample(**{**args, **kw})
+    return commit(**{"prompt_ids": [3, 4], "n": 4, "reward_terms": {"jpeg": [1.0] * 4},
+                     "images": torch.zeros(4, 3, 8, 8, dtype=torch.uint8), **kw})
 
 
 def _roundtrip(msg: Any) -> Any:
@@ -62,7 +50,7 @@ def _roundtrip(msg: Any) -> Any:
 HONEST = [
     _heartbeat(), _heartbeat(gpu={"available": True, "reason": "", "gpus": [
         {"index": 0, "name": "H100", "mem_free_mb": 1.0, "power_w": None, "temp_c": 40.0}]}),
-    _chunk(), _clean(), _commit(), _commit(rewards=[math.nan] * 4),  # a reward function may return NaN
+    _chunk(), clean_sample(), _commit(), _commit(rewards=[math.nan] * 4),  # a reward function may return NaN
     Consumed(task_id=3, step=1, fragment=0, rank=0, policy_version=0, trained=3, discarded={"zero_advantage": 1},
              train_seconds=0.2),
     StepDone(step=0, version=1, metrics={"reward_mean": 0.5, "grad_norm": math.nan, "trained": 16}),
@@ -91,10 +79,10 @@ HOSTILE = [
     ("log_prob of another length", _chunk(log_prob=torch.zeros(5)), "log_prob"),
     ("integer latents", _chunk(x_t=torch.zeros(4, 2, 3, dtype=torch.int32),
                                x_next=torch.zeros(4, 2, 3, dtype=torch.int32)), "x_t"),
-    ("clean sample of a negative version", _clean(policy_version=-1), "policy_version"),
-    ("clean sample fragment past 2**20", _clean(fragment=1 << 20), "fragment"),
-    ("clean sample of integer latents", _clean(x0=torch.zeros(4, 2, 3, dtype=torch.int64)), "x0"),
-    ("clean sample without a batch dimension", _clean(x0=torch.zeros(5)), "x0"),
+    ("clean sample of a negative version", clean_sample(policy_version=-1), "policy_version"),
+    ("clean sample fragment past 2**20", clean_sample(fragment=1 << 20), "fragment"),
+    ("clean sample of integer latents", clean_sample(x0=torch.zeros(4, 2, 3, dtype=torch.int64)), "x0"),
+    ("clean sample without a batch dimension", clean_sample(x0=torch.zeros(5)), "x0"),
     ("consumed of a negative version", Consumed(task_id=1, step=0, fragment=0, rank=0, policy_version=-2,
                                                 trained=1, discarded={}, train_seconds=0.1), "policy_version"),
     ("gen_seconds inf", _commit(gen_seconds=math.inf), "gen_seconds"),

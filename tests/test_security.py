@@ -13,7 +13,7 @@ import zmq.asyncio
 
 from digenrl.actors.cluster import make_scheduler
 from digenrl.actors.coordinator import CoordinatorActor
-from digenrl.config import Config, load_config
+from digenrl.config import Config
 from digenrl.data.prompts import load_prompts
 from digenrl.telemetry.logging import get_logger
 from digenrl.telemetry.metrics import MetricsWriter
@@ -29,14 +29,14 @@ from digenrl.transport.curve import (
 from digenrl.transport.protocol import Heartbeat, Hello, Welcome
 from digenrl.transport.security import PlaintextRefused, node_security
 from digenrl.transport.sockets import Dealer
-from tests.conftest import SMALL as TINY_RUN
 from tests.conftest import wait_until_async
+from tests.factories import tiny_config
 
-SMALL = [*TINY_RUN, "run.steps=2", "runtime.tag=\"never\""]
+SMALL = ["run.steps=2", "runtime.tag=\"never\""]  # over the suite's tiny run
 
 
 def config(*extra: str) -> Config:
-    return load_config(None, [*SMALL, *extra])
+    return tiny_config(*SMALL, *extra)
 
 
 def curve_config(keys: Path, curve: str = "on", *extra: str) -> Config:

@@ -17,6 +17,7 @@ from digenrl.transport.protocol import Chunk, WeightsPart
 from digenrl.transport.sockets import Pull, Push
 from digenrl.transport.staging import DeviceToHost, HostPool, HostToDevice
 from digenrl.transport.weights import WeightAssembly, publish_parts
+from tests.factories import chunk
 
 WAIT = 10.0
 OPTS = SocketOptions(max_frame_bytes=8 << 20, hwm=16)
@@ -36,8 +37,7 @@ async def link() -> AsyncIterator[tuple[Push, Pull]]:
 
 
 def _chunk(x_t: torch.Tensor, x_next: torch.Tensor) -> Chunk:
-    return Chunk(task_id=1, step=0, fragment=0, t_index=0, sigma=0.5, sigma_next=0.4,
-                 policy_version=0, x_t=x_t, x_next=x_next, log_prob=torch.zeros(x_t.shape[0]))
+    return chunk(x_t=x_t, x_next=x_next, sigma=0.5, sigma_next=0.4)
 
 
 async def test_a_staged_buffer_is_not_reused_before_its_send_completes(link) -> None:

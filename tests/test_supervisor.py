@@ -12,17 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config import load_config, resolve_mode, to_toml
+from digenrl.config import to_toml
+from digenrl.faults import FAILPOINTS_ENV, Failpoints
 from digenrl.transport.endpoints import free_port
-from tests.conftest import SMALL as TINY_RUN
 from tests.conftest import wait_until
+from tests.factories import tiny_config
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-SMALL = [*TINY_RUN, "run.steps=4", "runtime.heartbeat_s=0.2",
-         "faults.slowdown=2", "runtime.tag=\"never\""]
+SMALL = ["run.steps=4", "runtime.heartbeat_s=0.2", "runtime.tag=\"never\""]  # over the suite's tiny run
+SLOWDOWN = Failpoints(slowdown=2)  # the rollouts' denoising, unless a test asks for another
 
 
 def supervisor_conf(state: Path) -> Path:
@@ -46,20 +47,21 @@ def ctl(conf: Path, env: dict[str, str], *args: str) -> str:
     return out.stdout.strip()
 
 
-def start_supervisord(tmp_path: Path, sets: list[str], **extra_env: str
+def start_supervisord(tmp_path: Path, sets: list[str], failpoints: Failpoints = SLOWDOWN, **extra_env: str
                       ) -> tuple[subprocess.Popen, Path, dict[str, str], Path]:
-    """supervisord running the shipped config on a fresh state dir: (process, conf, env, run dir)."""
+    """supervisord running the shipped config on a fresh state dir: (process, conf, env, run dir);
+    ``failpoints`` reach the nodes it starts by their environment."""
     state, run_dir = tmp_path / "state", tmp_path / "run"
     state.mkdir()
     cfg_path = tmp_path / "run.toml"
-    cfg_path.write_text(to_toml(resolve_mode(load_config(None, [*SMALL, *sets]), "digenrl")))
+    cfg_path.write_text(to_toml(tiny_config(*SMALL, *sets, mode="digenrl")))
     endpoint = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
                DIGENRL_STATE_DIR=str(state), DIGENRL_COORDINATOR=endpoint,
                DIGENRL_COORDINATOR_BIND=endpoint, DIGENRL_TRAINER_BIND="tcp://127.0.0.1:*",
                DIGENRL_GPU="cpu", DIGENRL_CONFIG=str(cfg_path), DIGENRL_RUN_DIR=str(run_dir),
                DIGENRL_NODE_ARGS="", DIGENRL_LOCAL_COORDINATOR="1", DIGENRL_LOCAL_TRAINERS="1",
-               DIGENRL_LOCAL_ROLLOUTS="1", **extra_env)
+               DIGENRL_LOCAL_ROLLOUTS="1", **{FAILPOINTS_ENV: failpoints.to_env()}, **extra_env)
     if "DIGENRL_TEST_HANG" not in extra_env:
         env.pop("DIGENRL_TEST_HANG", None)
     conf = supervisor_conf(state)
@@ -91,7 +93,7 @@ def test_supervisord_restarts_a_killed_rollout_and_the_run_finishes(tmp_path: Pa
     # the tiny run's 4 steps take ~1 s on a fast machine: with the rollout's denoising slowed
     # 20x and its pid read before the first step, the kill lands with fragments still to
     # generate, so the restarted rollout re-joins (a kill after the last fragment went unseen)
-    sup, conf, env, run_dir = start_supervisord(tmp_path, ["faults.slowdown=20"])
+    sup, conf, env, run_dir = start_supervisord(tmp_path, [], Failpoints(slowdown=20))
     rollout = "digenrl:digenrl-rollout-0"
     try:
         wait_until(lambda: ctl(conf, env, "pid", rollout) not in ("0", ""), "the rollout to start", 90)

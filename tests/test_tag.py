@@ -6,17 +6,22 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config import load_config, resolve_mode
+from digenrl.faults import FAILPOINTS_ENV, Failpoints
 from digenrl.launch import launch, make_run_dir
-from tests.conftest import SMALL as TINY_RUN
+from tests.factories import tiny_config
 
 pytestmark = pytest.mark.slow
 
-SMALL = [*TINY_RUN, "train.prompts_per_step=4", "runtime.fragments_per_step=4"]
+SMALL = ["train.prompts_per_step=4", "runtime.fragments_per_step=4"]  # over the suite's tiny run
 
 
-def _launch(tmp_path: Path, name: str, extra: list[str], mode: str = "digenrl") -> dict:
-    cfg = resolve_mode(load_config(None, [*SMALL, *extra]), mode)
+def _launch(tmp_path: Path, name: str, extra: list[str], mode: str = "digenrl",
+            failpoints: Failpoints | None = None, monkeypatch: pytest.MonkeyPatch | None = None) -> dict:
+    """A launch of SMALL with ``extra``; ``failpoints`` reach its nodes by the environment."""
+    if failpoints is not None:
+        assert monkeypatch is not None
+        monkeypatch.setenv(FAILPOINTS_ENV, failpoints.to_env())  # the spawned nodes inherit it
+    cfg = tiny_config(*SMALL, *extra, mode=mode)
     return launch(cfg, make_run_dir(cfg, str(tmp_path / name)))
 
 
@@ -26,11 +31,13 @@ def _adds_up(summary: dict) -> None:
     assert acc["in_flight"] == 0
 
 
-def test_tag_helper_generates_without_breaking_staleness_or_accounting(tmp_path: Path) -> None:
+def test_tag_helper_generates_without_breaking_staleness_or_accounting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # generation-bound (one trained timestep, the rollout slowed 3x by the TEST-ONLY knob)
     # and TAG forced on: the idle trainer must help
     s = _launch(tmp_path, "tag", ["run.steps=3", "train.timesteps=window", "train.window_size=1",
-                                  "runtime.tag=always", "faults.slowdown=3.0"])
+                                  "runtime.tag=always"],
+                failpoints=Failpoints(slowdown=3.0), monkeypatch=monkeypatch)
     _adds_up(s)
     sched = s["scheduler"]
     assert sched["tag_granted"] >= 1 and sched["tag_consumed"] == sched["tag_granted"]
@@ -47,11 +54,11 @@ def test_tag_never_means_the_trainer_generates_nothing(tmp_path: Path) -> None:
     assert s["nodes"]["trainer-0"]["assigned"] == 0
 
 
-def test_a_slow_rollout_gets_proportionally_fewer_fragments(tmp_path: Path) -> None:
+def test_a_slow_rollout_gets_proportionally_fewer_fragments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # rollout-1 is made 5x slower by the TEST-ONLY knob; rollout-0 should take most fragments
     # (each node holds up to 2 fragments before any speed is measured, so use enough steps)
-    s = _launch(tmp_path, "hetero", ["run.steps=6", "runtime.tag=never", "cluster.rollouts=2",
-                                     "faults.slowdown=5.0", "faults.slowdown_nodes=[\"rollout-1\"]"])
+    s = _launch(tmp_path, "hetero", ["run.steps=6", "runtime.tag=never", "cluster.rollouts=2"],
+                failpoints=Failpoints(slowdown=5.0, slowdown_nodes=("rollout-1",)), monkeypatch=monkeypatch)
     _adds_up(s)
     fast = s["nodes"]["rollout-0"]["committed"]
     slow = s["nodes"]["rollout-1"]["committed"]

@@ -47,6 +47,7 @@ from digenrl.transport.protocol import (
 )
 from digenrl.transport.socketio import Socket
 from digenrl.transport.sockets import Dealer, Pub, Pull, Push, Router, Sub
+from tests.factories import chunk
 
 WAIT = 10.0  # bound on every wait; a healthy loopback answers in milliseconds
 OPTS = SocketOptions(max_frame_bytes=8 << 20, hwm=16)
@@ -90,8 +91,8 @@ def _raw(ctx: zmq.asyncio.Context, kind: int, endpoint: str) -> zmq.asyncio.Sock
 
 
 def _chunk(x_t: torch.Tensor, x_next: torch.Tensor, task_id: int = 1) -> Chunk:
-    return Chunk(task_id=task_id, step=0, fragment=0, t_index=3, sigma=0.7, sigma_next=0.6,
-                 policy_version=2, x_t=x_t, x_next=x_next, log_prob=torch.randn(x_t.shape[:1]))
+    return chunk(task_id, t_index=3, sigma=0.7, sigma_next=0.6, policy_version=2, x_t=x_t, x_next=x_next,
+                 log_prob=torch.randn(x_t.shape[:1]))
 
 
 async def test_tensors_of_every_dtype_and_shape_arrive_bit_identical(make, address: str) -> None:

@@ -170,7 +170,7 @@ class Actor:
         self.recorder = recorder
         self.log = log
         self.hooks = hooks
-        self.slowdown = slowdown  # TEST-ONLY ([faults]): compute spans stretched, see digenrl/faults.py
+        self.slowdown = slowdown  # TEST-ONLY (failpoints, digenrl/faults.py): compute spans stretched
         self.busy = BusyClock(recorder)
         self._stop = asyncio.Event()
         self.stop_reason = ""
@@ -312,7 +312,7 @@ class Actor:
         with self.working(name, **args):
             out = await self.submit(name, fn, *a)
         extra = self.slowdown.extra_s(name, time.perf_counter() - t0)
-        if extra > 0:  # TEST-ONLY ([faults]): an emulated slower GPU, idle after the span
+        if extra > 0:  # TEST-ONLY (failpoints): an emulated slower GPU, idle after the span
             await asyncio.sleep(extra)
         return out
 

@@ -44,17 +44,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from digenrl.actors.resume import CoordinatorCheckpoints
+from digenrl.actors.base import Actor
+from digenrl.actors.resume import CoordinatorResume
 from digenrl.actors.weightsync import WeightSync
 from digenrl.config import Config, to_toml
 from digenrl.core.credits import CreditError
 from digenrl.core.scheduler import AssignCmd, RevokeCmd, Scheduler, SchedulerError, ShutdownCmd
 from digenrl.core.watchdog import StallWatchdog
 from digenrl.faults import crash_point, signal_point
-from digenrl.rl.checkpoint import (
-    CheckpointError,
-    latest_checkpoint,
-)
+from digenrl.rl.checkpoint import Checkpoint, CheckpointError, latest_checkpoint
 from digenrl.telemetry.steprows import StepRows
 from digenrl.transport.endpoints import rendezvous_endpoint
 from digenrl.transport.errors import PeerLost
@@ -75,7 +73,7 @@ from digenrl.transport.protocol import (
 )
 
 
-class CoordinatorActor(CoordinatorCheckpoints):
+class CoordinatorActor(Actor):
     role = "coordinator"
 
     def __init__(self, *, cfg: Config, scheduler: Scheduler, control: Any, pub: Any, prompts: list[str],
@@ -112,24 +110,25 @@ class CoordinatorActor(CoordinatorCheckpoints):
         self.skipped = (0, 0)  # trainer rank 0's skipped_steps as last heard, steps skipped in a row
         self.watchdog = StallWatchdog(cfg.runtime.stall_timeout_s)  # monotonic clock
         self.scheduler_factory = scheduler_factory
-        self.cut: tuple[int, dict[str, Any]] | None = None  # the last boundary since a checkpoint
-        self.rank0_heard: float | None = None  # after a stop: when trainer rank 0 last sent anything
         self.ticks = 0  # passes of the tick loop: liveness, failures and the run's end are checked there
         self.max_resets = max_resets
-        self.expect_version: int | None = None  # the version restored trainers must announce
-        self.start_version = 0  # the version the run (re)started from: no drain checkpoint of it
-        self.wall_before = 0.0                    # run wall time before the last resume
-        self.resumed_from: list[int] = []
         self.recovery: dict[str, int] = {"trainer_resets": 0, "rollouts_lost": 0,
                                          "rolled_back_admitted": 0, "late_trained": 0,
                                          "ignored_announces": 0, "checkpoints": 0,
                                          "checkpoints_skipped": 0, "stalls": 0, "rejoins": 0,
                                          "final_weights_missing": 0, "nodes_broken": 0}
+        # checkpoints: restore, the cut at each announced version, the drain after a signal
+        self.resume = CoordinatorResume(cfg=cfg, run_dir=run_dir, recovery=self.recovery, started=self.t0,
+                                        log=self.log)
         self.restart_requested = asyncio.Event()  # the launcher restarts every child on it
         self.weights = WeightSync(cfg.runtime.weights_fanout, self._send_node)
         self.finish_by: float | None = None  # done: waiting (until then) for rollouts to hold the last version
 
     # ------------------------------------------------------------------ recovery
+    def restore_from(self, ckpt: Checkpoint | None) -> None:
+        """Take the run's state from ``ckpt`` (None: the start of the run) into the scheduler."""
+        self.staleness_hist = self.resume.restore(ckpt, self.sched)
+
     async def reset(self, reason: str) -> None:
         """A trainer rank is gone: rewind to the last checkpoint and have every node restart."""
         if self.stopping:
@@ -138,7 +137,7 @@ class CoordinatorActor(CoordinatorCheckpoints):
             self.request_stop(f"failed: {reason} (no recovery left)")
             return
         self.recovery["trainer_resets"] += 1
-        self.cut = None  # the run goes back to its last checkpoint: a later boundary is gone
+        self.resume.rewind()  # the run goes back to its last checkpoint: a later boundary is gone
         self.watchdog.restart()  # restarted nodes load their models first: count from new work
         self.log.error("trainer lost: rewinding to the last checkpoint", reason=reason)
         await self._shutdown_all(f"restart: {reason}")
@@ -161,11 +160,9 @@ class CoordinatorActor(CoordinatorCheckpoints):
             ckpt = dataclasses.replace(ckpt, coordinator={**ckpt.coordinator, "scheduler": snap})
         else:
             self.sched.restore(snap)
-            self.staleness_hist = {}
-        admitted_before, wall_before = old.statistics()["admitted"], self.wall_before
-        self.restore_from(ckpt)
+        admitted_before = old.statistics()["admitted"]
+        self.staleness_hist = self.resume.restore(ckpt, self.sched, rewind=True)  # clock: since t0
         self.recovery.update(recovery)
-        self.wall_before = wall_before  # this process's clock still runs since t0
         self.recovery["rolled_back_admitted"] += admitted_before - self.sched.statistics()["admitted"]
         self.nodes.clear()
         self.trainers.clear()
@@ -226,6 +223,42 @@ class CoordinatorActor(CoordinatorCheckpoints):
         # tell everyone, by both paths (PUB may drop for a slow joiner)
         await self._shutdown_all(self.stop_reason or "done")
 
+    # ------------------------------------------------------------------ after a stop
+    async def drain(self, *, wait_s: float) -> None:
+        """After a stop on a signal: commit the drain checkpoint (:meth:`CoordinatorResume.drain`),
+        reading what the nodes sent meanwhile."""
+        await self.resume.drain(wait_s=wait_s, read_late=self._read_late)
+
+    LATE = (Commit, Consumed, VersionAnnounce, StepDone)
+    """What :meth:`_read_late` still handles: the messages that move the ledger or the version."""
+
+    async def _read_late(self, quiet_s: float) -> float | None:
+        """After a stop on a signal: handle what the nodes sent after the main loop stopped
+        reading, until ``quiet_s`` pass without a message; returns when trainer rank 0 last
+        sent one (``time.monotonic()``), or None.
+
+        Trainer rank 0 may be announcing a version as the stop lands (its optimizer step
+        done, the weights on their way); the drain checkpoint needs the cut of that version,
+        and the ledger the commits and consumptions before it, in the order they were sent.
+        ZeroMQ keeps a peer's unread messages after the peer leaves, so this also works once
+        the nodes have exited. Nothing is sent: :meth:`_run` is quiet once stopping."""
+        rank0_heard: float | None = None
+        while True:
+            try:
+                async with asyncio.timeout(quiet_s):
+                    peer, user, msg = await self.control.recv_authenticated()
+            except TimeoutError:
+                return rank0_heard
+            if peer == self.trainers.get(0, {}).get("peer"):
+                rank0_heard = time.monotonic()
+            if isinstance(msg, self.LATE) and self._gate(peer, msg, user) is None:
+                try:
+                    await self._handle(peer, msg)
+                except (SchedulerError, CreditError) as e:
+                    self.rejected += 1
+                    self.log.error("late message rejected by the scheduler", peer=peer,
+                                   msg=type(msg).__name__, error=str(e))
+
     # ------------------------------------------------------------------ identity
     def _gate(self, peer: bytes, msg: Any, user: str | None = None) -> str | None:
         """Why ``msg`` from ``peer`` is dropped unseen, or None (:mod:`digenrl.transport.identity`)."""
@@ -272,18 +305,16 @@ class CoordinatorActor(CoordinatorCheckpoints):
             if self.trainers.get(0, {}).get("peer") != peer:
                 self.recovery["ignored_announces"] += 1  # a dead rank 0's late message
                 return
-            if self.expect_version is not None:
-                if msg.version != self.expect_version:
-                    self.request_stop(f"failed: trainer rank 0 announced version {msg.version} "
-                                      f"after a restore to version {self.expect_version}")
-                    return
-                self.expect_version = None
+            failed = self.resume.announced(msg.version)
+            if failed is not None:
+                self.request_stop(failed)
+                return
             if self.latest_announce is None or msg.version > self.latest_announce.version:
                 self.latest_announce = msg
                 self.weights.published(msg.version, now)
                 await self.pub.send(msg)
             cmds = self.sched.version_published(msg.version, now)
-            self._checkpoint(msg)
+            self.resume.take_cut(msg, self.sched, self.staleness_hist)
             await self._run(cmds)
         elif isinstance(msg, StepDone):
             self._step_done(msg)
@@ -539,7 +570,7 @@ class CoordinatorActor(CoordinatorCheckpoints):
         F = cfg.runtime.fragments_per_step
         # a restored ledger keeps only slots of steps >= its version: the steps below were
         # consumed (each slot once, the ledger asserts it) before the checkpoint was taken
-        base = self.resumed_from[-1] if self.resumed_from else 0
+        base = self.resume.resumed_from[-1] if self.resume.resumed_from else 0
         consumed = base * F + sum(self.sched.ledger.is_consumed(s, f)
                                   for s in range(base, cfg.run.steps) for f in range(F))
         steps_done = stats["version"]
@@ -548,11 +579,11 @@ class CoordinatorActor(CoordinatorCheckpoints):
         t_a, t_b = self.t_first_assign, self.t_last_step
         train_wall = (t_b - t_a) if (t_a is not None and t_b is not None and t_b > t_a) else wall_s
         return {
-            "mode": cfg.run.mode, "steps": steps_done, "wall_s": self.wall_before + wall_s,
+            "mode": cfg.run.mode, "steps": steps_done, "wall_s": self.resume.wall_before + wall_s,
             "startup_s": (t_a - started_at) if t_a is not None else wall_s,
             "samples_per_s": cfg.batch_size * max(steps_done - base, 0) / train_wall,
             "slots": {"consumed": consumed, "expected": cfg.run.steps * F},
-            "recovery": self.recovery, "resumed_from": self.resumed_from,
+            "recovery": self.recovery, "resumed_from": self.resume.resumed_from,
             "refused": dict(self.refused),  # messages dropped by the identity gate, by reason
             "accounting": {k: stats[k] for k in ("admitted", "trained", "discarded", "in_flight")},
             "scheduler": {k: v for k, v in stats.items() if k not in ("nodes",)},

@@ -45,7 +45,7 @@ from digenrl.actors.base import (
 from digenrl.actors.connect import ConnectPolicy, wait_welcome
 from digenrl.config import Config, ConfigError, ResolvedConfig, read_resolved
 from digenrl.devices import resolve_device, use_device
-from digenrl.faults import node_slowdown
+from digenrl.faults import failpoints, node_slowdown
 from digenrl.telemetry import sdnotify
 from digenrl.telemetry.logging import configure_logging, get_logger
 from digenrl.telemetry.trace import SpanRecorder
@@ -324,7 +324,7 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
             hooks=NodeHooks(extra_stats=lambda: {**sec.counters(), "rss_mb": rss_mb(), **traffic(opened)},
                             stats_sink=latest.update, loops=_watchdog_loops(control),
                             compute_init=partial(use_device, device)),
-            slowdown=node_slowdown(cfg.faults, node_id=node_id, role=role),
+            slowdown=node_slowdown(failpoints(), node_id=node_id, role=role),
             stop_grace_s=min(STOP_GRACE_S, limit) if limit > 0 else STOP_GRACE_S,
             trace_path=trace_path, trace_flush_s=cfg.runtime.trace_flush_s)
         actor: RolloutActor | TrainerActor | RewardActor
@@ -386,7 +386,7 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
         finally:
             unhandle()
             recorder.dump(trace_path)
-            stuck = actor.compute_stuck() or ("checkpoint_save" if trainer is not None and trainer.drain_stuck
+            stuck = actor.compute_stuck() or ("checkpoint_save" if trainer is not None and trainer.resume.drain_stuck
                                               else None)
             if stuck is not None:
                 # a torch call that never returns cannot be interrupted, and the interpreter

@@ -3,22 +3,24 @@
 A checkpoint has two writers (:mod:`digenrl.rl.checkpoint`): trainer rank 0 writes its part
 (weights, optimizer, RNG states) at a step boundary, before it announces the version; the
 coordinator completes it with its *cut* of that version, the scheduler's snapshot taken as
-the announcement arrives. Both sides of that story live here, mixed into the two actors:
+the announcement arrives. Both sides of that story live here, as components the two actors hold
+(``self.resume``: :class:`TrainerResume`, :class:`CoordinatorResume`):
 
     trainer rank 0                              coordinator
     ------------------------------------------  ------------------------------------------
     optimizer step -> version v                 (reads commits, consumptions, StepDone)
     due: write its part of v                    VersionAnnounce(v) -> cut of v
-    not due: keep v's RNG states (_boundary)    due: commit v; not due: keep the cut
+    not due: keep v's RNG states (boundary)     due: commit v; not due: keep the cut
+      (TrainerResume.at_boundary)                 (CoordinatorResume.take_cut)
     VersionAnnounce(v)
     on a signal: write its part of the kept     on a signal: read what the nodes sent
-      boundary (drain_checkpoint)                 before leaving (read_late), then commit
-                                                  the kept cut once rank 0's part is there
-                                                  (commit_drain_checkpoint)
+      boundary (drain_checkpoint)                 before leaving (the coordinator's
+                                                  read_late), then commit the kept cut
+                                                  once rank 0's part is there (drain)
 
 On a restart every rank loads the newest checkpoint that verifies; several ranks first agree
-that they verified the same one (:meth:`TrainerCheckpoints.restore`), and the coordinator
-restores its scheduler from the same checkpoint (:meth:`CoordinatorCheckpoints.restore_from`)
+that they verified the same one (:meth:`TrainerResume.restore`), and the coordinator
+restores its scheduler from the same checkpoint (:meth:`CoordinatorResume.restore`)
 and never commits that version again (a slower rank may be verifying it).
 
 Once a stop is asked no trainer rank takes another optimizer step, so the version the
@@ -42,20 +44,20 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from digenrl.actors.base import Actor, stopped_by_signal
+from digenrl.actors.base import Log
 from digenrl.config import Config
-from digenrl.core.credits import CreditError
-from digenrl.core.scheduler import Scheduler, SchedulerError
+from digenrl.core.scheduler import Scheduler
 from digenrl.rl.checkpoint import (
     Checkpoint,
+    capture_rng,
     checkpoint_due,
     commit_checkpoint,
     latest_checkpoint,
@@ -66,7 +68,8 @@ from digenrl.rl.checkpoint import (
 from digenrl.rl.learner import Learner
 from digenrl.rl.policy import Policy
 from digenrl.telemetry import sdnotify
-from digenrl.transport.protocol import Commit, Consumed, StepDone, VersionAnnounce
+from digenrl.telemetry.trace import SpanRecorder
+from digenrl.transport.protocol import VersionAnnounce
 
 TRAINER_RANK_STOPPED = "a trainer rank stopped"
 """Stop reason of a rank whose peer voted to stop in a step's all-reduce while the run's own
@@ -106,45 +109,66 @@ def sharded_vote(learner: Learner, all_reduce: Callable[[torch.Tensor], None], *
     return bool(flags[0] > 0), bool(flags[1] > 0)
 
 
-class CoordinatorCheckpoints(Actor):
-    """The coordinator's side: restoring from a checkpoint, cutting at each announced
-    version, and the drain checkpoint after a stop on a signal."""
+class CoordinatorResume:
+    """The coordinator's side, held by the coordinator (``self.resume``): restoring from a
+    checkpoint, cutting at each announced version, and the drain checkpoint after a stop on
+    a signal.
 
-    cfg: Config
-    sched: Scheduler
-    control: Any
-    run_dir: Path
-    recovery: dict[str, int]
-    trainers: dict[int, dict[str, Any]]
-    staleness_hist: dict[str, int]
-    resumed_from: list[int]
-    wall_before: float
-    t0: float
-    rejected: int
-    cut: tuple[int, dict[str, Any]] | None      # the last boundary kept since a checkpoint
-    rank0_heard: float | None                   # after a stop: when trainer rank 0 last sent
-    expect_version: int | None                  # the version restored trainers must announce
-    start_version: int                          # the version the run (re)started from
+    Inputs: the run's config and run dir, the coordinator's ``recovery`` counters (a
+    checkpoint holds them and a restore takes them back, in that same dict), when the
+    coordinator started (``started``, a ``perf_counter`` reading: a cut records the run's
+    wall time) and a log. The scheduler and the staleness histogram are passed to each call:
+    a rewind replaces the scheduler."""
 
-    if TYPE_CHECKING:
-        def _gate(self, peer: bytes, msg: Any, user: str | None = None) -> str | None: ...
-        async def _handle(self, peer: bytes, msg: Any) -> None: ...
+    def __init__(self, *, cfg: Config, run_dir: Path, recovery: dict[str, int], started: float,
+                 log: Log) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.recovery = recovery
+        self.started = started
+        self.log = log
+        self.cut: tuple[int, dict[str, Any]] | None = None  # the last boundary kept since a checkpoint
+        self.expect_version: int | None = None  # the version restored trainers must announce
+        self.start_version = 0                  # the version the run (re)started from
+        self.wall_before = 0.0                  # the run's wall time before the last resume
+        self.resumed_from: list[int] = []       # the versions the run resumed from, in order
 
-    def restore_from(self, ckpt: Checkpoint | None) -> None:
-        """Take the run's state from ``ckpt`` (None: the start of the run) into a fresh scheduler."""
+    def restore(self, ckpt: Checkpoint | None, sched: Scheduler, *, rewind: bool = False) -> dict[str, int]:
+        """Take the run's state from ``ckpt`` (None: the start of the run) into the fresh
+        scheduler ``sched``; returns the staleness histogram it held (empty at the start).
+        ``rewind``: this process goes back to ``ckpt`` after losing a trainer rank; its own
+        clock runs on since it started (the wall time before is kept)."""
         self.expect_version = ckpt.version if ckpt else 0
         self.start_version = self.expect_version
         if ckpt is None:
-            return
+            return {}
         c = ckpt.coordinator
-        self.sched.restore(c["scheduler"])
-        self.staleness_hist = {str(k): int(v) for k, v in c.get("staleness_hist", {}).items()}
-        self.wall_before = float(c.get("wall_s", 0.0))
+        sched.restore(c["scheduler"])
+        if not rewind:
+            self.wall_before = float(c.get("wall_s", 0.0))
         self.resumed_from = [*c.get("resumed_from", []), ckpt.version]
         for k, v in c.get("recovery", {}).items():
             self.recovery[k] = int(v)
+        return {str(k): int(v) for k, v in c.get("staleness_hist", {}).items()}
 
-    def _checkpoint(self, ann: VersionAnnounce) -> None:
+    def rewind(self) -> None:
+        """The run goes back to its last checkpoint: a boundary kept since then is gone."""
+        self.cut = None
+
+    def announced(self, version: int) -> str | None:
+        """Trainer rank 0 announced ``version``: why the run must fail (restored trainers
+        announced another version than the one restored), or None."""
+        if self.expect_version is None:
+            return None
+        if version != self.expect_version:
+            return (f"failed: trainer rank 0 announced version {version} "
+                    f"after a restore to version {self.expect_version}")
+        self.expect_version = None
+        return None
+
+    def take_cut(self, ann: VersionAnnounce, sched: Scheduler, staleness_hist: dict[str, int]) -> None:
+        """The cut of the announced version: committed with trainer rank 0's part if a
+        checkpoint is due, else kept for a drain."""
         v = ann.version
         if v <= self.start_version:
             # the version this run restored (or 0): its checkpoint is already on disk, and a
@@ -153,12 +177,13 @@ class CoordinatorCheckpoints(Actor):
             # checkpoint, restored an older one and waited for good for its step's work
             self.cut = None
             return
-        snap = self.sched.snapshot()
+        snap = sched.snapshot()
         # a rank that consumed work of step v before rank 0 announced v: no consistent cut here
         consistent = not any(s >= v for s, _ in snap["ledger"]["consumed"])
         cut = {"scheduler": snap, "announce": dataclasses.asdict(ann),
-               "staleness_hist": dict(self.staleness_hist), "resumed_from": list(self.resumed_from),
-               "wall_s": self.wall_before + time.perf_counter() - self.t0, "recovery": dict(self.recovery)}
+               "staleness_hist": dict(staleness_hist), "resumed_from": list(self.resumed_from),
+               "wall_s": self.wall_before + time.perf_counter() - self.started,
+               "recovery": dict(self.recovery)}
         if not checkpoint_due(v, steps=self.cfg.run.steps, every=self.cfg.run.checkpoint_every):
             # kept for a drain: a stop on a signal commits it once the trainer wrote its part
             self.cut = (v, cut) if consistent else None
@@ -176,8 +201,8 @@ class CoordinatorCheckpoints(Actor):
 
     def commit_drain_checkpoint(self) -> int | None:
         """After a stop on a signal: commit the last step boundary's cut if trainer rank 0 wrote
-        its part of it (TrainerCheckpoints.drain_checkpoint); the version, or None (no cut kept
-        since the last checkpoint, or no trainer part)."""
+        its part of it (:meth:`TrainerResume.drain_checkpoint`); the version, or None (no cut
+        kept since the last checkpoint, or no trainer part)."""
         if self.cut is None or not trainer_part_ready(self.run_dir, self.cut[0]):
             return None
         v, cut = self.cut
@@ -188,49 +213,23 @@ class CoordinatorCheckpoints(Actor):
         self.log.info("drain checkpoint committed", version=v)
         return v
 
-    LATE = (Commit, Consumed, VersionAnnounce, StepDone)
-    """What :meth:`read_late` still handles: the messages that move the ledger or the version."""
-
-    async def read_late(self, quiet_s: float) -> int:
-        """After a stop on a signal: handle what the nodes sent after the main loop stopped
-        reading, until ``quiet_s`` pass without a message; returns how many were handled.
-
-        Trainer rank 0 may be announcing a version as the stop lands (its optimizer step
-        done, the weights on their way); the drain checkpoint needs the cut of that version,
-        and the ledger the commits and consumptions before it, in the order they were sent.
-        ZeroMQ keeps a peer's unread messages after the peer leaves, so this also works once
-        the nodes have exited. Nothing is sent: the coordinator's ``_run`` is quiet once
-        stopping."""
-        handled = 0
-        if self.rank0_heard is None:
-            self.rank0_heard = time.monotonic()
-        while True:
-            try:
-                async with asyncio.timeout(quiet_s):
-                    peer, user, msg = await self.control.recv_authenticated()
-            except TimeoutError:
-                return handled
-            if peer == self.trainers.get(0, {}).get("peer"):
-                self.rank0_heard = time.monotonic()  # its heartbeats stop once it stops working
-            if isinstance(msg, self.LATE) and self._gate(peer, msg, user) is None:
-                try:
-                    await self._handle(peer, msg)
-                    handled += 1
-                except (SchedulerError, CreditError) as e:
-                    self.rejected += 1
-                    self.log.error("late message rejected by the scheduler", peer=peer,
-                                   msg=type(msg).__name__, error=str(e))
-
-    async def drain(self, *, wait_s: float) -> None:
+    async def drain(self, *, wait_s: float, read_late: Callable[[float], Awaitable[float | None]]) -> None:
         """After a stop on a signal: commit the last step boundary's checkpoint once trainer
         rank 0 has written its part (nodes told to stop by a signal write it as they leave),
         reading late messages meanwhile; gives up after ``wait_s``, or at once when no
-        boundary is kept and rank 0 has been silent for two heartbeats."""
+        boundary is kept and rank 0 has been silent for two heartbeats.
+
+        ``read_late(quiet_s)`` is the coordinator handling what the nodes sent after its main
+        loop stopped reading, until ``quiet_s`` pass without a message: an announcement sent as
+        the stop landed holds the cut of the boundary the trainer kept. It returns when trainer
+        rank 0 last sent one (``time.monotonic()``), or None."""
         deadline = time.monotonic() + wait_s
         silent_s = 2 * self.cfg.runtime.heartbeat_s
+        rank0_heard = time.monotonic()
         while True:
-            # an announcement sent as the stop landed holds the cut of the boundary the trainer kept
-            await self.read_late(quiet_s=0.2)
+            heard = await read_late(0.2)
+            if heard is not None:
+                rank0_heard = heard  # its heartbeats stop once it stops working
             if self.cut is not None and self.commit_drain_checkpoint() is not None:
                 return
             now = time.monotonic()
@@ -239,38 +238,56 @@ class CoordinatorCheckpoints(Actor):
                     self.log.warning("no drain checkpoint: trainer rank 0 wrote no part of the last "
                                      "step boundary", version=self.cut[0])
                 return
-            assert self.rank0_heard is not None  # read_late set it
-            if self.cut is None and now - self.rank0_heard > silent_s:
+            if self.cut is None and now - rank0_heard > silent_s:
                 return  # rank 0 stopped without announcing a boundary past the last checkpoint
 
 
-class TrainerCheckpoints(Actor):
-    """A trainer rank's side: restoring (ranks agreeing on the checkpoint first), the drain
-    checkpoint (rank 0's part, or every sharded rank's shard), and the stop vote at a step's end."""
+class TrainerResume:
+    """A trainer rank's side, held by the trainer (``self.resume``): restoring (ranks agreeing
+    on the checkpoint first), its part of each due checkpoint and the boundary it keeps
+    between them, the drain checkpoint (rank 0's part, or every sharded rank's shard), and
+    the stop vote at a step's end.
 
-    cfg: Config
-    policy: Policy
-    learner: Learner
-    rank: int
-    world_size: int
-    run_dir: Any
-    rejected_stale: int
-    restored: asyncio.Event   # set once the checkpoint (if any) is loaded
-    votes: bool               # ranks > 1: a stop vote at each step's end (module doc)
-    _voted: bool              # this rank's last collective was a vote to stop
-    _drain_voted: bool        # sharded: a rank's stop in the last vote was a drain
-    drain_stuck = False       # sharded: the drain checkpoint's collective write never finished
-    # the last step boundary as a checkpoint would hold it: (version, RNG states, counters)
-    _boundary: tuple[int, dict[str, Any], dict[str, Any]] | None
+    Inputs: the run's config and run dir, the rank's policy and learner, its rank in the
+    trainers' torch.distributed ``group`` (None: the default group) of ``world_size`` ranks,
+    and what it needs of the actor as explicit callables: ``in_thread`` (torch work on the
+    compute thread, as a busy span), ``compute_init`` (what sets a thread up as the compute
+    thread is), ``request_stop`` and ``wait_stopped`` (the actor's stop), ``step_passes``
+    (a step's training passes on its busiest rank: sharded ranks pad to it)."""
 
-    if TYPE_CHECKING:
-        def _step_passes(self, step: int) -> int: ...
+    def __init__(self, *, cfg: Config, run_dir: Path, policy: Policy, learner: Learner, rank: int,
+                 world_size: int, in_thread: Callable[..., Awaitable[Any]],
+                 request_stop: Callable[[str], None], wait_stopped: Callable[[], Awaitable[None]],
+                 step_passes: Callable[[int], int], recorder: SpanRecorder, log: Log,
+                 compute_init: Callable[[], object] | None = None,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.policy = policy
+        self.learner = learner
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.in_thread = in_thread
+        self.request_stop = request_stop
+        self.wait_stopped = wait_stopped
+        self.step_passes = step_passes
+        self.recorder = recorder
+        self.log = log
+        self.compute_init = compute_init
+        self.votes = world_size > 1  # several ranks vote at each step's end whether to stop
+        self.voted = False           # this rank's last collective was a vote to stop
+        self.drain_voted = False     # sharded: a rank's stop in the last vote was a drain
+        self.drain_stuck = False     # sharded: the drain checkpoint's collective write never finished
+        # the last step boundary as a checkpoint would hold it: (version, RNG states, counters),
+        # written by drain_checkpoint when a stop comes before the next due checkpoint
+        self.boundary: tuple[int, dict[str, Any], dict[str, Any]] | None = None
 
-    async def restore(self) -> bool:
-        """Load the run's latest checkpoint, if any, then let the data loop judge work. Several
-        ranks first check that each verified the same checkpoint: one that restored another
-        version would refuse its step's work as out of the window, and the run would wait for
-        good. False (and a failed stop) if they differ."""
+    async def restore(self) -> dict[str, Any] | None:
+        """Load the run's latest checkpoint, if any; returns the counters it held ({} when
+        there is none). Several ranks first check that each verified the same checkpoint: one
+        that restored another version would refuse its step's work as out of the window, and
+        the run would wait for good. None (and a failed stop) if they differ."""
         ckpt = await asyncio.to_thread(latest_checkpoint, self.run_dir)
         if self.world_size > 1:
             versions = await self.in_thread("checkpoint_agree", self._gathered, ckpt.version if ckpt else 0)
@@ -279,50 +296,61 @@ class TrainerCheckpoints(Actor):
                                skipped=list(ckpt.skipped) if ckpt else [])
                 self.request_stop(f"failed: trainer ranks verified different checkpoints (version by "
                                   f"rank: {versions}); see each rank's log for what it skipped")
-                return False
-        if ckpt is not None:
-            counters = await self.in_thread("checkpoint_load", load_trainer_state, ckpt, self.policy)
-            self.rejected_stale = int(counters.get("rejected_stale", 0))
-            self.log = self.log.bind(policy_version=self.policy.version)
-            for why in ckpt.skipped:
-                self.log.warning("checkpoint skipped", reason=why)
-            self.log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path),
-                          layout=ckpt.trainer.get("layout"), trainers=self.world_size)
-        self.restored.set()
-        return True
+                return None
+        if ckpt is None:
+            return {}
+        counters: dict[str, Any] = await self.in_thread("checkpoint_load", load_trainer_state, ckpt, self.policy)
+        self.log = self.log.bind(policy_version=self.policy.version)
+        for why in ckpt.skipped:
+            self.log.warning("checkpoint skipped", reason=why)
+        self.log.info("resumed from checkpoint", version=ckpt.version, path=str(ckpt.path),
+                      layout=ckpt.trainer.get("layout"), trainers=self.world_size)
+        return counters
 
     def _gathered(self, value: int) -> list[int]:
         """Compute thread: ``value`` from every rank, by rank (a device tensor: NCCL needs one)."""
         device = self.policy.params[0].device
         mine = torch.tensor([value], dtype=torch.int64, device=device)
         out = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine)
+        dist.all_gather(out, mine, group=self.group)
         return [int(t.item()) for t in out]
 
-    async def drain_checkpoint(self) -> int | None:
+    async def at_boundary(self, version: int, counters: dict[str, Any]) -> None:
+        """The step boundary ``version`` (rank 0, or every sharded rank: their writes are
+        collectives): write this rank's part of a due checkpoint before the version is
+        announced (the coordinator completes it on the announcement), else keep the boundary
+        for a drain checkpoint."""
+        if checkpoint_due(version, steps=self.cfg.run.steps, every=self.cfg.run.checkpoint_every):
+            await self.in_thread("checkpoint_save", partial(
+                save_trainer_state, self.run_dir, self.policy, counters, write=self.rank == 0))
+        else:
+            self.boundary = (version, capture_rng(), counters)
+
+    async def drain_checkpoint(self, *, signalled: bool) -> int | None:
         """After the actor stopped: write this rank's part of a checkpoint of the last step
         boundary, if the stop was a drain and no checkpoint holds that boundary (the
-        coordinator commits it with its cut of that version: :meth:`CoordinatorCheckpoints.drain`).
+        coordinator commits it with its cut of that version: :meth:`CoordinatorResume.drain`).
         The weights and the optimizer have not moved since the boundary (a step's gradients
         only accumulate until its optimizer step), and the RNG states are those the boundary
-        saw. Returns the version written, or None.
+        saw. ``signalled``: this rank's own stop came from a signal. Returns the version
+        written, or None.
 
         Unsharded: rank 0 alone writes, if its own stop came from a signal. Sharded: the write
         is a collective, so every rank writes its shard if any rank's stop in the step's vote
         was a drain; each decides alike (the vote's result, the boundary every rank keeps)."""
-        b = self._boundary
+        b = self.boundary
         if b is None or b[0] != self.policy.version:
             return None
         if self.policy.sharded:
-            if not self._drain_voted:
+            if not self.drain_voted:
                 return None
-        elif not stopped_by_signal(self.stop_reason) or trainer_part_ready(self.run_dir, b[0]):
+        elif not signalled or trainer_part_ready(self.run_dir, b[0]):
             return None
         version, rng, counters = b
         timeout = DRAIN_SAVE_TIMEOUT_S if self.policy.sharded else None
         sdnotify.extend_timeout(timeout or 120)  # a large model's write may outlast the unit's stop timeout
         save = partial(save_trainer_state, self.run_dir, self.policy, counters, write=self.rank == 0, rng=rng)
-        with self.working("checkpoint_save", version=version):
+        with self.recorder.span("checkpoint_save", version=version):
             # after the actor's run: its compute thread is gone, so on a thread set up alike
             try:  # a timeout abandons the thread (it cannot be interrupted): node.py exits hard
                 await asyncio.wait_for(asyncio.to_thread(self._on_compute_device, save), timeout)
@@ -342,46 +370,46 @@ class TrainerCheckpoints(Actor):
 
     def _on_compute_device(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` on a thread set up as the compute thread is (its CUDA device: NCCL)."""
-        if self.hooks.compute_init is not None:
-            self.hooks.compute_init()
+        if self.compute_init is not None:
+            self.compute_init()
         return fn()
 
     def _all_reduce(self, t: torch.Tensor) -> None:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
 
-    def _step_unless_voted(self, stop: bool, pad_to: int, drain: bool = False) -> dict[str, float] | None:
+    def step_unless_voted(self, stop: bool, pad_to: int, drain: bool = False) -> dict[str, float] | None:
         """Compute thread: the step's vote with this rank's stop (and, sharded, whether it is a
         drain), then the optimizer step; None (and no step on any rank) if a rank voted to stop."""
         if self.policy.sharded:
-            stopped, self._drain_voted = sharded_vote(self.learner, self._all_reduce, stop=stop,
-                                                      drain=drain, pad_to=pad_to)
+            stopped, self.drain_voted = sharded_vote(self.learner, self._all_reduce, stop=stop,
+                                                     drain=drain, pad_to=pad_to)
             if stopped:
                 return None
         elif not self.learner.reduce_gradients(self._all_reduce, stop=stop):
             return None
         return self.learner.finish_step(None, pad_to=pad_to)
 
-    async def _vote_stop(self) -> None:
+    async def vote_stop(self, *, drain: bool) -> None:
         """Leaving on a stop before this step's vote: join it with a vote to stop, so a rank
         already waiting in it (or, sharded, in a pass this rank pads) takes no step and leaves
-        too instead of waiting for good."""
+        too instead of waiting for good. ``drain``: the stop came from a signal."""
         try:
             if self.policy.sharded:
-                _, self._drain_voted = await self.in_thread("stop_vote", partial(
-                    sharded_vote, self.learner, self._all_reduce, stop=True,
-                    drain=stopped_by_signal(self.stop_reason), pad_to=self._step_passes(self.policy.version)))
+                _, self.drain_voted = await self.in_thread("stop_vote", partial(
+                    sharded_vote, self.learner, self._all_reduce, stop=True, drain=drain,
+                    pad_to=self.step_passes(self.policy.version)))
             else:
                 await self.in_thread("stop_vote", partial(self.learner.reduce_gradients, self._all_reduce,
                                                           stop=True))
         except RuntimeError as e:  # a peer already gone (gloo: "Connection closed by peer")
             self.log.warning("stop vote not delivered: a trainer rank is gone", error=str(e))
-        self._voted = True
+        self.voted = True
 
-    async def _peer_voted_to_stop(self, step: int) -> None:
+    async def peer_voted_to_stop(self, step: int) -> None:
         """Another rank voted to stop in step ``step``'s all-reduce: this group trains no more.
         The run's stop usually reaches this rank a moment later (the same SIGTERM, the
         coordinator's Shutdown); if it does not (only that rank was stopped), leave anyway."""
-        self._voted = True
+        self.voted = True
         self.log.info("a trainer rank voted to stop: no optimizer step", step=step)
         rt = self.cfg.runtime
         with contextlib.suppress(TimeoutError):
@@ -389,5 +417,5 @@ class TrainerCheckpoints(Actor):
         self.request_stop(TRAINER_RANK_STOPPED)  # a no-op when the run's stop came first
 
 
-__all__ = ["DRAIN_CHECKPOINT_WAIT_S", "DRAIN_SAVE_TIMEOUT_S", "TRAINER_RANK_STOPPED", "CoordinatorCheckpoints",
-           "TrainerCheckpoints", "drain_wait_s", "sharded_vote"]
+__all__ = ["DRAIN_CHECKPOINT_WAIT_S", "DRAIN_SAVE_TIMEOUT_S", "TRAINER_RANK_STOPPED", "CoordinatorResume",
+           "TrainerResume", "drain_wait_s", "sharded_vote"]

@@ -12,8 +12,8 @@
 |                             | to stop (Learner.reduce_gradients)       |                               |
 | control ``recv()``          | Welcome, Assign (TAG), Revoke, Shutdown  | the coordinator               |
 
-Checkpoints, the drain after a stop and the stop vote in a step's all-reduce are
-:mod:`digenrl.actors.resume` (:class:`~digenrl.actors.resume.TrainerCheckpoints`): every rank
+Checkpoints, the drain after a stop and the stop vote in a step's all-reduce are a component
+the trainer holds, ``self.resume`` (:class:`~digenrl.actors.resume.TrainerResume`): every rank
 loads the newest checkpoint of its run dir before it judges any work, and rank 0 announces
 the restored version, so rollouts re-sync through the normal VersionAnnounce/WeightsRequest
 path. Rank 0 writes its part of a due checkpoint at the step boundary, before announcing the
@@ -33,19 +33,14 @@ from collections import defaultdict
 from functools import partial
 from typing import Any
 
-from digenrl.actors.base import Loop, stopped_by_signal
+from digenrl.actors.base import Actor, Loop, stopped_by_signal
 from digenrl.actors.peers import NodePeers
-from digenrl.actors.resume import TrainerCheckpoints
+from digenrl.actors.resume import TrainerResume
 from digenrl.actors.streamer import FragmentStreamer
 from digenrl.config import Config
 from digenrl.core.plan import owners_for, plan_for_step
 from digenrl.faults import crash_point, hang_point
 from digenrl.rl.algorithm import Staged, algorithm_for
-from digenrl.rl.checkpoint import (
-    capture_rng,
-    checkpoint_due,
-    save_trainer_state,
-)
 from digenrl.rl.evaluate import eval_due, evaluate
 from digenrl.rl.finite import NONFINITE
 from digenrl.rl.fragment import FragmentJob
@@ -71,7 +66,7 @@ from digenrl.transport.staging import HostToDevice, Landed
 from digenrl.transport.weights import WeightStore, publish_parts, serve_weights
 
 
-class TrainerActor(TrainerCheckpoints):
+class TrainerActor(Actor):
     role = "trainer"
 
     def __init__(self, *, peers: NodePeers, cfg: Config, policy: Policy, rank: int, world_size: int,
@@ -101,9 +96,6 @@ class TrainerActor(TrainerCheckpoints):
         self.pending: dict[int, list[Commit]] = defaultdict(list)        # step -> commits
         self.consumed_slots: dict[int, set[int]] = defaultdict(set)      # step -> fragments
         self.rejected_stale = 0
-        # the last step boundary as a checkpoint would hold it: (version, RNG states, counters),
-        # written by drain_checkpoint when a stop comes before the next due checkpoint
-        self._boundary: tuple[int, dict[str, Any], dict[str, Any]] | None = None
         self.revoked: set[int] = set()
         # TAG: fragments this rank generates with its current weights (never its gradients)
         self.streamer = FragmentStreamer(
@@ -122,11 +114,12 @@ class TrainerActor(TrainerCheckpoints):
         # version, not version 0 (rank 0 may announce, and rollouts send, before this rank
         # has restored; what they send waits in the socket)
         self.restored = asyncio.Event()
-        # several ranks vote at each step's end whether to stop (actors/resume.py); _voted: this
-        # rank's last collective was that vote; _drain_voted: sharded, a rank's stop was a drain
-        self.votes = world_size > 1
-        self._voted = False
-        self._drain_voted = False
+        # checkpoints, the drain after a stop, and the stop vote at each step's end
+        self.resume = TrainerResume(cfg=cfg, run_dir=run_dir, policy=policy, learner=self.learner, rank=rank,
+                                    world_size=world_size, in_thread=self.in_thread,
+                                    request_stop=self.request_stop, wait_stopped=self.wait_stopped,
+                                    step_passes=self._step_passes, recorder=self.recorder, log=self.log,
+                                    compute_init=self.hooks.compute_init)
 
     @property
     def policy_version(self) -> int:
@@ -138,9 +131,27 @@ class TrainerActor(TrainerCheckpoints):
         self.wake.set()  # a rank waiting for work re-checks ``stopping``
 
     def drop_model(self) -> None:
-        """Let go of the policy and learner: a sharded (FSDP) model holds the process group,
-        which must be destroyed after the model, not by the interpreter's exit."""
-        del self.learner, self.policy
+        """Let go of the policy and learner (and the resume component holding them too): a
+        sharded (FSDP) model holds the process group, which must be destroyed after the model,
+        not by the interpreter's exit."""
+        del self.learner, self.policy, self.resume
+
+    async def restore(self) -> bool:
+        """Load the run's latest checkpoint, if any (:meth:`TrainerResume.restore`), then let
+        the data loop judge work; False (and a failed stop) if the ranks verified different
+        checkpoints."""
+        counters = await self.resume.restore()
+        if counters is None:
+            return False
+        self.rejected_stale = int(counters.get("rejected_stale", 0))
+        self.log = self.log.bind(policy_version=self.policy.version)
+        self.restored.set()
+        return True
+
+    async def drain_checkpoint(self) -> int | None:
+        """After the actor stopped: this rank's part of a drain checkpoint, if its stop calls for
+        one (:meth:`TrainerResume.drain_checkpoint`); the version written, or None."""
+        return await self.resume.drain_checkpoint(signalled=stopped_by_signal(self.stop_reason))
 
     # ---------------------------------------------------------------- loops
     def background(self) -> list[Loop]:
@@ -172,7 +183,7 @@ class TrainerActor(TrainerCheckpoints):
                 # Several ranks vote at the step's end (one rank leaving alone would strand
                 # the others in a collective): actors/resume.py.
                 if len(self.consumed_slots[step]) == F:
-                    if self.votes:
+                    if self.resume.votes:
                         if not await self._finish_step(step):
                             break  # a rank voted to stop: no rank stepped
                     elif not self.stopping:  # one rank: nobody to vote with
@@ -187,8 +198,9 @@ class TrainerActor(TrainerCheckpoints):
                                                        free_mb=self.peers.gpu_free_mb()))
             with self.recorder.span("wait"):
                 await self.wake.wait()
-        if self.votes and not self._voted and self.policy.version < self.cfg.run.steps:
-            await self._vote_stop()  # the step's all-reduce other ranks may be waiting in
+        if self.resume.votes and not self.resume.voted and self.policy.version < self.cfg.run.steps:
+            # the step's all-reduce other ranks may be waiting in
+            await self.resume.vote_stop(drain=stopped_by_signal(self.stop_reason))
         await self.wait_stopped()
 
     def _arrival_check(self, msg: Chunk | CleanSample | Commit) -> str | None:
@@ -414,11 +426,12 @@ class TrainerActor(TrainerCheckpoints):
         """The step's optimizer step, then its report, checkpoint and publish; False if a rank
         voted to stop instead (then no rank stepped)."""
         pad_to = self._step_passes(step)
-        if self.votes:
+        if self.resume.votes:
             voted = await self.in_thread("optimizer_step", partial(
-                self._step_unless_voted, self.stopping, pad_to, stopped_by_signal(self.stop_reason)), step=step)
+                self.resume.step_unless_voted, self.stopping, pad_to, stopped_by_signal(self.stop_reason)),
+                step=step)
             if voted is None:
-                await self._peer_voted_to_stop(step)
+                await self.resume.peer_voted_to_stop(step)
                 return False
             metrics = voted
         else:
@@ -455,13 +468,8 @@ class TrainerActor(TrainerCheckpoints):
         # rank runs them, in this order, and only rank 0 writes.
         if version == self.cfg.run.steps:
             await asyncio.to_thread(partial(save_final, self.policy, self.run_dir, write=rank0))
-        if checkpoint_due(version, steps=self.cfg.run.steps, every=self.cfg.run.checkpoint_every):
-            # before the announcement: the coordinator completes the checkpoint on it
-            await self.in_thread("checkpoint_save", partial(
-                save_trainer_state, self.run_dir, self.policy, {"rejected_stale": self.rejected_stale},
-                write=rank0))
-        else:  # rank 0, or every sharded rank (their drain checkpoint is a collective write)
-            self._boundary = (version, capture_rng(), {"rejected_stale": self.rejected_stale})
+        # before the announcement: the coordinator completes a due checkpoint on it
+        await self.resume.at_boundary(version, {"rejected_stale": self.rejected_stale})
         await self._publish(version)
         if not last:  # after the publish: rollouts fetch the new version while we evaluate it
             await self._maybe_eval(version)

@@ -1,23 +1,24 @@
-"""TEST-ONLY: the catalogue of hostile but decodable messages (issue 20's adversary), in one place.
+"""The catalogue of hostile but decodable messages (a spoofing, out-of-bounds adversary), in one place.
 
 ``bench/faults.py`` (its hostile peer), ``tests/test_fuzz_node.py`` (semantic fuzzing of live
 nodes) and ``tests/test_hostile.py`` (each refusal, in process) build their messages here, so
-a field added to the protocol is added once: mypy checks every constructor call below, where a
-copy of them in the bench went stale twice (``Commit.discard``, ``Consumed.policy_version``)
-and hung it. A production run uses none of this.
+a field added to the protocol is added once: mypy checks every constructor call below
+(``pyproject.toml`` lists this file), where a copy of them in the bench went stale twice
+(``Commit.discard``, ``Consumed.policy_version``) and hung it. It lives with the tests, outside
+the package: a production run uses none of it.
 
 Two parts:
 
 * **Builders**, one per message a peer sends the coordinator or a trainer's data socket: every
   field set to a value an honest peer could send, a few parameters for what the callers vary.
+  The data plane's (:func:`chunk`, :func:`commit`) are the tests' shared ones
+  (``tests/factories.py``).
   The Hypothesis strategies of ``tests/test_fuzz_node.py`` are ``st.builds`` over them.
-* **Attacks**: what issue 20's adversary sent, each a builder with the values no honest peer
+* **Attacks**: what the adversary sends, each a builder with the values no honest peer
   sends. :func:`coordinator_attack` and :func:`trainer_attack` are the bench's rounds.
 """
 
 from __future__ import annotations
-
-import torch
 
 from digenrl.core.types import Role
 from digenrl.transport.protocol import (
@@ -31,6 +32,8 @@ from digenrl.transport.protocol import (
     StepDone,
     VersionAnnounce,
 )
+from tests.factories import chunk as chunk  # re-exported: the catalogue's data-plane builders
+from tests.factories import commit as commit
 
 INT64_MAX = (1 << 63) - 1
 FAR_STEP = 10**12  # a step no run reaches
@@ -56,26 +59,6 @@ def heartbeat(node_id: str = "trainer-0", *, incarnation: int = 1, seq: int = 0,
                      gpu={} if gpu is None else gpu, stats={} if stats is None else stats)
 
 
-def chunk(task_id: int = 1, step: int = 0, fragment: int = 0, t_index: int = 0, *,
-          x_t: torch.Tensor | None = None, x_next: torch.Tensor | None = None, sigma: float = 0.9,
-          sigma_next: float = 0.8, policy_version: int = 0) -> Chunk:
-    """One denoising step of ``x_t.shape[0]`` trajectories (default: 2 of 4 zeros)."""
-    x = torch.zeros(2, 4) if x_t is None else x_t
-    return Chunk(task_id=task_id, step=step, fragment=fragment, t_index=t_index, sigma=sigma,
-                 sigma_next=sigma_next, policy_version=policy_version, x_t=x,
-                 x_next=x if x_next is None else x_next, log_prob=torch.zeros(x.shape[0]))
-
-
-def commit(task_id: int = 1, step: int = 0, fragment: int = 0, *, node_id: str = "rollout-0", n: int = 2,
-           prompt_ids: list[int] | None = None, policy_version: int = 0, reward_terms: JSONDict | None = None,
-           cond: dict[str, torch.Tensor] | None = None) -> Commit:
-    """A fragment's commit: ``n`` trajectories rewarded 0.5 each."""
-    return Commit(task_id=task_id, step=step, fragment=fragment, node_id=node_id, policy_version=policy_version,
-                  prompt_ids=[0] if prompt_ids is None else prompt_ids, rewards=[0.5] * n,
-                  reward_terms={} if reward_terms is None else reward_terms, gen_seconds=0.1,
-                  cond={} if cond is None else cond, images=torch.zeros(0, dtype=torch.uint8), discard="")
-
-
 def consumed(task_id: int = 1, step: int = 0, fragment: int = 0, *, rank: int = 0, trained: int = 2,
              policy_version: int = 0, train_seconds: float = 0.1) -> Consumed:
     return Consumed(task_id=task_id, step=step, fragment=fragment, rank=rank, policy_version=policy_version,
@@ -90,7 +73,7 @@ def version_announce(version: int = 1, step: int = 1) -> VersionAnnounce:
     return VersionAnnounce(version=version, step=step, nparts=1, nbytes=1, checksum="x")
 
 
-# ----------------------------------------------------------------------------- issue 20's attacks
+# ----------------------------------------------------------------------------- the attacks
 
 
 def future_step_done(i: int = 0) -> StepDone:
@@ -139,3 +122,4 @@ def trainer_attack(i: int, node_id: str) -> Message:
     outside the run, chunks and commits in turn."""
     task = 10**9 + i
     return out_of_run_chunk(task) if i % 2 else out_of_run_commit(task, node_id)
+
