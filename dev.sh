@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The two commands of the README:
 #   ./dev.sh launch [digenrl launch args...]   set up, then run the main job (embedded default)
-#   ./dev.sh test   [pytest args...]           set up, then ruff + mypy + the test suite
+#   ./dev.sh test   [pytest args...]           set up, then ruff + mypy + the test suite (2 workers)
 #   ./dev.sh lock                              refresh constraints.txt (see below)
 # Set-up is idempotent: a venv in .venv (override with DIGENRL_VENV), torch first, then the
 # package with its test and rewards extras. torch goes in first and explicitly so that pip never swaps a
@@ -77,7 +77,10 @@ case "$cmd" in
     setup
     "$VENV/bin/ruff" check digenrl tests bench
     "$VENV/bin/mypy"
-    exec "$PY" -m pytest -q "$@" ;;
+    # two workers (CI has two cores): launched runs spend much of their time waiting on
+    # processes and sockets; tests that share a run through an xdist_group stay on one worker.
+    # A later -n wins: ./dev.sh test -n 0 runs in this process.
+    exec "$PY" -m pytest -q -n 2 --dist loadgroup "$@" ;;
   setup)
     setup ;;
   lock)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -175,6 +176,54 @@ def launch_run(*args: str, sets: Sequence[str] = (), crash: str = "", hang: str 
     return subprocess.run(launch_command(*args, sets=sets), env=launch_env(crash=crash, hang=hang),
                           start_new_session=True, capture_output=True, text=True, timeout=timeout,
                           check=False)
+
+
+def shared_dir(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """A folder ``make`` fills once per test session, for every test (and every pytest-xdist
+    worker) that asks for ``name``: a launched run several tests read instead of each launching
+    the same config. The first caller runs ``make(folder)`` under a file lock while the others
+    wait for it; a ``make`` that raised leaves no mark, so the next caller fails the same way
+    (or runs it again) instead of reading half a run."""
+    base = factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(exist_ok=True)
+    folder, done = root / name, root / f"{name}.done"
+    with (root / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            if folder.exists():
+                import shutil
+                shutil.rmtree(folder)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
+
+
+#: The shared runs of :func:`mode_run`: the small run in each mode, ``digenrl`` long enough to
+#: move weights to the rollout while it generates, with fast heartbeats (tests read the
+#: busy fractions of the last ones).
+MODE_RUN_STEPS = {"digenrl": 4, "disagg-sync": 2, "colocated": 2}
+MODE_RUN_HEARTBEAT_S = 0.1
+MODE_RUN_SETS = [*SMALL, f"runtime.heartbeat_s={MODE_RUN_HEARTBEAT_S}", "runtime.heartbeat_misses=50"]
+
+
+def mode_run(factory: pytest.TempPathFactory, mode: str) -> tuple[Path, subprocess.CompletedProcess[bytes]]:
+    """The small run in ``mode`` (:data:`MODE_RUN_STEPS` steps), launched once per session as a
+    user would (``digenrl launch``, stdout and stderr pipes), shared by the tests that read a
+    finished run: its run folder and the launcher's completed process."""
+    def make(folder: Path) -> None:
+        cmd = launch_command("--mode", mode, "--steps", str(MODE_RUN_STEPS[mode]), "--run-dir",
+                             str(folder / "run"), sets=MODE_RUN_SETS)
+        proc = subprocess.run(cmd, capture_output=True, timeout=600, check=False, env=launch_env())
+        (folder / "stdout").write_bytes(proc.stdout)
+        (folder / "stderr").write_bytes(proc.stderr)
+        assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
+
+    folder = shared_dir(factory, f"mode-run-{mode}", make)
+    proc = subprocess.CompletedProcess(["digenrl", "launch", "--mode", mode], 0,
+                                       (folder / "stdout").read_bytes(), (folder / "stderr").read_bytes())
+    return folder / "run", proc
 
 
 def node_final(log: Path) -> dict[str, Any]:

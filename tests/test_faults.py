@@ -23,6 +23,8 @@ from digenrl.actors.cluster import Children
 from digenrl.config import load_config
 from digenrl.telemetry.metrics import read_metrics
 from tests.conftest import SMALL, final_weights, launch_command, launch_env, wait_until
+from tests.test_resume import SETS as RESUME_SETS
+from tests.test_resume import whole_run
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +47,11 @@ def _finish(proc: subprocess.Popen, run_dir: Path, steps: int) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
     assert proc.returncode == 0, err[-3000:]
+    return _finished(run_dir, steps)
+
+
+def _finished(run_dir: Path, steps: int) -> dict:
+    """The summary of a run that ended: its accounting exact, each step trained once."""
     s = json.loads((run_dir / "summary.json").read_text())
     acc = s["accounting"]
     assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) + acc["in_flight"]
@@ -55,14 +62,19 @@ def _finish(proc: subprocess.Popen, run_dir: Path, steps: int) -> dict:
     return s
 
 
-def test_a_killed_trainer_rewinds_the_run_to_its_checkpoint_and_ends_bit_identical(tmp_path: Path) -> None:
-    whole = _finish(_start(tmp_path / "whole", "disagg-sync", 3, 1), tmp_path / "whole", 3)
+def test_a_killed_trainer_rewinds_the_run_to_its_checkpoint_and_ends_bit_identical(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # the uninterrupted run of the same config (4 steps, a checkpoint each), shared with
+    # tests/test_resume.py; heartbeats do not enter a disagg-sync run's arithmetic
+    whole_dir = whole_run(tmp_path_factory, "disagg-sync")
+    assert {"run.steps=4", "run.checkpoint_every=1"} <= set(RESUME_SETS) and set(SMALL) <= set(RESUME_SETS)
+    whole = _finished(whole_dir, 4)
     # every child joined and heard the Shutdown: the launcher terminated none (cluster.py)
-    assert "had not joined" not in (tmp_path / "whole" / "logs" / "launcher.log").read_text()
-    s = _finish(_start(tmp_path / "cut", "disagg-sync", 3, 1, crash="trainer:2"), tmp_path / "cut", 3)
+    assert "had not joined" not in (whole_dir / "logs" / "launcher.log").read_text()
+    s = _finish(_start(tmp_path / "cut", "disagg-sync", 4, 1, crash="trainer:2"), tmp_path / "cut", 4)
     assert s["recovery"]["trainer_resets"] == 1 and whole["recovery"]["trainer_resets"] == 0
     assert s["restarts"]["trainer-0"] == 1 and s["resumed_from"] == [2]
-    a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
+    a, b = final_weights(whole_dir), final_weights(tmp_path / "cut")
     # exact on purpose: same machine and thread count, so the rewound run must replay the same arithmetic
     assert all(torch.equal(a[k], b[k]) for k in a)
 

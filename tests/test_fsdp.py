@@ -19,7 +19,7 @@ from digenrl.config import load_config, resolve_mode
 from digenrl.rl.learner import Learner
 from digenrl.rl.sharding import pass_count, step_passes
 from tests.conftest import SMALL as TINY_RUN
-from tests.conftest import final_weights
+from tests.conftest import final_weights, shared_dir
 
 SMALL = [*TINY_RUN, "run.steps=2", "runtime.fragments_per_step=1", "cluster.trainers=2"]
 
@@ -104,6 +104,18 @@ def _run(tmp_path: Path, mode: str, fsdp: bool, extra: list[str]) -> dict[str, t
     return final_weights(run_dir)
 
 
+def _unsharded(factory: pytest.TempPathFactory, mode: str, extra: list[str]) -> dict[str, torch.Tensor]:
+    """The final weights of the unsharded run of ``mode`` and ``extra``, launched once per
+    session: the reference of the sharded run and of the teardown fault."""
+    name = "fsdp-unsharded-" + "-".join([mode, *extra]).translate(str.maketrans('/="', "___"))
+
+    def make(folder: Path) -> None:
+        _run(folder, mode, False, extra)
+
+    folder = shared_dir(factory, name, make)
+    return final_weights(folder / f"{mode}-False")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "extra"), [
     ("colocated", []),
@@ -113,9 +125,9 @@ def _run(tmp_path: Path, mode: str, fsdp: bool, extra: list[str]) -> dict[str, t
     ("digenrl", ["train.window_size=3", "train.window_hi=3", "model.lora_rank=4",
                  "train.kl_beta=0.01", "model.gradient_checkpointing=true", 'cluster.rendezvous="file"']),
 ])
-def test_two_sharded_ranks_train_the_same_update_as_two_unsharded(tmp_path: Path, mode: str,
-                                                                  extra: list[str]) -> None:
-    plain, sharded = _run(tmp_path, mode, False, extra), _run(tmp_path, mode, True, extra)
+def test_two_sharded_ranks_train_the_same_update_as_two_unsharded(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, mode: str, extra: list[str]) -> None:
+    plain, sharded = _unsharded(tmp_path_factory, mode, extra), _run(tmp_path, mode, True, extra)
     assert plain.keys() == sharded.keys()
     for k in plain:
         torch.testing.assert_close(sharded[k], plain[k], rtol=0, atol=1e-6, msg=k)
@@ -215,20 +227,21 @@ def test_digenrl_eval_reads_a_sharded_checkpoint_whole(one_rank_group: None, tmp
 
 @pytest.mark.slow
 def test_a_rank_that_dies_in_the_teardown_after_the_run_does_not_fail_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
     """gloo can abort a rank as it tears its process group down, after the run is done and
     saved: the launch reports the completed run (weights and totals as with no fault) and
     names the rank, instead of failing the run. A rank lost before the summary still fails it
     (tests/test_resume.py kills a colocated rank mid-run)."""
     from digenrl.faults import CRASH_ENV
 
-    plain = _run(tmp_path, "colocated", False, [])
+    plain = _unsharded(tmp_path_factory, "colocated", [])  # the same run, no fault
     monkeypatch.setenv(CRASH_ENV, "teardown:1")  # rank 1 is SIGKILLed once every rank is done
     killed = _run(tmp_path / "killed", "colocated", False, [])
     err = capfd.readouterr().err
     assert "the run completed, but rank 1 (-9) exited abnormally in the teardown" in err
     # exactness is the point (nothing of the run lost or changed by the kill): both launches
-    # run here, on the same CPU, with the same ranks, seeds, threads and inputs
+    # run in this session, on the same CPU, with the same ranks, seeds, threads and inputs
     assert plain.keys() == killed.keys() and all(torch.equal(plain[k], killed[k]) for k in plain)
 
 

@@ -1,7 +1,12 @@
-"""End-to-end launches on the tiny config: every mode, real processes, real sockets on loopback."""
+"""End-to-end launches on the tiny config: every mode, real processes, real sockets on loopback.
+
+The small run of each mode is launched once per session and shared with
+tests/test_observability.py (tests/conftest.py mode_run); the other tests launch configs of
+their own."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,8 +15,8 @@ import torch
 from digenrl.config import load_config, resolve_mode
 from digenrl.launch import launch, make_run_dir
 from digenrl.telemetry.metrics import read_metrics
+from tests.conftest import MODE_RUN_STEPS, final_weights, mode_run
 from tests.conftest import SMALL as TINY_RUN
-from tests.conftest import final_weights
 
 pytestmark = pytest.mark.slow
 
@@ -35,21 +40,30 @@ def _accounting_adds_up(summary: dict, cfg_batch: int, steps: int) -> None:
     assert acc["trained"] + acc["discarded"].get("zero_advantage", 0) >= cfg_batch * steps
 
 
+def _mode_run(factory: pytest.TempPathFactory, mode: str) -> tuple[Path, dict]:
+    """The shared small run in ``mode`` and its summary."""
+    run_dir, _ = mode_run(factory, mode)
+    return run_dir, json.loads((run_dir / "summary.json").read_text())
+
+
 @pytest.mark.parametrize("mode", ["colocated", "disagg-sync", "digenrl"])
-def test_each_mode_runs_two_steps_end_to_end_and_accounting_adds_up(tmp_path: Path, mode: str) -> None:
-    run_dir, summary = _launch(tmp_path, mode)
-    _accounting_adds_up(summary, 4, 2)
+def test_each_mode_runs_end_to_end_and_accounting_adds_up(tmp_path_factory: pytest.TempPathFactory,
+                                                          mode: str) -> None:
+    run_dir, summary = _mode_run(tmp_path_factory, mode)
+    steps = MODE_RUN_STEPS[mode]
+    _accounting_adds_up(summary, 4, steps)
     lines = read_metrics(run_dir)  # train rows
-    assert [x["step"] for x in lines] == [0, 1]
+    assert [x["step"] for x in lines] == list(range(steps))
     assert all(x["max_staleness"] <= (1 if mode == "digenrl" else 0) for x in lines)
     assert (run_dir / "trace.json").is_file()
     assert list((run_dir / "samples").glob("*.png"))
 
 
-def test_digenrl_mode_never_trains_beyond_staleness_one(tmp_path: Path) -> None:
+def test_digenrl_mode_never_trains_beyond_staleness_one(tmp_path_factory: pytest.TempPathFactory) -> None:
     from digenrl.telemetry.trace import read_trace
 
-    run_dir, summary = _launch(tmp_path, "digenrl", ["run.steps=4"])
+    run_dir, summary = _mode_run(tmp_path_factory, "digenrl")
+    assert summary["steps"] == MODE_RUN_STEPS["digenrl"] == 4
     hist = {int(k): v for k, v in summary["staleness_hist"].items()}
     assert max(hist) <= 1 and min(hist) >= 0
     assert summary["accounting"]["discarded"].get("stale", 0) == 0
@@ -64,9 +78,11 @@ def test_digenrl_mode_never_trains_beyond_staleness_one(tmp_path: Path) -> None:
     assert fetched and len(applied) >= 1 and len(fetched) >= len(applied)
 
 
-def test_disagg_sync_equals_colocated_after_two_steps(tmp_path: Path) -> None:
+def test_disagg_sync_equals_colocated_after_two_steps(tmp_path: Path,
+                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
+    assert MODE_RUN_STEPS["disagg-sync"] == 2
     a, _ = _launch(tmp_path, "colocated", ["runtime.fragments_per_step=1"])
-    b, _ = _launch(tmp_path, "disagg-sync")
+    b, _ = _mode_run(tmp_path_factory, "disagg-sync")
     pa, pb = final_weights(a), final_weights(b)
     assert pa.keys() == pb.keys()
     for k in pa:

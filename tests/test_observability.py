@@ -1,8 +1,8 @@
 """What a user sees of a run: metrics keys, trace, busy fractions, report, launch output, Prometheus.
 
-The fast tests use a real HTTP server on loopback; the slow ones launch one real 2-step run
-per mode (``digenrl launch`` as a subprocess, stdout a pipe) and share it through a
-module-scoped fixture.
+The fast tests use a real HTTP server on loopback; the slow ones read one real small run per
+mode (``digenrl launch`` as a subprocess, stdout a pipe), launched once per session and shared
+with tests/test_launch.py (tests/conftest.py mode_run).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from digenrl.telemetry.progress import Progress
 from digenrl.telemetry.prometheus import flatten_stats, serve_node_metrics, start_prometheus
 from digenrl.telemetry.report import PNG_SIZES, make_report
 from digenrl.telemetry.trace import Span, busy_fraction, read_trace
-from tests.conftest import SMALL, launch_command
+from tests.conftest import MODE_RUN_HEARTBEAT_S, MODE_RUN_STEPS, mode_run
 
 MODES = ("digenrl", "disagg-sync", "colocated")
-HEARTBEAT_S = 0.1
+HEARTBEAT_S = MODE_RUN_HEARTBEAT_S
 NODES = {"digenrl": {"rollout-0", "trainer-0"}, "disagg-sync": {"rollout-0", "trainer-0"},
          "colocated": {"colocated-0"}}
 # NVML readings: documented, but a CPU machine (and, for now, the coordinator) never writes them.
@@ -243,17 +243,9 @@ def test_the_last_step_line_stays_so_the_next_print_starts_a_new_line():
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """One 2-step launch per mode, run as a user would, its stdout and stderr pipes."""
-    root = tmp_path_factory.mktemp("launch")
-    out = {}
-    for mode in MODES:
-        run_dir = root / mode
-        sets = [*SMALL, f"runtime.heartbeat_s={HEARTBEAT_S}", "runtime.heartbeat_misses=50"]
-        cmd = launch_command("--mode", mode, "--steps", "2", "--run-dir", str(run_dir), sets=sets)
-        proc = subprocess.run(cmd, capture_output=True, timeout=600, check=False)
-        assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
-        out[mode] = (run_dir, proc)
-    return out
+    """The small run per mode (tests/conftest.py mode_run, shared with tests/test_launch.py),
+    run as a user would, its stdout and stderr pipes."""
+    return {mode: mode_run(tmp_path_factory, mode) for mode in MODES}
 
 
 def _nest_or_follow(spans: list[Span]) -> None:
@@ -275,7 +267,8 @@ def test_launch_output_to_a_pipe_has_no_control_characters(launched, mode):
         text = data.decode("utf-8")
         assert not CONTROL.findall(text), (name, sorted(set(CONTROL.findall(text))))
     lines = proc.stdout.decode().splitlines()
-    assert [x for x in lines if x.startswith("step ")][-1].startswith("step 2/2  v2")
+    n = MODE_RUN_STEPS[mode]
+    assert [x for x in lines if x.startswith("step ")][-1].startswith(f"step {n}/{n}  v{n}")
 
 
 @pytest.mark.slow
@@ -297,7 +290,7 @@ def test_every_node_froze_its_start_up_objects_when_it_joined(launched, mode):
 def test_metrics_keys_of_a_real_launch_are_exactly_the_documented_ones(launched, mode):
     run_dir, _ = launched[mode]
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == list(range(MODE_RUN_STEPS[mode]))
     emitted = {k for r in rows for k in r}
     documented = documented_keys()
     assert {k for k in emitted if not is_documented(k, documented)} == set()

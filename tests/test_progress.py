@@ -48,7 +48,10 @@ def test_plain_stream_gets_one_line_per_step_without_control_characters():
     assert lines[1].endswith("stale≤1  ETA 1m00s")  # 60 s for 2 steps, 2 to go
 
 
-def test_terminal_redraws_one_line_in_place_and_ends_it_on_close():
+def test_terminal_redraws_one_line_in_place_and_ends_it_on_close(monkeypatch):
+    # a terminal wide enough for the whole line (the line is cut to the terminal's width,
+    # which otherwise comes from wherever the suite runs: pytest-xdist workers see 80 columns)
+    monkeypatch.setenv("COLUMNS", "200")
     out, clock = Terminal(), FakeClock()
     progress = Progress(3, out, clock=clock)
     for step in range(3):

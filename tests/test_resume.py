@@ -38,6 +38,7 @@ from tests.conftest import (
     launch_env,
     launch_run,
     set_args,
+    shared_dir,
     wait_until,
 )
 
@@ -70,13 +71,21 @@ def _interrupt_and_resume(tmp_path: Path, mode: str, crash: str, versions: tuple
     return cut, summary
 
 
+def whole_run(factory: pytest.TempPathFactory, mode: str) -> Path:
+    """The uninterrupted run of :data:`SETS` in ``mode``, launched once per session: the
+    reference of the k0 resume here and of the trainer kill in tests/test_faults.py."""
+    def make(folder: Path) -> None:
+        r = launch_run(*_fresh_args(mode, folder / "run"))
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    return shared_dir(factory, f"resume-whole-{mode}", make) / "run"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "crash"), [("disagg-sync", "commit:2"), ("colocated", "generate:2")])
 def test_k0_run_killed_in_step_three_and_resumed_is_bit_identical_to_an_uninterrupted_run(
-        tmp_path: Path, mode: str, crash: str) -> None:
-    whole = tmp_path / f"{mode}-whole"
-    r = launch_run(*_fresh_args(mode, whole))
-    assert r.returncode == 0, r.stderr[-3000:]
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, mode: str, crash: str) -> None:
+    whole = whole_run(tmp_path_factory, mode)
     cut, summary = _interrupt_and_resume(tmp_path, mode, crash, versions=(2,))
     a, b = final_weights(whole), final_weights(cut)
     assert a.keys() == b.keys()
@@ -328,19 +337,17 @@ def test_a_drain_keeps_no_cut_of_the_version_the_run_started_from(tmp_path: Path
 DRAIN_SETS = [*SMALL, "run.steps=5", "run.checkpoint_every=100"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The final weights of the drain tests' run, uninterrupted, by its settings past
-    DRAIN_SETS (run once each)."""
-    runs: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
-
+    DRAIN_SETS (launched once each per session)."""
     def weights(extra: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        if extra not in runs:
-            whole = tmp_path_factory.mktemp("drain") / "whole"
-            r = launch_run(*_fresh_args("disagg-sync", whole, [*DRAIN_SETS, *extra]))
+        def make(folder: Path) -> None:
+            r = launch_run(*_fresh_args("disagg-sync", folder / "whole", [*DRAIN_SETS, *extra]))
             assert r.returncode == 0, r.stderr[-3000:]
-            runs[extra] = final_weights(whole)
-        return runs[extra]
+
+        name = "drain-whole-" + "-".join(extra).translate(str.maketrans('/="', "___"))
+        return final_weights(shared_dir(tmp_path_factory, name, make) / "whole")
     return weights
 
 

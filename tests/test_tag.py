@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from digenrl.faults import FAILPOINTS_ENV, Failpoints
 from digenrl.launch import launch, make_run_dir
+from tests.conftest import shared_dir
 from tests.factories import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -47,18 +49,31 @@ def test_tag_helper_generates_without_breaking_staleness_or_accounting(
     assert s["steps"] == 3                                # and only the trainer stepped versions
 
 
-def test_tag_never_means_the_trainer_generates_nothing(tmp_path: Path) -> None:
-    s = _launch(tmp_path, "never", ["run.steps=2", "runtime.tag=never"])
+@pytest.fixture
+def hetero(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """TAG off, two rollouts, rollout-1 made 5x slower by the TEST-ONLY failpoint (the trainer
+    idles the more for it, so a TAG grant would be the likelier if ``never`` leaked one): its
+    summary, the run launched once for the tests that read it."""
+    def make(folder: Path) -> None:
+        with pytest.MonkeyPatch.context() as mp:
+            _launch(folder, "hetero", ["run.steps=6", "runtime.tag=never", "cluster.rollouts=2"],
+                    failpoints=Failpoints(slowdown=5.0, slowdown_nodes=("rollout-1",)), monkeypatch=mp)
+
+    folder = shared_dir(tmp_path_factory, "tag-hetero", make)
+    return dict(json.loads((folder / "hetero" / "summary.json").read_text()))
+
+
+def test_tag_never_means_the_trainer_generates_nothing(hetero: dict) -> None:
+    s = hetero
     _adds_up(s)
     assert s["scheduler"]["tag_granted"] == 0
     assert s["nodes"]["trainer-0"]["assigned"] == 0
 
 
-def test_a_slow_rollout_gets_proportionally_fewer_fragments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # rollout-1 is made 5x slower by the TEST-ONLY knob; rollout-0 should take most fragments
-    # (each node holds up to 2 fragments before any speed is measured, so use enough steps)
-    s = _launch(tmp_path, "hetero", ["run.steps=6", "runtime.tag=never", "cluster.rollouts=2"],
-                failpoints=Failpoints(slowdown=5.0, slowdown_nodes=("rollout-1",)), monkeypatch=monkeypatch)
+def test_a_slow_rollout_gets_proportionally_fewer_fragments(hetero: dict) -> None:
+    # rollout-0 should take most fragments (each node holds up to 2 fragments before any
+    # speed is measured, so the run has enough steps)
+    s = hetero
     _adds_up(s)
     fast = s["nodes"]["rollout-0"]["committed"]
     slow = s["nodes"]["rollout-1"]["committed"]
