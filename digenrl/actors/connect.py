@@ -26,7 +26,7 @@ from typing import Any
 
 import zmq
 
-from digenrl.transport.codec import PROTOCOL_VERSION
+from digenrl.transport.codec import PROTOCOL_VERSION, Message
 from digenrl.transport.endpoints import Endpoint
 from digenrl.transport.errors import VersionMismatch
 from digenrl.transport.protocol import Shutdown, Welcome
@@ -181,21 +181,30 @@ def _seen_on(control: Socket) -> str:
     return f"; {bad} frame(s) from it were not DigenRL messages" if bad else ""
 
 
-async def wait_welcome(control: Socket, endpoint: str, policy: ConnectPolicy, log: Any) -> Welcome | Shutdown:
-    """The coordinator's first Welcome or Shutdown on ``control`` (after this node's Hello).
+async def wait_welcome(control: Socket, endpoint: str, policy: ConnectPolicy, log: Any,
+                       hello: Message) -> Welcome | Shutdown:
+    """Send ``hello`` on ``control``, then the coordinator's first Welcome or Shutdown.
 
-    Raises :class:`ConnectFailed` on a frame of another protocol version, and after
+    The Hello itself is under the same watch: a DEALER holds a send until some peer completed
+    its handshake, which a wrong peer (a PUB, an HTTP server) never does. Raises
+    :class:`ConnectFailed` on a frame of another protocol version, and after
     ``policy.timeout_s`` without an answer when ``policy.exit_on_failure``."""
     control.zmq_socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     deadline, interval = t0 + policy.timeout_s, policy.timeout_s
+    unsent: Message | None = hello
     while True:
+        msg: Message | None = None
         try:
             async with asyncio.timeout(POLL_S):
-                _, msg = await control.recv()
+                if unsent is not None:
+                    await control.send(unsent)  # a send cancelled while parked is never sent
+                    unsent = None
+                else:
+                    _, msg = await control.recv()
         except TimeoutError:
-            msg = None
+            pass
         error = control.last_bad
         if isinstance(error, VersionMismatch) and type(error.peer_version) is int:
             raise ConnectFailed(f"the coordinator at {endpoint} speaks protocol version "

@@ -292,11 +292,10 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
         if role != "reward":
             # rank 0 serves, a rollout relays
             weights = track(zs.bind(ctx, "router", host, boot, lane="bulk", name="weights"))
-        await control.send(Hello(node_id=node_id, role=role, gpu=gpu, incarnation=inc,
-                                 pid=os.getpid(), host=pysocket.gethostname(),
-                                 data_endpoint=data.endpoint if data else "",
-                                 weights_endpoint=weights.endpoint if weights else ""))
-        msg = await wait_welcome(control, coordinator, connect or ConnectPolicy(), log)
+        hello = Hello(node_id=node_id, role=role, gpu=gpu, incarnation=inc, pid=os.getpid(),
+                      host=pysocket.gethostname(), data_endpoint=data.endpoint if data else "",
+                      weights_endpoint=weights.endpoint if weights else "")
+        msg = await wait_welcome(control, coordinator, connect or ConnectPolicy(), log, hello)
         if isinstance(msg, Shutdown):
             log.error("refused by coordinator", reason=msg.reason)
             return 3
