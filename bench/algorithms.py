@@ -44,9 +44,9 @@ from learning import criterion
 from digenrl.config import load_config, resolve_mode
 from digenrl.launch import launch, make_run_dir
 
-#: The default config as it was when this bench's figures were measured (before 2026-12-02):
+#: The config this bench's figures were measured with (docs/benchmarks.md):
 #: a full fine-tune at lr 3e-5 on the JPEG reward, 60 steps, no evaluation, no base-model tail
-#: (today's default trains a LoRA on the shapes judge for 500 steps: docs/judge.md).
+#: (the shipped default trains a LoRA on the shapes judge for 500 steps: docs/judge.md).
 #: ``--set`` overrides come after these.
 EARLIER_DEFAULT = ["model.lora_rank=0", "train.lr=3e-5", "sampler.base_tail=0", "run.steps=60",
                    "run.eval_every=0", 'reward.terms=[{ name = "jpeg_compressibility", weight = 1.0 }]']

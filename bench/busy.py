@@ -1,5 +1,5 @@
 """Cost of a heartbeat's busy reading as a run's span history grows: recomputing the union
-of every busy span since start (what heartbeats did until session 4) against the
+of every busy span since start (what heartbeats once did) against the
 incremental ``BusyClock``, side by side on the same recorder.
 
     .venv/bin/python bench/busy.py [--spans 1000 10000 100000] [--per-beat 20]

@@ -7,7 +7,7 @@ Faults, one per run, taking ``--faults`` in turn:
 * ``kill``: SIGKILL of a random rollout or trainer process;
 * ``pause``: SIGSTOP of a random rollout or trainer for three heartbeat timeouts, then
   SIGCONT (a VM stall, a long GC pause): the node is declared lost and comes back;
-* ``hostile``: a peer on loopback sends the coordinator the messages of issue 20 (spoofed
+* ``hostile``: a peer on loopback sends the coordinator the hostile messages of tests/hostile.py (spoofed
   StepDone/Consumed/VersionAnnounce/Hello, out-of-bounds Heartbeat stats, a Commit with
   fragment 99), says Hello as a rollout of its own, and sends the trainer's data socket chunks
   and commits for slots outside the run; every one must be refused. The messages come from
@@ -52,8 +52,8 @@ SETS = ["model.path=\"random\"", "train.prompts_per_step=2", "train.group_size=2
 
 
 def _hostile_peer(endpoint: str) -> int:
-    """Send the coordinator and (after a Hello of its own) a trainer rank what issue 20's
-    adversary sent; returns how many messages it sent."""
+    """Send the coordinator and (after a Hello of its own) a trainer rank what tests/hostile.py's
+    adversary sends; returns how many messages it sent."""
     import zmq
 
     from digenrl.transport.protocol import Welcome, decode, encode

@@ -4,7 +4,7 @@
         [--cluster configs/clusters/h800-32.toml] [--steps 1000] [--modes ...] [--repeats 3]
         [--profile digenrl]
 
-Issue #5's target: 1,000 steps of a 32-GPU cluster in under 10 s on the development machine.
+The target: 1,000 steps of a 32-GPU cluster in under 10 s on the development machine.
 Prints, per mode, the minimum and median wall seconds over the repeats (the minimum is the
 least disturbed by other load on a shared machine), this process's CPU seconds (what the
 wall time would be on an idle core), the simulated samples/s (to show the

@@ -11,7 +11,7 @@ Three configurations of the default model, each run with runtime.tag=bts and =ne
 Prints samples/s, the trainer's busy fraction, TAG fragments granted/refused, and ratios.
 Results also go to bench/results/tag.json.
 
-Simulator's prediction (issue #5's cost model, digenrl/sim): for each configuration the
+Simulator's prediction (the cost model, digenrl/sim): for each configuration the
 TAG-off run is fitted (`digenrl plan --calibrate`, steady-state spans) and the simulator,
 driving the real scheduler, predicts both TAG off and TAG (BTS) for that configuration on
 one CPU rollout + one CPU trainer. The prediction is compared with the steady-state
@@ -45,7 +45,7 @@ CONFIGS = {
     "gen-bound": ["sampler.num_steps=16", "train.window_size=1", "runtime.fragments_per_step=4"],
     "default": [],
     "default-f4": ["runtime.fragments_per_step=4"],
-    # every step trained: the base model's tail (today's default: the last 2) must be off
+    # every step trained: the base model's tail (the default: the last 2) must be off
     "train-bound": ["train.timesteps=all", "sampler.base_tail=0", "runtime.fragments_per_step=4"],
 }
 

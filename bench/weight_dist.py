@@ -4,7 +4,7 @@ Every method moves one synthetic weight set of ``--mib`` MiB (4 MiB float32 tens
 and checksummed per part exactly as trainer rank 0 publishes) from a source to N receivers,
 each a real process, and every receiver verifies every part's checksum and the set's:
 
-* ``router``: today's runtime with ``runtime.weights_fanout = 0``: one ROUTER serves every
+* ``router``: the runtime with ``runtime.weights_fanout = 0``: one ROUTER serves every
   receiver (:func:`~digenrl.transport.weights.serve_weights`), receivers fetch with
   :meth:`WeightsRelay.fetch <digenrl.actors.weightsfetch.WeightsRelay.fetch>`.
 * ``relay``: the runtime's relay (``weights_fanout = 1``): the same code, each receiver also

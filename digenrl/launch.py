@@ -166,7 +166,7 @@ def colocated_outcome(codes: list[int], summary: Path, run_dir: Path) -> Colocat
     rank 0 writes once every rank has finished its run (weights, checkpoints and totals saved)
     and before they tear their process group down. A rank that fails after that (gloo can
     abort a process in its teardown: "terminate called without an active exception", seen
-    once in the suite's two-rank colocated run on 2026-12-03, not in 10 reruns) lost nothing:
+    rarely in the suite's two-rank colocated run) lost nothing:
     the run completed, and a warning names the ranks. Any other failure is the run's."""
     from digenrl.actors.base import RunFailed
 

@@ -1,7 +1,7 @@
-"""The benches that launch real runs still start on today's default config.
+"""The benches that launch real runs start on the default config.
 
-Two of them had stopped without anyone noticing when the default changed (a LoRA with the base
-model's tail, 2026-12-02): bench/tag.py's training-bound row asked for every step trained,
+Two of them once stopped unnoticed when the default changed (a LoRA with the base
+model's tail): bench/tag.py's training-bound row asked for every step trained,
 which the new default refuses, and bench/rewards.py's reward plug-in no longer imported once
 the launch checked it in its own process. The config checks here are cheap; the rewards bench
 is run for real, at one step.

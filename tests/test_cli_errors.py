@@ -1,4 +1,4 @@
-"""Every bad input of issue 20's list ends in one line on stderr and exit 2 (usage, config) or 1
+"""Every bad input a user can give ends in one line on stderr and exit 2 (usage, config) or 1
 (a run or its files broken), never a traceback, and is refused before any process starts.
 
 The commands run in this process (``digenrl.cli.main`` / ``node_main``), so an exception that

@@ -153,7 +153,7 @@ def test_a_commit_naming_an_unpublished_version_is_rejected_alone():
 
 
 def test_a_commit_whose_slot_is_not_the_attempts_is_rejected_alone_never_discarding_honest_work():
-    # issue 20: a Commit with fragment = 99 (one fragment per step) cascaded into 880 discards
+    # regression: a Commit with fragment = 99 (one fragment per step) cascaded into 880 discards
     led = ledger(prompts_per_step=2, fragments_per_step=1, steps=3)
     a = led.admit("r0", 0.0)
     assert led.commit(a.task_id, 0, 0.5, step=0, fragment=99) == "rejected"
@@ -167,7 +167,7 @@ def test_a_commit_whose_slot_is_not_the_attempts_is_rejected_alone_never_discard
 
 
 def test_a_consume_that_cannot_be_the_tasks_is_refused_and_changes_nothing():
-    # issue 20: a spoofed Consumed with trained = 2**63-1 was believed
+    # regression: a spoofed Consumed with trained = 2**63-1 was believed
     led = ledger()
     a = led.admit("r0", 0.0)
     led.commit(a.task_id, 0, 0.0)

@@ -3,8 +3,8 @@
 A real ``digenrl launch`` writes its run folder onto a small tmpfs (mounted here, so root
 only; skipped elsewhere); once its first checkpoint is committed the test fills the
 filesystem. The launcher must end with one line naming the cause and exit 1, leaving the
-last checkpoint verifiable, no temporary file, and no process of the run alive (issue 20:
-a traceback writing pids.json, a temp file, an orphaned trainer waiting for Welcome).
+last checkpoint verifiable, no temporary file, and no process of the run alive (each
+once seen: a traceback writing pids.json, a temp file, an orphaned trainer waiting for Welcome).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Each launch is three processes importing torch, diffusers and transformers: tens
 even at tiny sizes. The suite runs one family (Wan: video, frames set); every family's
 folder loading, prompt encoding, decoding, saving and diffusers loading is tested at the unit
 level in tests/test_model_folders.py. ``DIGENRL_E2E_FAMILIES=sd3,flux,wan,qwenimage,hunyuanvideo``
-runs all five here; ``flux@1024`` is issue 14's FLUX at 1024 x 1024 px with the run's default
+runs all five here; ``flux@1024`` is the device check's FLUX at 1024 x 1024 px with the run's default
 settings (16 images a step; a tiny FLUX folder whose VAE upsamples 16x, so the transformer sees
 a 64 x 64 latent): no node may be lost, the step-0 sample grid is capped in size.
 """
@@ -43,7 +43,7 @@ def test_a_pipeline_folder_trains_end_to_end_and_its_final_loads_into_diffusers(
 
     family, _, px = case.partition("@")
     video = family in ("wan", "hunyuanvideo")
-    if px:  # a large size at the run's default batch and steps (issue 14: FLUX at 1024 px)
+    if px:  # a large size at the run's default batch and steps (the device check's FLUX at 1024 px)
         folder = write_pipeline_folder(family, tmp_path / family, vae_factor=16)
         sizes = {"height": int(px), "width": int(px)}
         small_run: list[str] = []

@@ -279,7 +279,7 @@ def test_mutated_frames_never_raise_anything_but_protocol_error() -> None:
 
 
 # ----------------------------------------------------------------------------- semantic fuzzing
-# Decodable messages with hostile field values (issue 20): each one has at least one value no
+# Decodable messages with hostile field values (tests/hostile.py): each one has at least one value no
 # honest peer sends, so each must be refused (the schema, the identity gate, the trainer's
 # arrival checks) and counted, and the nodes must stay up.
 
@@ -303,7 +303,7 @@ def _coordinator_storm() -> st.SearchStrategy[Any]:
     hb = hostile.heartbeat("trainer-0", seq=1, stats={"busy_s": 1.0})
     return st.one_of(
         _hostile(hb, {"stats": _bad_dict, "gpu": _bad_gpu, "incarnation": _neg, "seq": _neg}),
-        # well-formed but from nobody: before any Hello (issue 20: StepDone from an unknown peer,
+        # well-formed but from nobody: before any Hello (once seen: StepDone from an unknown peer,
         # Consumed with trained = 2**63-1, a VersionAnnounce of 10**6)
         st.builds(hostile.step_done, step=st.integers(0, 10**6), version=st.integers(0, 10**6),
                   metrics=st.just({}) | st.just({"reward_mean": 99.0})),

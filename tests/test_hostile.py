@@ -76,7 +76,7 @@ async def _feed(actor: TrainerActor, data: FakeSocket, msgs: list[Any]) -> None:
 
 
 async def test_a_commit_for_a_slot_outside_the_run_never_reaches_training(tmp_path: Path) -> None:
-    # issue 20: Commit(fragment = 99) with one fragment per step finished the step on its own
+    # regression: Commit(fragment = 99) with one fragment per step finished the step on its own
     actor, data = _trainer(tmp_path, "runtime.fragments_per_step=1")
     trained = plan_for_step(actor.cfg, 0)[0]
     await _feed(actor, data, [
@@ -261,19 +261,19 @@ async def test_identity_is_bound_at_hello_and_spoofed_reports_are_dropped_and_co
             _, welcome = await asyncio.wait_for(socks["trainer-0"].recv(), 30)
             assert isinstance(welcome, Welcome)
             thief.connect(ep)
-            # issue 20: a routing id trainer-0 announcing version 10**6 killed the coordinator
+            # regression: a routing id trainer-0 announcing version 10**6 killed the coordinator
             await thief.send(hostile.future_announce())
             await socks["evil"].send(hostile.heartbeat("trainer-0"))                      # before any Hello
             await socks["evil"].send(hostile.hello("trainer-0"))                          # another routing id
             await socks["trainer-0"].send(hostile.hello("trainer-0"))                     # the live incarnation again
             await socks["trainer-0"].send(hostile.heartbeat("rollout-0"))                 # claims another id
             await socks["trainer-0"].send(hostile.heartbeat("trainer-0", incarnation=9))  # not its incarnation
-            # issue 20: 20 StepDones for steps 1000-1019 added rows to metrics.jsonl
+            # regression: 20 StepDones for steps 1000-1019 added rows to metrics.jsonl
             await socks["trainer-0"].send(hostile.future_step_done())
             await socks["trainer-0"].send(hostile.consumed(rank=3, trained=4))
             await socks["rollout-7"].send(hostile.hello("rollout-7", "rollout"))
             await socks["rollout-7"].send(hostile.step_done())  # not a trainer
-            # issue 20: stats.busy_s a string (refused by the schema, counted as a bad frame)
+            # regression: stats.busy_s a string (refused by the schema, counted as a bad frame)
             await socks["trainer-0"].send(hostile.bad_stats_heartbeat())
             await wait_until_async(lambda: actor.refused.total() >= 8, "the refusals", 30)
             await wait_until_async(lambda: actor.control.statistics().bad_by_reason.get("invalid") == 1,
@@ -297,7 +297,7 @@ async def test_identity_is_bound_at_hello_and_spoofed_reports_are_dropped_and_co
 
 
 async def test_the_pub_socket_neither_keeps_big_subscriptions_nor_queues_small_ones(tmp_path: Path) -> None:
-    # issue 20: 20 subscription messages of 8 MiB took the coordinator from 384 MB to 4.9 GB
+    # regression: 20 subscription messages of 8 MiB took the coordinator from 384 MB to 4.9 GB
     import subprocess
     import sys
 
@@ -343,7 +343,7 @@ async def test_the_pub_socket_neither_keeps_big_subscriptions_nor_queues_small_o
 
 
 async def test_staging_is_bounded_by_the_byte_window_and_attempts_per_slot(tmp_path: Path) -> None:
-    # issue 20: 300 chunks (600 MiB) for never-assigned tasks grew the trainer by 620 MB
+    # regression: 300 chunks (600 MiB) for never-assigned tasks grew the trainer by 620 MB
     actor, data = _trainer(tmp_path, "runtime.byte_window_mb=1")
     t = plan_for_step(actor.cfg, 0)[0][0]
     big = torch.zeros(4, 64, 256)  # 256 KiB a tensor: 512 KiB a chunk

@@ -4,7 +4,7 @@ A VM stall, a long GC pause or a healed partition look like this: the node is de
 then comes back as if nothing happened. A rollout is fenced (its attempts were revoked and
 re-assigned; what it sends for them is refused) and re-joins; a trainer rank cannot be
 re-joined into a torch.distributed group, so the run rewinds to its checkpoint. Either way
-the run finishes with exact accounting (issue 20: a paused rollout hung the run for good).
+the run finishes with exact accounting (a regression: a paused rollout hung the run for good).
 """
 
 from __future__ import annotations

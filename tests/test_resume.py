@@ -192,7 +192,7 @@ def _flip(p: Path) -> None:
     (lambda d: _flip(d.parent / "manifest.json"), 2, "root manifest: .*not readable JSON")])
 def test_resume_falls_back_to_the_newest_checkpoint_that_verifies_and_says_why(
         tmp_path: Path, fault: Any, version: int, why: str) -> None:
-    # issue 20: with the newest checkpoint truncated, bit-flipped or missing, resume refused
+    # regression: with the newest checkpoint truncated, bit-flipped or missing, resume refused
     # although the older kept checkpoint was intact
     newest = _two_checkpoints(tmp_path)
     assert newest.version == 2 and newest.skipped == ()

@@ -241,7 +241,7 @@ def test_commit_from_a_node_that_does_not_hold_the_task_is_fenced():
 
 
 def test_one_commit_with_fragment_99_is_rejected_alone_and_the_run_trains_every_slot():
-    # issue 20: one bad Commit left admitted 1488 = trained 592 + discarded 880 instead of 640 trained
+    # regression: one bad Commit left admitted 1488 = trained 592 + discarded 880 instead of 640 trained
     s = make(fragments_per_step=1, prompts_per_step=2)
     sim = Sim(s, {"r0": 1.0})
     sim.feed(s.node_joined("r0", "rollout", "H100", 0.0))

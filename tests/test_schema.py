@@ -64,7 +64,7 @@ def test_honest_messages_pass_the_schema(msg: Any) -> None:
 
 
 HOSTILE = [
-    # issue 20: a Heartbeat whose stats.busy_s is a string killed the coordinator
+    # regression: a Heartbeat whose stats.busy_s is a string killed the coordinator
     ("stats value a string", _heartbeat(stats={"busy_s": "x"}), "stats"),
     ("stats nested", _heartbeat(stats={"busy_s": {"a": 1}}), "stats"),
     ("stats too many keys", _heartbeat(stats={f"k{i}": 1 for i in range(1000)}), "stats"),
@@ -89,7 +89,7 @@ HOSTILE = [
     ("rewards not whole groups", _commit(rewards=[0.5] * 3), "rewards"),
     ("reward terms of strings", _commit(reward_terms={"jpeg": ["a"]}), "reward_terms"),
     ("images float", _commit(images=torch.zeros(2, 2)), "images"),
-    # issue 20: a spoofed Consumed with trained = 2**63-1
+    # regression: a spoofed Consumed with trained = 2**63-1
     ("trained 2**63-1", Consumed(task_id=1, step=0, fragment=0, rank=0, policy_version=0, trained=2**63 - 1, discarded={},
                                  train_seconds=0.1), "trained"),
     ("discarded negative", Consumed(task_id=1, step=0, fragment=0, rank=0, policy_version=0, trained=1,

@@ -153,7 +153,7 @@ def test_auto_curve_is_on_for_a_non_loopback_bind_and_off_on_loopback(tmp_path: 
 
 
 async def test_under_curve_a_node_id_is_bound_to_its_key(tmp_path: Path) -> None:
-    # issue 20: an id bound only to the routing id the node chooses lets any holder of an
+    # regression: an id bound only to the routing id the node chooses lets any holder of an
     # allowed key claim another node's id while that node is not connected. A key named after
     # a node id speaks only as that node and that node only with it; the shared client key
     # speaks as any other id; a later Hello of a bound id must bring the same key.

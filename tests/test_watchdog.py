@@ -75,7 +75,7 @@ async def test_the_watchdog_is_off_at_zero_and_before_any_work(tmp_path: Path) -
 
 
 async def test_every_rollout_lost_for_longer_than_the_timeout_resets_the_run(tmp_path: Path) -> None:
-    # issue 20: a rollout paused past the heartbeat timeout was dropped by the scheduler and the
+    # regression: a rollout paused past the heartbeat timeout was dropped by the scheduler and the
     # watchdog skipped for good (no live rollout), so the run never finished
     actor, resets = _coordinator(tmp_path, timeout=10)
     actor.watchdog.t_progress = 100.0

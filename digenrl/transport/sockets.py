@@ -159,7 +159,7 @@ class Pub(Socket):
 
     MAX_SUBSCRIPTION_BYTES = 4096
     """A subscription is a topic prefix (this project's are empty): a peer sending a larger
-    message is disconnected by ZeroMQ before it is buffered (issue 20: 8 MiB ones were kept)."""
+    message is disconnected by ZeroMQ before it is buffered (8 MiB ones were once kept)."""
 
     def _configure(self, sock: zmq.Socket[Any]) -> None:
         sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not only the first
