@@ -98,4 +98,13 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import os
+    import sys
+
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # every result is on disk (the test checks each file): leave without the interpreter's
+    # teardown, where gloo's threads can still abort the process ("terminate called without an
+    # active exception", seen rarely under load; the launcher tolerates it the same way)
+    os._exit(0)

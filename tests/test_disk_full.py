@@ -55,7 +55,9 @@ def test_a_full_disk_fails_the_run_with_one_line_and_leaves_nothing_behind(tmp_p
     with small_disk(tmp_path / "disk") as disk:
         run_dir = disk / "run"
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "digenrl.cli", "launch", "--mode", "digenrl", "--steps", "8",
+        # far more steps than the fill takes: a fast machine ran 8 steps in under a second after
+        # the first checkpoint, and finished before the filesystem was full
+        cmd = [sys.executable, "-m", "digenrl.cli", "launch", "--mode", "digenrl", "--steps", "400",
                "--run-dir", str(run_dir), *[a for s in (*SUITE_SETS, *SETS) for a in ("--set", s)]]
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
