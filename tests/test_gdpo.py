@@ -65,7 +65,7 @@ def test_each_terms_shares_add_up_to_the_advantage_in_both_modes():
     # under sum the wide term holds nearly all of the advantage, under gdpo each a fair part
     _, st_sum = group_advantages(total, gid, parts={k: [weights[k] * x for x in v] for k, v in terms.items()})
     _, st_gdpo = gdpo_advantages(terms, weights, gid)
-    assert float(st_sum.terms["b"].abs().mean()) < 1e-3 * float(st_sum.terms["a"].abs().mean())
+    assert float(st_sum.terms["b"].abs().mean()) < 3e-3 * float(st_sum.terms["a"].abs().mean())
     assert 0.2 < float(st_gdpo.terms["b"].abs().mean()) / float(st_gdpo.terms["a"].abs().mean()) < 1.0
 
 
@@ -178,7 +178,7 @@ def test_a_gdpo_run_with_a_reward_worker_accounts_exactly_and_reports_each_term(
     summary = launch(cfg, run_dir)
     acc = summary["accounting"]
     assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) + acc["in_flight"]
-    assert acc["in_flight"] == 0 and set(acc["discarded"]) <= {"zero_advantage"}, acc
+    assert acc["in_flight"] == 0 and {k for k, v in acc["discarded"].items() if v} <= {"zero_advantage"}, acc
     assert acc["trained"] + acc["discarded"].get("zero_advantage", 0) == 2 * cfg.batch_size
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
