@@ -187,6 +187,11 @@ def test_a_gdpo_run_with_a_reward_worker_accounts_exactly_and_reports_each_term(
         for term in ("jpeg_compressibility", "brightness"):
             assert math.isfinite(r[f"adv/{term}/std"]) and math.isfinite(r[f"adv/{term}/mean_abs"])
             assert f"reward/{term}" in r
-    # the terms reached the trainer: each has a share of the trained advantages
+    # the terms reached the trainer, which normalised each on its own: in groups of 2 every
+    # varying term's normalised value is about +-1, so the two shares are alike although the
+    # JPEG size (kB) and the brightness (0..1) differ in spread
     trained = [r for r in rows if r["trained"]]
-    assert all(r["adv/brightness/mean_abs"] > 0 and r["adv/jpeg_compressibility/mean_abs"] > 0 for r in trained)
+    assert trained
+    for r in trained:
+        ratio = r["adv/brightness/mean_abs"] / r["adv/jpeg_compressibility/mean_abs"]
+        assert 0.5 < ratio < 2.0, r
