@@ -194,4 +194,4 @@ def test_a_gdpo_run_with_a_reward_worker_accounts_exactly_and_reports_each_term(
     assert trained
     for r in trained:
         ratio = r["adv/brightness/mean_abs"] / r["adv/jpeg_compressibility/mean_abs"]
-        assert 0.5 < ratio < 2.0, r
+        assert 0.8 < ratio < 1.25, r  # the same run under "sum": 2.6 and 0.75
