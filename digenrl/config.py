@@ -166,6 +166,11 @@ class TrainConfig:
     adv_clip: float = _f(5.0, "advantages are clipped to +-adv_clip", gt=0)
     adv_std: Literal["group", "global"] = _f(
         "group", "normalise advantages by the group's std or the whole step's std")
+    advantage: Literal["sum", "gdpo"] = _f(
+        "sum", "with several reward terms: 'sum' normalises their weighted sum within each group "
+        "(Flow-GRPO); 'gdpo' normalises each term within the group, then their weighted sum "
+        "(GDPO, so a term of small spread is not drowned by one of large spread); adv_std and "
+        "adv_clip apply to both. One term: the two are the same (docs/algorithms.md)")
     timesteps: Literal["all", "fraction", "window", "mix"] = _f(
         "all", "which denoising steps are trained: all, a leading fraction, a Flow-GRPO-Fast "
         "window at a random place (SDE inside, ODE outside), or mix: MixGRPO's sliding window "

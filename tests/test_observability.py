@@ -58,7 +58,8 @@ def _row(**over: Any) -> dict[str, Any]:
            "train_seconds": 0.9, "rejected_stale": 0, "discarded_nonfinite": 0, "skipped_steps": 0,
            "net_messages": 410.0, "net_bytes": 9.5e6,
            "reward/jpeg_compressibility": -1.9,
-           "reward/aesthetic": 0.3, "busy/rollout-0": 0.8, "busy/trainer-0": 0.6, "staleness/1": 12}
+           "reward/aesthetic": 0.3, "adv/aesthetic/std": 0.9, "adv/aesthetic/mean_abs": 0.7,
+           "busy/rollout-0": 0.8, "busy/trainer-0": 0.6, "staleness/1": 12}
     return {**row, **over}
 
 
@@ -137,6 +138,8 @@ def test_the_last_step_record_is_served_with_node_and_term_labels():
         got = _scrape(server.url)
     assert got['digenrl_busy{node="trainer-0"}'] == 0.6
     assert got['digenrl_reward{term="aesthetic"}'] == 0.3
+    assert got['digenrl_adv_std{term="aesthetic"}'] == 0.9
+    assert got['digenrl_adv_mean_abs{term="aesthetic"}'] == 0.7
     assert got['digenrl_staleness{k="1"}'] == 12.0  # trajectories one version behind
     assert got["digenrl_reward_mean"] == 0.4
 

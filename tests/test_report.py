@@ -84,6 +84,7 @@ def make_run_dir(run_dir: Path, steps: int = 6, seed: int = 0) -> Path:
             ratio_max_dev=1e-4 * s, grad_norm=rng.uniform(0.5, 1.5), max_staleness=min(s, 1),
             mean_staleness=0.5 if s else 0.0, zero_adv_groups=s % 2, trained=16,
             discarded=4 * (s % 2), reward_terms={"jpeg_compressibility": mean},
+            adv_terms={"jpeg_compressibility/std": 0.9, "jpeg_compressibility/mean_abs": 0.8},
             staleness_hist={str(min(s, 1)): 16},
             busy=busy_by_node(spans, *window),
             gpu_util={n.node_id: 90.0 for n in trainers}, gpu_mem_used_mb={"trainer-0": 4096.0}))

@@ -58,7 +58,8 @@ def rollout_only(cfg: ResolvedConfig, steps: int, record: Path | None = None) ->
             if record is not None:
                 inputs = algorithm.local(records, result, trained, list(seeds))
                 recording.append({"step": step, "records": inputs.records, "cond": result.cond,
-                                  "rewards": result.rewards, "n_trained": len(trained),
+                                  "rewards": result.rewards, "reward_terms": result.reward_terms,
+                                  "n_trained": len(trained),
                                   "seeds": list(seeds), "final": inputs.final})
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
@@ -83,7 +84,8 @@ def trainer_only(cfg: ResolvedConfig, recording: Path) -> dict[str, Any]:
         for frag in by_step[step]:
             learner.train_fragment(records=frag["records"], cond=frag["cond"], rewards=frag["rewards"],
                                    gen_version=policy.version, n_trained_total=frag["n_trained"],
-                                   sigma_max=sigma_max, final=frag.get("final"), seeds=frag.get("seeds"))
+                                   sigma_max=sigma_max, reward_terms=frag.get("reward_terms"),
+                                   final=frag.get("final"), seeds=frag.get("seeds"))
         learner.finish_step()
         times.append(time.perf_counter() - t0)
     return {"step_seconds": times, "samples_per_s": cfg.batch_size * len(times) / sum(times)}

@@ -14,8 +14,8 @@ full-batch gradient.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -27,7 +27,9 @@ class AdvStats:
 
     ``keep[N]`` is False for samples of zero-advantage groups (all advantages exactly 0:
     identical rewards or a singleton group), which carry no policy gradient and are skipped;
-    ``zero_groups`` counts those groups out of ``groups``.
+    ``zero_groups`` counts those groups out of ``groups``. ``terms`` holds each reward term's
+    share of the advantage per sample (before clipping; they add up to the advantage), when
+    the call was given the terms.
     """
 
     keep: torch.Tensor
@@ -36,23 +38,11 @@ class AdvStats:
     reward_mean: float
     reward_std: float
     clipped: int = 0
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-
-def group_advantages(
-    rewards: torch.Tensor,
-    group_ids: torch.Tensor | Sequence[int],
-    *,
-    std_mode: Literal["group", "global"] = "group",
-    clip: float = 5.0,
-    eps: float = 1e-4,
-) -> tuple[torch.Tensor, AdvStats]:
-    """GRPO advantages ``A = (r - mean_group) / (std + eps)`` clipped to ``+-clip``.
-
-    ``std`` is the group's population std, or with ``std_mode="global"`` the std of all N
-    rewards. A group whose rewards are all equal (including a singleton) gets advantage
-    exactly 0 and is flagged in ``AdvStats.keep``. Computed in float64, returned float32.
-    """
+def _checked(rewards: torch.Tensor | Sequence[float], group_ids: torch.Tensor | Sequence[int],
+             std_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
     gid = torch.as_tensor(group_ids).flatten()
     if r.shape != gid.shape:
@@ -63,7 +53,16 @@ def group_advantages(
         raise ValueError(f"rewards must be finite, got {r.tolist()}")
     if std_mode not in ("group", "global"):
         raise ValueError(f"std_mode = {std_mode!r}: expected 'group' or 'global'")
+    return r, gid
+
+
+def _normalised(r: torch.Tensor, gid: torch.Tensor, std_mode: str,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """Unclipped ``(r - mean_group) / (std + eps)`` in float64, with the keep flags, each
+    sample's denominator ``std + eps`` (1 in zero-advantage groups), the zero-advantage
+    groups and all groups. ``std_mode="none"``: centred only (denominator 1)."""
     adv = torch.zeros_like(r)
+    denom = torch.ones_like(r)
     keep = torch.ones(r.shape, dtype=torch.bool)
     global_std = r.std(unbiased=False)
     uniq = torch.unique(gid)
@@ -76,14 +75,109 @@ def group_advantages(
             keep[idx] = False
             zero_groups += 1
             continue
-        std = rg.std(unbiased=False) if std_mode == "group" else global_std
-        adv[idx] = (rg - rg.mean()) / (std + eps)
+        if std_mode == "none":
+            adv[idx] = rg - rg.mean()
+            continue
+        d = (rg.std(unbiased=False) if std_mode == "group" else global_std) + eps
+        denom[idx] = d
+        adv[idx] = (rg - rg.mean()) / d
+    return adv, keep, denom, zero_groups, len(uniq)
+
+
+def group_advantages(
+    rewards: torch.Tensor | Sequence[float],
+    group_ids: torch.Tensor | Sequence[int],
+    *,
+    std_mode: Literal["group", "global"] = "group",
+    clip: float = 5.0,
+    eps: float = 1e-4,
+    parts: Mapping[str, torch.Tensor | Sequence[float]] | None = None,
+) -> tuple[torch.Tensor, AdvStats]:
+    """GRPO advantages ``A = (r - mean_group) / (std + eps)`` clipped to ``+-clip``.
+
+    ``std`` is the group's population std, or with ``std_mode="global"`` the std of all N
+    rewards. A group whose rewards are all equal (including a singleton) gets advantage
+    exactly 0 and is flagged in ``AdvStats.keep``. Computed in float64, returned float32.
+
+    ``parts``: the weighted pieces whose sum is ``rewards`` (``w_k r_k`` per reward term);
+    ``AdvStats.terms[k]`` is then piece k's share of the advantage, ``(p_k - mean_group p_k) /
+    (std + eps)`` over the same denominator (0 in zero-advantage groups).
+    """
+    r, gid = _checked(rewards, group_ids, std_mode)
+    adv, keep, denom, zero_groups, groups = _normalised(r, gid, std_mode, eps)
     clipped = int((adv.abs() > clip).sum())
     adv = adv.clamp(-clip, clip)
-    stats = AdvStats(keep=keep, groups=len(uniq), zero_groups=zero_groups,
-                     reward_mean=float(r.mean()), reward_std=float(global_std), clipped=clipped)
+    stats = AdvStats(keep=keep, groups=groups, zero_groups=zero_groups,
+                     reward_mean=float(r.mean()), reward_std=float(r.std(unbiased=False)),
+                     clipped=clipped, terms=_shares(parts or {}, gid, keep, denom))
     return adv.float(), stats
 
+
+def _shares(parts: Mapping[str, torch.Tensor | Sequence[float]], gid: torch.Tensor,
+            keep: torch.Tensor, denom: torch.Tensor) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, values in parts.items():
+        p = torch.as_tensor(values, dtype=torch.float64).flatten()
+        if p.shape != gid.shape:
+            raise ValueError(f"reward term {name!r}: {p.numel()} values for {gid.numel()} samples")
+        share = torch.zeros_like(p)
+        for g in torch.unique(gid[keep]):
+            idx = (gid == g).nonzero().flatten()
+            share[idx] = (p[idx] - p[idx].mean()) / denom[idx]
+        out[name] = share
+    return out
+
+
+def gdpo_advantages(
+    terms: Mapping[str, torch.Tensor | Sequence[float]],
+    weights: Mapping[str, float],
+    group_ids: torch.Tensor | Sequence[int],
+    *,
+    std_mode: Literal["group", "global"] = "group",
+    clip: float = 5.0,
+    eps: float = 1e-4,
+) -> tuple[torch.Tensor, AdvStats]:
+    """GDPO (group reward-decoupled normalisation): each reward term normalised on its own,
+    then their weighted sum::
+
+        A_k = (r_k - mean_group r_k) / (std_k + eps)       per term, unclipped
+        S   = sum_k w_k A_k
+        A   = clip(S, +-clip)                                std_mode "group"
+        A   = clip((S - mean S) / (std S + eps), +-clip)     std_mode "global"
+
+    ``std_k`` is the group's std of term k, or with "global" its std over all N samples (as in
+    :func:`group_advantages`). With "global" the sum is normalised again over all N samples: the
+    published GDPO's batch normalisation, which needs the whole step's rewards (the config
+    allows "global" only where a step is one fragment). With "group" the sum is left as it is:
+    a step-wide statistic would make a fragment wait for the others (GAP), and rescaling each
+    group's sum by its own std would blow up the residue of a group whose terms cancel; the
+    weights set the scale (weights summing to 1 keep ``|S| <= max_k |A_k|``).
+
+    A group in which a term is constant gets ``A_k = 0`` exactly from that term; a group whose
+    ``S`` is constant (every term constant, or terms that cancel) gets advantage exactly 0 and
+    is flagged in ``AdvStats.keep``, as in :func:`group_advantages`. ``AdvStats.terms[k]`` is
+    term k's share of ``A`` (before clipping; the shares add up to it). ``reward_mean`` and
+    ``reward_std`` are those of the weighted sum of the raw terms.
+    """
+    if not terms or set(terms) != set(weights):
+        raise ValueError(f"reward terms {sorted(terms)} but weights for {sorted(weights)}: "
+                         "expected the same names")
+    gid = torch.as_tensor(group_ids).flatten()
+    total = torch.zeros(gid.shape, dtype=torch.float64)
+    weighted: dict[str, torch.Tensor] = {}
+    for name in terms:
+        r, _ = _checked(terms[name], gid, std_mode)
+        a_k, _, _, _, _ = _normalised(r, gid, std_mode, eps)
+        weighted[name] = weights[name] * a_k
+        total += weights[name] * r
+    summed = torch.stack(list(weighted.values())).sum(dim=0)
+    adv, keep, denom, zero_groups, groups = _normalised(
+        summed, gid, "global" if std_mode == "global" else "none", eps)
+    clipped = int((adv.abs() > clip).sum())
+    stats = AdvStats(keep=keep, groups=groups, zero_groups=zero_groups, reward_mean=float(total.mean()),
+                     reward_std=float(total.std(unbiased=False)), clipped=clipped,
+                     terms=_shares(weighted, gid, keep, denom))
+    return adv.clamp(-clip, clip).float(), stats
 
 
 def clipped_surrogate(

@@ -17,12 +17,34 @@ from pathlib import Path
 
 import torch
 
-from digenrl.config import Config
+from digenrl.config import Config, TrainConfig
 from digenrl.models.base import Cond
 from digenrl.rl.algorithm import TrainInputs, algorithm_for
 from digenrl.rl.finite import NONFINITE, fragment_tensors, nonfinite_rows
-from digenrl.rl.grpo import group_advantages
+from digenrl.rl.grpo import AdvStats, gdpo_advantages, group_advantages
 from digenrl.rl.policy import Policy, StepLike
+
+
+def advantages(train: TrainConfig, weights: Mapping[str, float], rewards: torch.Tensor,
+               group_ids: torch.Tensor, terms: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, AdvStats]:
+    """A fragment's advantages by ``train.advantage``, with each reward term's share of them
+    (``AdvStats.terms``) for the terms among ``terms`` (per-trajectory values, by the names of
+    ``weights``: each term's label or name).
+
+    "sum" normalises the summed ``rewards`` (Flow-GRPO). "gdpo" with several terms normalises
+    each term, then their weighted sum (:func:`~digenrl.rl.grpo.gdpo_advantages`). With one
+    term there is nothing to balance: "gdpo" takes the "sum" path on the same ``rewards``, so
+    its advantages are those of "sum" bit for bit.
+    """
+    known = {k: v for k, v in terms.items() if k in weights}
+    if train.advantage == "gdpo" and len(weights) > 1:
+        if set(known) != set(weights):
+            raise ValueError(f"train.advantage = 'gdpo' needs every reward term's value per "
+                             f"trajectory; the commit carries {sorted(terms)} for {rewards.numel()} "
+                             f"trajectories, expected {sorted(weights)}")
+        return gdpo_advantages(known, weights, group_ids, std_mode=train.adv_std, clip=train.adv_clip)
+    parts = {k: weights[k] * v for k, v in known.items()}
+    return group_advantages(rewards, group_ids, std_mode=train.adv_std, clip=train.adv_clip, parts=parts)
 
 
 @dataclass
@@ -41,6 +63,7 @@ class StepStats:
     trained: int = 0
     discarded: dict[str, int] = field(default_factory=dict)
     zero_adv_groups: int = 0
+    adv_terms: dict[str, list[float]] = field(default_factory=dict)  # term -> its advantage shares
     train_seconds: float = 0.0
     passes: int = 0  # forward/backward passes run (sharded ranks keep these equal)
     fragments: list[str] = field(default_factory=list)  # each trained fragment's source label
@@ -54,6 +77,8 @@ class Learner:
         self.policy = policy
         self.cfg = cfg
         self.algorithm = algorithm_for(cfg.train)
+        self.weights = {t.label or t.name: t.weight for t in cfg.reward.terms}
+        """Each reward term's weight, by its name in a commit's ``reward_terms``."""
         self.stats = StepStats()
         self.last_discarded: dict[str, int] = {}
         self.skipped_steps = 0
@@ -96,10 +121,15 @@ class Learner:
         r = torch.tensor(list(rewards), dtype=torch.float32)
         group_ids = torch.arange(n) // g
         adv, keep, zero_groups = torch.zeros(n), torch.zeros(n, dtype=torch.bool), 0
+        shares: dict[str, torch.Tensor] = {}  # each reward term's share of the advantages
         if n_bad < n or n == 0:
-            adv_good, adv_stats = group_advantages(r[good], group_ids[good], std_mode=self.cfg.train.adv_std,
-                                                   clip=self.cfg.train.adv_clip)
+            terms = {k: torch.as_tensor(v, dtype=torch.float64)[good] for k, v in (reward_terms or {}).items()
+                     if len(v) == n}
+            adv_good, adv_stats = advantages(self.cfg.train, self.weights, r[good], group_ids[good], terms)
             adv[good], keep[good], zero_groups = adv_good, adv_stats.keep, adv_stats.zero_groups
+            for k, share in adv_stats.terms.items():
+                shares[k] = torch.zeros(n, dtype=torch.float64)
+                shares[k][good] = share
         st = self.stats
         st.fragments.append(source)
         if n_bad:
@@ -122,6 +152,8 @@ class Learner:
         if n_keep:
             st.trained_staleness[staleness] = st.trained_staleness.get(staleness, 0) + n_keep
         st.zero_adv_groups += int(zero_groups)
+        for k, share in shares.items():  # over the trained trajectories
+            st.adv_terms.setdefault(k, []).extend(share[keep].tolist())
         st.trained += n_keep
         out: dict[str, float] = {}
         if n_keep and records:
@@ -253,6 +285,10 @@ class Learner:
         }
         for k, v in st.reward_terms.items():
             metrics[f"reward/{k}"] = sum(v) / max(len(v), 1)
+        for k, v in st.adv_terms.items():
+            shares = torch.tensor(v, dtype=torch.float64)
+            metrics[f"adv/{k}/std"] = float(shares.std(unbiased=False)) if v else 0.0
+            metrics[f"adv/{k}/mean_abs"] = float(shares.abs().mean()) if v else 0.0
         self.last_discarded = dict(st.discarded)
         self.stats = StepStats()
         return metrics

@@ -32,7 +32,7 @@ __all__ = ["DOCS_PATH", "MetricsWriter", "MissingExtraError", "StepMetrics", "do
 
 DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 # Dict-valued fields -> the key prefix of their entries: busy={"trainer-0": .9} -> "busy/trainer-0".
-_DICT_PREFIX = {"reward_terms": "reward", "busy": "busy", "gpu_util": "gpu_util",
+_DICT_PREFIX = {"reward_terms": "reward", "adv_terms": "adv", "busy": "busy", "gpu_util": "gpu_util",
                 "gpu_mem_used_mb": "gpu_mem_used_mb", "staleness_hist": "staleness"}
 _warned: set[str] = set()  # extra keys already logged (once per process is enough)
 
@@ -77,6 +77,7 @@ class StepMetrics:
     net_messages: float = 0.0
     net_bytes: float = 0.0
     reward_terms: dict[str, float] = field(default_factory=dict)
+    adv_terms: dict[str, float] = field(default_factory=dict)  # "<term>/std" -> adv/<term>/std
     busy: dict[str, float] = field(default_factory=dict)
     gpu_util: dict[str, float] = field(default_factory=dict)
     gpu_mem_used_mb: dict[str, float] = field(default_factory=dict)
@@ -265,6 +266,7 @@ def repair_metrics(run_dir: Path | str) -> str | None:
 # ----------------------------------------------------------------------------- documentation
 
 _DOC_KEY = re.compile(r"^\|\s*`([^`]+)`\s*\|")
+_PLACEHOLDER = re.compile(r"<[^<>]*>")
 
 
 def documented_keys(path: Path | str = DOCS_PATH) -> set[str]:
@@ -288,12 +290,13 @@ def documented_keys(path: Path | str = DOCS_PATH) -> set[str]:
 
 
 def is_documented(key: str, documented: Iterable[str]) -> bool:
-    """Whether ``key`` is documented, where ``name/<node>`` matches ``name/`` + any node id."""
+    """Whether ``key`` is documented, where a placeholder matches any non-empty text:
+    ``name/<node>`` matches ``name/`` + any node id, ``adv/<term>/std`` ``adv/jpeg/std``."""
     for doc in documented:
         if key == doc:
             return True
-        prefix, sep, rest = doc.partition("/<")
-        if sep and rest.endswith(">") and key.startswith(prefix + "/") and len(key) > len(prefix) + 1:
+        pieces = _PLACEHOLDER.split(doc)
+        if len(pieces) > 1 and re.fullmatch(".+".join(map(re.escape, pieces)), key):
             return True
     return False
 

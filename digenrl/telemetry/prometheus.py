@@ -154,8 +154,8 @@ def start_prometheus(port: int, registry_fn: Callable[[], Mapping[str, float]], 
 
     ``registry_fn`` returns the current record (e.g. the last ``StepMetrics.to_record()``);
     it is called on every scrape. ``busy/<node>`` becomes ``digenrl_busy{node="..."}``,
-    ``reward/<term>`` ``digenrl_reward{term="..."}`` and ``staleness/<k>``
-    ``digenrl_staleness{k="..."}``. Raises :class:`MissingExtraError`
+    ``reward/<term>`` ``digenrl_reward{term="..."}``, ``adv/<term>/std``
+    ``digenrl_adv_std{term="..."}`` and ``staleness/<k>`` ``digenrl_staleness{k="..."}``. Raises :class:`MissingExtraError`
     without ``prometheus-client`` and ``ValueError`` for a bad port.
     """
     def families() -> Iterator[tuple[str, Labels, float]]:
@@ -163,6 +163,10 @@ def start_prometheus(port: int, registry_fn: Callable[[], Mapping[str, float]], 
             if not isinstance(value, int | float) or isinstance(value, bool):
                 continue
             name, _, sub = key.partition("/")
+            if name == "adv" and "/" in sub:  # adv/<term>/<stat> -> digenrl_adv_<stat>{term=...}
+                term, _, stat = sub.rpartition("/")
+                yield "digenrl_adv_" + _name(stat), (("term", term),), float(value)
+                continue
             yield "digenrl_" + _name(name), ((_RECORD_LABELS.get(name, "node"), sub),) if sub else (), float(value)
 
     return _serve("start_prometheus", port, addr, families,
