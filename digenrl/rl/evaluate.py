@@ -23,7 +23,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,9 +33,11 @@ from digenrl.data.prompts import PromptSet
 from digenrl.fileio import write_text_atomic
 from digenrl.models.base import FlowModel
 from digenrl.rl.rewards import Reward, build_reward
-from digenrl.rl.policy import Policy
 from digenrl.rl.sampler import rollout, seeded_generators
 from digenrl.telemetry.images import save_grid
+
+if TYPE_CHECKING:
+    from digenrl.rl.policy import Policy
 
 GRID_MAX = 64
 """Samples shown in an evaluation's grid (the first ones, in prompt order)."""
