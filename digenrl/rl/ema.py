@@ -19,15 +19,26 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from digenrl.rl.policy import Policy
-
 EMA_FILE = "ema.safetensors"
 """The EMA's file in a checkpoint version folder (listed in trainer.json and the manifest)."""
+
+
+class Policy(Protocol):
+    """What this module reads of :class:`digenrl.rl.policy.Policy` (which imports this one)."""
+
+    model: Any
+    params: list[torch.Tensor]
+    ema: EMA | None
+
+    def _master_keys(self) -> dict[str, int]: ...
+
+    def state_dict_for_sync(self, *, keep: bool = True) -> dict[str, torch.Tensor]: ...
+
+    def load_sync_state(self, sd: Mapping[str, torch.Tensor]) -> None: ...
 
 
 def live_weights(policy: Policy) -> dict[str, torch.Tensor]:
@@ -67,8 +78,8 @@ class EMA:
         floats = [k for k, v in self.state.items() if v.is_floating_point()]
         ema = [self.state[k] for k in floats]
         new = [weights[k].to(self.state[k].device, torch.float32) for k in floats]
-        torch._foreach_mul_(ema, self.decay)
-        torch._foreach_add_(ema, new, alpha=1.0 - self.decay)
+        # lerp, ema + (1 - d) (w - ema): a tensor that did not move keeps its EMA exactly
+        torch._foreach_lerp_(ema, new, 1.0 - self.decay)
         for k, v in self.state.items():
             if not v.is_floating_point():
                 v.copy_(weights[k])
