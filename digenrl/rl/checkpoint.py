@@ -183,9 +183,14 @@ def _write_trainer_json(d: Path, policy: Any, counters: dict[str, Any], files: l
 
 
 def load_trainer_state(ckpt: Checkpoint, policy: Any) -> dict[str, Any]:
-    """Load weights, optimizer state, version and RNG states into ``policy``; returns the counters."""
+    """Load weights, optimizer state, EMA (if the policy keeps one), version and RNG states
+    into ``policy``; returns the counters."""
     from safetensors.torch import load_file
 
+    ema = getattr(policy, "ema", None)
+    if ema is not None and EMA_FILE not in ckpt.trainer.get("files", {}):
+        raise CheckpointError(f"checkpoint {ckpt.path} holds no EMA ({EMA_FILE}): it was written "
+                              "with train.ema_decay = 0, this run keeps one")
     if ckpt.trainer.get("layout") == "dcp":  # any rank count reads it (a collective if sharded)
         from digenrl.rl.sharding import load_sharded
         load_sharded(ckpt.path / DCP_DIR, policy)
@@ -193,11 +198,7 @@ def load_trainer_state(ckpt: Checkpoint, policy: Any) -> dict[str, Any]:
         policy.load_sync_state(load_file(str(ckpt.path / "policy.safetensors")))
         state = torch.load(ckpt.path / "optimizer.pt", map_location="cpu", weights_only=True)
         policy.load_optimizer_state(state)
-    ema = getattr(policy, "ema", None)
     if ema is not None:
-        if EMA_FILE not in ckpt.trainer.get("files", {}):
-            raise CheckpointError(f"checkpoint {ckpt.path} holds no EMA ({EMA_FILE}): it was written "
-                                  "with train.ema_decay = 0, this run keeps one")
         ema.load_state_dict(load_file(str(ckpt.path / EMA_FILE)))
     policy.optimizer.zero_grad(set_to_none=True)
     policy.version = ckpt.version
