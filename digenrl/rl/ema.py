@@ -27,7 +27,7 @@ EMA_FILE = "ema.safetensors"
 """The EMA's file in a checkpoint version folder (listed in trainer.json and the manifest)."""
 
 
-class Policy(Protocol):
+class TrainedPolicy(Protocol):
     """What this module reads of :class:`digenrl.rl.policy.Policy` (which imports this one)."""
 
     model: Any
@@ -41,7 +41,7 @@ class Policy(Protocol):
     def load_sync_state(self, sd: Mapping[str, torch.Tensor]) -> None: ...
 
 
-def live_weights(policy: Policy) -> dict[str, torch.Tensor]:
+def live_weights(policy: TrainedPolicy) -> dict[str, torch.Tensor]:
     """The policy's trained weights under their sync keys, as the live tensors (no copy):
     the float32 masters where there are, else the model's own tensors."""
     model = policy.model
@@ -64,7 +64,7 @@ class EMA:
             k: (v.detach().float() if v.is_floating_point() else v.detach()).clone() for k, v in weights.items()}
 
     @classmethod
-    def of(cls, policy: Policy, decay: float) -> EMA:
+    def of(cls, policy: TrainedPolicy, decay: float) -> EMA:
         """An EMA starting at ``policy``'s current weights."""
         return cls(decay, live_weights(policy))
 
@@ -102,7 +102,7 @@ class EMA:
 
 
 @contextlib.contextmanager
-def ema_weights(policy: Policy) -> Iterator[None]:
+def ema_weights(policy: TrainedPolicy) -> Iterator[None]:
     """Within the block the policy's model holds its EMA weights (no-grad use only: evaluation).
 
     The trained weights (and float32 masters) are put back exactly on exit; gradients and the
