@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true",
                    help="fold a LoRA into the transformer's weights (plain diffusers loads it, no peft); "
                         "without it the adapter sits beside the base pipeline")
+    p.add_argument("--ema", action="store_true",
+                   help="export the EMA of the weights (final/ema/, train.ema_decay > 0) instead of the policy")
 
     p = sub.add_parser("keys", help="CurveZMQ keys")
     ks = p.add_subparsers(dest="keys_command", required=True)
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "export":
             from digenrl.export import export_run
-            res = export_run(Path(args.run_dir), Path(args.out), merge=args.merge)
+            res = export_run(Path(args.run_dir), Path(args.out), merge=args.merge, ema=args.ema)
             print(f"digenrl: exported the {res['kind']} of policy version {res['version']}"
                   f"{' (LoRA merged)' if res['merged'] else ''} from {res['from']} to {res['out']}")
             return 0

@@ -207,6 +207,10 @@ class TrainConfig:
                          "reference uses 1, i.e. hardly any clipping)", gt=0)
     nft_adaptive: bool = _f(True, "nft: DiffusionNFT's adaptive weighting (each branch's squared "
                             "x0 error over its detached mean absolute error)")
+    ema_decay: float = _f(
+        0.0, "decay d of an exponential moving average of the trained weights (float32, on the "
+        "trainer ranks), after each applied optimizer step: ema = d * ema + (1 - d) * weights; "
+        "evaluated per eval.policy and saved to final/ema/; 0 = off", ge=0, lt=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,6 +259,9 @@ class EvalConfig:
     num_steps: int = _f(0, "denoising steps of evaluation sampling (ODE); 0 = sampler.num_steps",
                         ge=0, le=1000)
     batch_size: int = _f(16, "samples generated per batch during evaluation", ge=1, le=65536)
+    policy: Literal["auto", "ema", "policy", "both"] = _f(
+        "auto", "which weights evaluation scores: the EMA (train.ema_decay > 0; metrics eval_ema/), "
+        "the trained policy (eval/), or both; auto: ema when train.ema_decay > 0, else policy")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -548,6 +555,12 @@ def _check_consistency(cfg: Config) -> None:
         if cfg.model.fsdp:
             raise ConfigError(f"model.fsdp = true with train.algorithm = {t.algorithm!r}: sharded "
                               "training of the forward-process losses is not implemented")
+    if t.ema_decay > 0 and cfg.model.fsdp:
+        raise ConfigError(f"train.ema_decay = {t.ema_decay} with model.fsdp = true: the EMA of "
+                          "sharded weights is not implemented (set one of them off)")
+    if cfg.eval.policy in ("ema", "both") and t.ema_decay == 0:
+        raise ConfigError(f"eval.policy = {cfg.eval.policy!r}: there are EMA weights only with "
+                          "train.ema_decay > 0")
     if t.guard and s.sde_type not in ("sde", "dance"):
         raise ConfigError(f"train.guard = true with sampler.sde_type = {s.sde_type!r}: GRPO-Guard's "
                           "ratio normalisation is defined for the Gaussian steps 'sde' and 'dance'")

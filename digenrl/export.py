@@ -1,4 +1,4 @@
-"""``digenrl export RUN_DIR --out DIR [--merge]``: a trained policy as a standalone diffusers folder.
+"""``digenrl export RUN_DIR --out DIR [--merge] [--ema]``: a trained policy as a standalone diffusers folder.
 
 What it writes, from the run's ``config.toml`` and its trained weights (``final/``, else the
 newest checkpoint that verifies):
@@ -13,6 +13,8 @@ newest checkpoint that verifies):
 * a **transformer folder** (``config.json`` + ``diffusion_pytorch_model.safetensors``) when the
   base is the shipped tiny model (``model.path = "builtin"`` or ``"random"``): it has no VAE or
   text encoders to make a pipeline of, and the message says so.
+* ``--ema`` exports the EMA of the weights (``final/ema/``, runs with ``train.ema_decay > 0``)
+  instead of the trained policy, the same way.
 * ``README.md``: a model card with the base model, the algorithm and its settings, the reward
   terms, and the held-out evaluation scores at the exported version (from ``metrics.jsonl``).
 
@@ -68,8 +70,25 @@ def _trained_weights(run_dir: Path) -> tuple[Path, int]:
     return path, version
 
 
-def _eval_scores(run_dir: Path, version: int) -> dict[str, float]:
-    """The held-out evaluation row of ``version`` in metrics.jsonl (empty if none)."""
+def _ema_weights(run_dir: Path) -> tuple[Path, int]:
+    """``final/ema/policy.safetensors`` and its version (``--ema``)."""
+    from safetensors import safe_open
+
+    path = run_dir / "final" / "ema" / "policy.safetensors"
+    if not path.is_file():
+        raise ExportError(f"digenrl export --ema {run_dir}: no final/ema/policy.safetensors (the run kept "
+                          "no EMA, train.ema_decay = 0, or has not finished)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            version = int((f.metadata() or {}).get("version", 0))
+    except Exception as e:  # safetensors raises its own error types on a damaged header
+        raise ExportError(f"digenrl export --ema: {path} is not a readable safetensors file ({e})") from None
+    return path, version
+
+
+def _eval_scores(run_dir: Path, version: int, prefix: str = "eval/") -> dict[str, float]:
+    """The held-out evaluation row of ``version`` in metrics.jsonl (empty if none): its keys
+    that start with ``prefix`` (``eval_ema/``: the EMA's scores)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return {}
@@ -80,14 +99,15 @@ def _eval_scores(run_dir: Path, version: int) -> dict[str, float]:
         except ValueError:
             continue  # a torn last line: the rows before it still count
         if isinstance(row, dict) and row.get("policy_version") == version and any(
-                k.startswith("eval/") for k in row):
-            found = {k: v for k, v in row.items() if k.startswith("eval/") and isinstance(v, int | float)}
+                k.startswith(prefix) for k in row):
+            found = {k: v for k, v in row.items() if k.startswith(prefix) and isinstance(v, int | float)}
     return found
 
 
-def _model_card(cfg: Config, run_dir: Path, version: int, kind: str, merged: bool) -> str:
+def _model_card(cfg: Config, run_dir: Path, version: int, kind: str, merged: bool,
+                ema: bool = False) -> str:
     t = cfg.train
-    scores = _eval_scores(run_dir, version)
+    scores = _eval_scores(run_dir, version, "eval_ema/" if ema else "eval/")
     rewards = ", ".join(f"{r.label or r.name} (weight {r.weight:g})" for r in cfg.reward.terms)
     lines = [
         "---",
@@ -99,6 +119,7 @@ def _model_card(cfg: Config, run_dir: Path, version: int, kind: str, merged: boo
         "",
         f"- base model: `{cfg.model.path}` (family `{cfg.model.family}`)",
         f"- exported: {kind}, policy version {version}"
+        + (f", the EMA of the weights (decay {t.ema_decay:g})" if ema else "")
         + (" (LoRA merged into the transformer)" if merged else ""),
         f"- algorithm: `{t.algorithm}`, lr {t.lr}, "
         + (f"LoRA rank {cfg.model.lora_rank}" if cfg.model.lora_rank else "full fine-tune")
@@ -116,8 +137,9 @@ def _model_card(cfg: Config, run_dir: Path, version: int, kind: str, merged: boo
     return "\n".join(lines)
 
 
-def export_run(run_dir: Path, out: Path, *, merge: bool = False) -> dict[str, Any]:
+def export_run(run_dir: Path, out: Path, *, merge: bool = False, ema: bool = False) -> dict[str, Any]:
     """Write the run's trained policy as a standalone folder at ``out`` (see the module doc).
+    ``ema``: the EMA of the weights (``final/ema/``, ``train.ema_decay > 0``) instead.
     Returns what was written: ``kind`` ("pipeline" or "transformer"), ``version``, ``merged``."""
     import torch
     from safetensors.torch import load_file
@@ -141,7 +163,7 @@ def export_run(run_dir: Path, out: Path, *, merge: bool = False) -> dict[str, An
     if pipeline and not is_pipeline_folder(base):
         raise ExportError(f"digenrl export {run_dir}: its base model {str(base)!r} is not a diffusers "
                           "pipeline folder (no model_index.json)")
-    path, version = _trained_weights(run_dir)
+    path, version = _ema_weights(run_dir) if ema else _trained_weights(run_dir)
 
     # the trained transformer in float32, exactly as the trainer held its masters
     model = build_model(replace(cfg.model, dtype="float32"), seed=cfg.run.seed, device="cpu")
@@ -166,7 +188,7 @@ def export_run(run_dir: Path, out: Path, *, merge: bool = False) -> dict[str, An
             transformer.unload_lora()
         transformer.save_pretrained(transformer_dir, safe_serialization=True)
     kind = "pipeline" if pipeline else "transformer"
-    (aside / "README.md").write_text(_model_card(cfg, run_dir, version, kind, lora and merge))
+    (aside / "README.md").write_text(_model_card(cfg, run_dir, version, kind, lora and merge, ema))
     if out.exists():  # an empty folder the user made for it
         out.rmdir()
     aside.replace(out)  # the folder appears whole

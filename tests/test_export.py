@@ -179,3 +179,51 @@ def test_a_run_stopped_before_final_exports_its_newest_checkpoint(tmp_path):
     result = export_run(tmp_path, tmp_path / "exported", merge=True)
     assert result["version"] == 5 and result["from"].endswith("policy.safetensors")
     assert "checkpoint" in result["from"] and (tmp_path / "exported" / "config.json").is_file()
+
+
+def test_export_ema_writes_the_ema_weights_and_refuses_a_run_without_them(tmp_path):
+    """``--ema`` exports final/ema/: the merged transformer predicts what the policy predicts
+    with its EMA weights, not with its trained ones; a run with no EMA gets a one-line error."""
+    from digenrl.export import ExportError, export_run
+    from digenrl.models import build_model
+    from digenrl.models.families import SPECS
+    from digenrl.rl.ema import ema_weights, live_weights
+    from digenrl.rl.learner import save_final
+    from digenrl.rl.policy import Policy
+
+    cfg = load_config(None, ["model.lora_rank=2", "train.ema_decay=0.5"])
+    (tmp_path / "config.toml").write_text(to_toml(cfg))
+    model = build_model(cfg.model, seed=cfg.run.seed)
+    policy = Policy(model, cfg.train, cfg.sampler)
+    with torch.no_grad():
+        for i, p in enumerate(policy.params):
+            p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    policy.ema.update(live_weights(policy))  # halfway between the initial and the moved weights
+    policy.version = 1
+    save_final(policy, tmp_path)
+    rows = [{"step": 1, "policy_version": 1, "eval/r": 0.5, "eval_ema/r": 0.25}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "exported"
+    result = export_run(tmp_path, out, merge=True, ema=True)
+    assert result["from"].endswith("final/ema/policy.safetensors") and result["version"] == 1
+    card = (out / "README.md").read_text()
+    assert "EMA of the weights (decay 0.5)" in card and "`eval_ema/r` | 0.25" in card
+    transformer = SPECS["sd3"].cls.from_pretrained(out, local_files_only=True)
+    loaded = SPECS["sd3"].adapter(transformer, encoder=model.encoder, decoder=model.decoder,
+                                  latent_shape=model.latent_shape)
+    x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
+    cond = model.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        v_export, v_trained = loaded.velocity(x, 0.6, cond), model.velocity(x, 0.6, cond)
+        with ema_weights(policy):
+            v_ema = model.velocity(x, 0.6, cond)
+    assert (v_trained - v_ema).abs().max() > 0.02  # the EMA is not the trained policy ...
+    torch.testing.assert_close(v_export, v_ema, atol=1e-3, rtol=1e-3)  # ... and is what was exported
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    plain_cfg = load_config(None, ["model.lora_rank=2"])
+    (plain / "config.toml").write_text(to_toml(plain_cfg))
+    save_final(Policy(build_model(plain_cfg.model, seed=0), plain_cfg.train, plain_cfg.sampler), plain)
+    with pytest.raises(ExportError, match=r"no final/ema/policy.safetensors \(the run kept no EMA"):
+        export_run(plain, tmp_path / "o4", ema=True)

@@ -299,7 +299,7 @@ def test_metrics_keys_of_a_real_launch_are_exactly_the_documented_ones(launched,
     assert {k for k in emitted if not is_documented(k, documented)} == set()
     # every documented key is emitted, except NVML's (no GPU here) and the evaluation's, which
     # go in eval rows of runs with run.eval_every > 0 (tests/test_evaluate.py checks those)
-    eval_keys = {d for d in documented if d.startswith("eval/")}
+    eval_keys = {d for d in documented if d.startswith(("eval/", "eval_ema/"))}
     assert {d for d in documented - NVML_ONLY - eval_keys
             if not any(is_documented(k, [d]) for k in emitted)} == set()
     assert {k for k in emitted if k.startswith("busy/")} == {f"busy/{n}" for n in NODES[mode]}

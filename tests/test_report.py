@@ -88,11 +88,14 @@ def make_run_dir(run_dir: Path, steps: int = 6, seed: int = 0) -> Path:
             staleness_hist={str(min(s, 1)): 16},
             busy=busy_by_node(spans, *window),
             gpu_util={n.node_id: 90.0 for n in trainers}, gpu_mem_used_mb={"trainer-0": 4096.0}))
-        if s in (0, steps - 1):  # held-out evaluations of versions 0 and the last one
+        if s in (0, steps - 1):  # held-out evaluations of versions 0 and the last one, policy and EMA
             v = 0 if s == 0 else steps
             writer.write_eval(v, (window[1] - EPOCH) / 1e9, {
                 "eval/shapes_attributes/all": 0.35 + 0.01 * v, "eval/shapes_attributes/shape": 0.4,
-                "eval/shapes_judge": -2.0 + 0.1 * v, "eval/samples": 96, "eval/seconds": 1.5})
+                "eval/shapes_judge": -2.0 + 0.1 * v, "eval/samples": 96, "eval/seconds": 1.5,
+                # and its EMA's (eval.policy = "both")
+                "eval_ema/shapes_attributes/all": 0.34 + 0.01 * v, "eval_ema/shapes_judge": -2.1 + 0.1 * v,
+                "eval_ema/samples": 96, "eval_ema/seconds": 1.5})
     writer.close()
     for rec in rollouts + trainers:
         rec.dump(run_dir / "trace" / f"{rec.node_id}.jsonl")
@@ -236,3 +239,9 @@ def test_sample_grids_upscale_small_images_and_never_exceed_the_cap():
     assert max(img.size) == MAX_SIDE == 2048 and img.size[0] == img.size[1]
     wide = torch.zeros(2, 3, 64, 4096, dtype=torch.uint8)  # video frames tiled side by side
     assert max(grid(wide, nrow=2).size) == MAX_SIDE
+
+
+def test_summary_table_shows_the_emas_evaluation_beside_the_policys(report):
+    table = report[1]["table"]
+    assert "eval/shapes_judge" in table and "eval_ema/shapes_judge" in table
+    assert "eval_ema/samples" not in table  # bookkeeping, not a score

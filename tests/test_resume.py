@@ -95,6 +95,31 @@ def test_k0_run_killed_in_step_three_and_resumed_is_bit_identical_to_an_uninterr
         "zero_advantage", 0) == 4 * 4
 
 
+EMA_SETS = [*SETS, "train.ema_decay=0.9"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "crash"), [("disagg-sync", "commit:2"), ("colocated", "generate:2")])
+def test_k0_run_with_an_ema_killed_and_resumed_ends_with_the_ema_bit_identical(
+        tmp_path: Path, mode: str, crash: str) -> None:
+    """The EMA a checkpoint carries (ema.safetensors) is restored exactly: the interrupted run's
+    final/ema/ equals an uninterrupted run's bit for bit. Exact on purpose: same machine, same
+    process kind and thread count, same inputs, so the resumed run replays the same arithmetic."""
+    from safetensors.torch import load_file
+
+    whole = tmp_path / f"{mode}-whole"
+    r = launch_run(*_fresh_args(mode, whole, EMA_SETS))
+    assert r.returncode == 0, r.stderr[-3000:]
+    cut, _ = _interrupt_and_resume(tmp_path, mode, crash, versions=(2,), sets=EMA_SETS)
+    assert "ema.safetensors" in latest_checkpoint(cut).trainer["files"]
+    a, b = (load_file(d / "final" / "ema" / "policy.safetensors") for d in (whole, cut))
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # and the EMA is not the policy (it averaged something)
+    policy = final_weights(whole)
+    assert any(not torch.equal(a[k], policy[k]) for k in a)
+
+
 @pytest.mark.slow
 def test_k1_run_killed_mid_step_resumes_with_exact_accounting_and_every_slot_consumed_once(
         tmp_path: Path) -> None:

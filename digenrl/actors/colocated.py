@@ -27,7 +27,7 @@ from digenrl.data.prompts import load_splits
 from digenrl.devices import init_process_group, resolve_device, use_device
 from digenrl.faults import crash_point
 from digenrl.rl.checkpoint import colocated_checkpoint, colocated_resume
-from digenrl.rl.evaluate import build_eval_reward, eval_due, evaluate
+from digenrl.rl.evaluate import build_eval_reward, eval_due, evaluate_policy
 from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.learner import Learner, save_final
 from digenrl.rl.policy import build_policy
@@ -97,7 +97,7 @@ def run_colocated(cfg: ResolvedConfig, run_dir: Path, *, rank: int = 0, world_si
         if not (evaluating and test_set is not None and eval_due(version, cfg)):
             return
         with recorder.span("evaluate", version=version):
-            row = evaluate(policy.model, cfg, test_set, eval_reward, version=version,
+            row = evaluate_policy(policy, cfg, test_set, eval_reward, version=version,
                            run_dir=run_dir if rank == 0 else None)
         if writer is not None:
             writer.write_eval(version, time.perf_counter() - t_start, row)

@@ -41,7 +41,7 @@ from digenrl.config import Config
 from digenrl.core.plan import owners_for, plan_for_step
 from digenrl.faults import crash_point, hang_point
 from digenrl.rl.algorithm import Staged, algorithm_for
-from digenrl.rl.evaluate import eval_due, evaluate
+from digenrl.rl.evaluate import eval_due, evaluate_policy
 from digenrl.rl.finite import NONFINITE
 from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.learner import Learner, save_final
@@ -484,7 +484,7 @@ class TrainerActor(Actor):
             return
         rank0 = self.rank == 0
         row = await self.in_thread("evaluate", partial(
-            evaluate, self.policy.model, self.cfg, self.test_set, self.eval_reward if rank0 else None,
+            evaluate_policy, self.policy, self.cfg, self.test_set, self.eval_reward if rank0 else None,
             version=version, run_dir=self.run_dir if rank0 else None), version=version)
         if rank0:
             self.pending_eval.update({**row, "eval/policy_version": version})

@@ -9,6 +9,8 @@ Layout (one folder per checkpointed version, the newest two kept)::
                                                    when the newest does not verify
     run_dir/checkpoint/v000004/policy.safetensors   trainable weights (LoRA: the adapter)
                               optimizer.pt          AdamW state (torch.save, weights_only load)
+                              ema.safetensors       the EMA of the weights (train.ema_decay > 0;
+                                                    rl/ema.py), verified like the others
                               dcp/                  instead of those two when the trainer is
                                                     sharded (FSDP): torch.distributed.checkpoint,
                                                     one file per rank with its own shard of the
@@ -57,6 +59,8 @@ from typing import Any
 import torch
 
 from digenrl.fileio import read_jsonl, write_atomic, write_json_atomic, write_text_atomic
+from digenrl.rl.ema import EMA_FILE
+from digenrl.telemetry.metrics import is_eval_row
 
 FORMAT = 1
 TRAINER_FILES = ("policy.safetensors", "optimizer.pt", "trainer.json")
@@ -155,13 +159,19 @@ def save_trainer_state(run_dir: Path, policy: Any, counters: dict[str, Any], *,
         return d
     sd = {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict_for_sync().items()}
     optimizer_state = policy.optimizer_state()
+    ema = getattr(policy, "ema", None)
+    ema_sd = None if ema is None else ema.state_dict()
     if not write:
         return d
     d.mkdir(parents=True, exist_ok=True)
     write_atomic(d / "policy.safetensors",
                  lambda tmp: save_file(sd, str(tmp), metadata={"version": str(policy.version)}))
     write_atomic(d / "optimizer.pt", lambda tmp: torch.save(optimizer_state, tmp))
-    _write_trainer_json(d, policy, counters, ["policy.safetensors", "optimizer.pt"], layout="whole", rng=rng)
+    files = ["policy.safetensors", "optimizer.pt"]
+    if ema_sd is not None:
+        write_atomic(d / EMA_FILE, lambda tmp: save_file(ema_sd, str(tmp), metadata={"version": str(policy.version)}))
+        files.append(EMA_FILE)
+    _write_trainer_json(d, policy, counters, files, layout="whole", rng=rng)
     return d
 
 
@@ -173,9 +183,14 @@ def _write_trainer_json(d: Path, policy: Any, counters: dict[str, Any], files: l
 
 
 def load_trainer_state(ckpt: Checkpoint, policy: Any) -> dict[str, Any]:
-    """Load weights, optimizer state, version and RNG states into ``policy``; returns the counters."""
+    """Load weights, optimizer state, EMA (if the policy keeps one), version and RNG states
+    into ``policy``; returns the counters."""
     from safetensors.torch import load_file
 
+    ema = getattr(policy, "ema", None)
+    if ema is not None and EMA_FILE not in ckpt.trainer.get("files", {}):
+        raise CheckpointError(f"checkpoint {ckpt.path} holds no EMA ({EMA_FILE}): it was written "
+                              "with train.ema_decay = 0, this run keeps one")
     if ckpt.trainer.get("layout") == "dcp":  # any rank count reads it (a collective if sharded)
         from digenrl.rl.sharding import load_sharded
         load_sharded(ckpt.path / DCP_DIR, policy)
@@ -183,6 +198,8 @@ def load_trainer_state(ckpt: Checkpoint, policy: Any) -> dict[str, Any]:
         policy.load_sync_state(load_file(str(ckpt.path / "policy.safetensors")))
         state = torch.load(ckpt.path / "optimizer.pt", map_location="cpu", weights_only=True)
         policy.load_optimizer_state(state)
+    if ema is not None:
+        ema.load_state_dict(load_file(str(ckpt.path / EMA_FILE)))
     policy.optimizer.zero_grad(set_to_none=True)
     policy.version = ckpt.version
     rng = ckpt.trainer["rng"]
@@ -289,7 +306,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         got = manifest.get("format") if isinstance(manifest, dict) else manifest
         raise CheckpointError(f"{path}: format = {got!r:.40}: expected {FORMAT}")
     dname, files = manifest.get("dir"), manifest.get("files")
-    whole = isinstance(files, dict) and set(files) == set(ALL_FILES)
+    whole = isinstance(files, dict) and set(files) - {EMA_FILE} == set(ALL_FILES)
     sharded = isinstance(files, dict) and {"trainer.json", "scheduler.json"} <= set(files) and \
         f"{DCP_DIR}/.metadata" in files and all(n.startswith(f"{DCP_DIR}/") or n.endswith(".json") for n in files)
     if (not isinstance(dname, str) or not dname.startswith("v") or not dname[1:].isdigit()
@@ -338,7 +355,7 @@ def dedupe_metrics(run_dir: Path) -> None:
         return
     rows: dict[tuple[int, int], str] = {}
     for line, row in read_jsonl(path)[0]:
-        is_eval = any(k.startswith("eval/") for k in row)
+        is_eval = is_eval_row(row)
         rows[(int(row.get("step", -1)), 0 if is_eval else 1)] = line
     write_text_atomic(path, "".join(rows[k] + "\n" for k in sorted(rows)))
 

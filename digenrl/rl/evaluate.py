@@ -11,6 +11,10 @@ other seeds -- sees the same noise for the same prompt. The scores are every val
 docs/metrics.md) and writes, when given a run dir, ``samples/eval_v<version>.png`` (a grid of
 the first :data:`GRID_MAX` samples) and ``eval/v<version>.jsonl`` (one line per sample: prompt
 index, seed, every value), from which per-seed rates and standard errors are computed.
+
+With an EMA of the weights (``train.ema_decay > 0``), :func:`evaluate_policy` scores the EMA
+(``eval_ema/`` keys, ``samples/eval_ema_v<version>.png``, ``eval_ema/v<version>.jsonl``), the
+trained policy, or both, per ``eval.policy``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +35,9 @@ from digenrl.models.base import FlowModel
 from digenrl.rl.rewards import Reward, build_reward
 from digenrl.rl.sampler import rollout, seeded_generators
 from digenrl.telemetry.images import save_grid
+
+if TYPE_CHECKING:
+    from digenrl.rl.policy import Policy
 
 GRID_MAX = 64
 """Samples shown in an evaluation's grid (the first ones, in prompt order)."""
@@ -79,10 +86,11 @@ def generate(model: FlowModel, cfg: Config, test: PromptSet) -> tuple[torch.Tens
 
 
 def evaluate(model: FlowModel, cfg: Config, test: PromptSet, reward: Reward | None, *,
-             version: int, run_dir: Path | None = None) -> dict[str, Any]:
-    """Sample the test prompts with ``model`` and score them; the ``eval/`` metrics.
+             version: int, run_dir: Path | None = None, prefix: str = "eval") -> dict[str, Any]:
+    """Sample the test prompts with ``model`` and score them; the ``<prefix>/`` metrics.
 
     ``reward`` None: generate only (a sharded rank joining rank 0's forward passes); returns {}.
+    ``prefix``: of the metric keys and files (``eval``: the policy's; ``eval_ema``: its EMA's).
     """
     t0 = time.perf_counter()
     images, plan = generate(model, cfg, test)
@@ -90,16 +98,41 @@ def evaluate(model: FlowModel, cfg: Config, test: PromptSet, reward: Reward | No
         return {}
     prompts = [test.prompts[i] for i, _ in plan]
     values = reward.evaluate(images, prompts, [test.metadata[i] for i, _ in plan])
-    metrics: dict[str, Any] = {f"eval/{k}": float(v.double().mean()) for k, v in values.items()}
-    metrics["eval/samples"] = len(plan)
-    metrics["eval/seconds"] = time.perf_counter() - t0
+    metrics: dict[str, Any] = {f"{prefix}/{k}": float(v.double().mean()) for k, v in values.items()}
+    metrics[f"{prefix}/samples"] = len(plan)
+    metrics[f"{prefix}/seconds"] = time.perf_counter() - t0
     if run_dir is not None:
         k = cfg.eval.samples_per_prompt
-        save_grid(images[:GRID_MAX], run_dir / "samples" / f"eval_v{version:04d}.png",
+        save_grid(images[:GRID_MAX], run_dir / "samples" / f"{prefix}_v{version:04d}.png",
                   nrow=k if k > 1 else 8)
         lines = [json.dumps({"version": version, "prompt_index": i, "prompt": test.prompts[i], "seed": s,
                              **{k_: float(v[n]) for k_, v in values.items()}})
                  for n, (i, s) in enumerate(plan)]
-        (run_dir / "eval").mkdir(parents=True, exist_ok=True)
-        write_text_atomic(run_dir / "eval" / f"v{version:04d}.jsonl", "".join(x + "\n" for x in lines))
+        (run_dir / prefix).mkdir(parents=True, exist_ok=True)
+        write_text_atomic(run_dir / prefix / f"v{version:04d}.jsonl", "".join(x + "\n" for x in lines))
     return metrics
+
+
+def eval_policies(cfg: Config) -> list[str]:
+    """What ``eval.policy`` evaluates: ``policy`` (the trained weights) and/or ``ema``."""
+    choice = cfg.eval.policy
+    if choice == "auto":
+        choice = "ema" if cfg.train.ema_decay > 0 else "policy"
+    return ["policy", "ema"] if choice == "both" else [choice]
+
+
+def evaluate_policy(policy: Policy, cfg: Config, test: PromptSet, reward: Reward | None, *,
+                    version: int, run_dir: Path | None = None) -> dict[str, Any]:
+    """:func:`evaluate` of the trained weights (``eval/`` keys), of their EMA (``eval_ema/``,
+    the EMA loaded into the model for the time of it), or both, per ``eval.policy``."""
+    from digenrl.rl.ema import ema_weights
+
+    row: dict[str, Any] = {}
+    for which in eval_policies(cfg):
+        if which == "policy":
+            row.update(evaluate(policy.model, cfg, test, reward, version=version, run_dir=run_dir))
+        else:
+            with ema_weights(policy):
+                row.update(evaluate(policy.model, cfg, test, reward, version=version, run_dir=run_dir,
+                                    prefix="eval_ema"))
+    return row

@@ -301,25 +301,34 @@ def save_final(policy: Policy, run_dir: Path, *, write: bool = True) -> Path:
     ``pytorch_lora_weights.safetensors`` for the pipeline's ``load_lora_weights``; a full
     fine-tune as a transformer folder: ``config.json`` + ``diffusion_pytorch_model.safetensors``,
     a hard link to policy.safetensors). Each file appears whole (written aside, then renamed).
+    With an EMA (``train.ema_decay``), ``final/ema/`` holds the same files for the EMA weights.
 
     Sharded: a collective (every rank gathers), only the caller with ``write`` writes.
     """
-    import shutil
-
-    from safetensors.torch import save_file
-
     out = run_dir / "final"
     # a rank that does not write joins the gathers and keeps nothing
     sd = {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict_for_sync(keep=write).items()}
     if not write:
         return out / "policy.safetensors"
+    _write_weights(policy, out, sd, aside=run_dir / "final.tmp")
+    ema = getattr(policy, "ema", None)  # test fakes keep none
+    if ema is not None:
+        _write_weights(policy, out / "ema", ema.state_dict(), aside=run_dir / "final-ema.tmp")
+    return out / "policy.safetensors"
+
+
+def _write_weights(policy: Policy, out: Path, sd: dict[str, torch.Tensor], *, aside: Path) -> None:
+    """``policy.safetensors`` and the diffusers files of ``sd`` in ``out`` (see save_final)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "policy.safetensors.tmp"
     save_file(sd, str(tmp), metadata={"version": str(policy.version), "format": "pt"})
     tmp.replace(out / "policy.safetensors")
     save = getattr(policy.model, "save", None)
     if save is not None:  # a diffusers adapter (test fakes have no diffusers format)
-        aside = run_dir / "final.tmp"
         shutil.rmtree(aside, ignore_errors=True)
         # float32 as trained: diffusers casts at load (torch_dtype=bfloat16 rounds exactly as the
         # trainer's bf16 compute did); a full fine-tune shares policy.safetensors' bytes
@@ -327,4 +336,3 @@ def save_final(policy: Policy, run_dir: Path, *, write: bool = True) -> Path:
         for f in aside.iterdir():
             f.replace(out / f.name)
         aside.rmdir()
-    return out / "policy.safetensors"

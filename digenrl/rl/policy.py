@@ -44,6 +44,7 @@ import torch
 from digenrl.config import ResolvedConfig, SamplerConfig, TrainConfig
 from digenrl.models.base import Cond, FlowModel, cond_select
 from digenrl.rl.algorithm import algorithm_for
+from digenrl.rl.ema import EMA, live_weights
 from digenrl.rl.grpo import (
     clipped_surrogate,
     guard_weight,
@@ -122,6 +123,12 @@ class Policy:
             with torch.no_grad():
                 self.uncond = model.encode_prompts([""])
         self._idle_input: tuple[torch.Tensor, Cond] | None = None
+        #: the moving average of the trained weights (train.ema_decay > 0; rl/ema.py), else None
+        self.ema: EMA | None = None
+        if train_cfg.ema_decay > 0:
+            if shard:
+                raise ValueError("train.ema_decay > 0 with a sharded (FSDP) policy: not implemented")
+            self.ema = EMA.of(self, train_cfg.ema_decay)
 
     # -- the loss --------------------------------------------------------------------------------
     def _velocity(self, model: FlowModel, x: torch.Tensor, sigma: float | torch.Tensor,
@@ -290,7 +297,8 @@ class Policy:
 
     # -- the update ------------------------------------------------------------------------------
     def optimizer_step(self) -> dict[str, Any]:
-        """Clip the gradient norm (``max_grad_norm``; 0 = off), step AdamW, zero grads, version += 1.
+        """Clip the gradient norm (``max_grad_norm``; 0 = off), step AdamW, update the EMA (if
+        kept), zero grads, version += 1.
 
         A non-finite gradient norm skips the update (reported as ``skipped``) but still ends the
         step, so versions keep counting steps.
@@ -310,6 +318,8 @@ class Policy:
             if self.has_masters:  # round the new masters into the model the passes run
                 with torch.no_grad():
                     torch._foreach_copy_(self.model_params, self.params)
+            if self.ema is not None:  # a skipped step leaves the average too
+                self.ema.update(live_weights(self))
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         return {"grad_norm": float(grad_norm), "skipped": skipped, "version": self.version,

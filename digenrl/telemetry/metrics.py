@@ -202,9 +202,10 @@ class MetricsWriter:
     def write_eval(self, version: int, wall_time: float, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Append one evaluation row: ``step`` and ``policy_version`` are the evaluated
         version, ``metrics`` its ``eval/`` entries (:mod:`digenrl.rl.evaluate`)."""
-        bad = sorted(k for k in metrics if not k.startswith("eval/"))
+        bad = sorted(k for k in metrics if not is_eval_key(k))
         if bad:
-            raise ValueError(f"evaluation row of version {version}: keys {bad} lack the eval/ prefix")
+            raise ValueError(f"evaluation row of version {version}: keys {bad} lack the eval/ "
+                             "(or eval_ema/) prefix")
         record = self._finite({"step": version, "policy_version": version, "wall_time": wall_time,
                                **metrics}, version, count=False)
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
@@ -231,9 +232,19 @@ class MetricsWriter:
         self.close()
 
 
+EVAL_PREFIXES = ("eval/", "eval_ema/")
+"""Key prefixes of evaluation metrics: the trained policy's, and its EMA's (rl/evaluate.py)."""
+
+
+def is_eval_key(key: str) -> bool:
+    """Whether a metric key is an evaluation's (``eval/...`` or ``eval_ema/...``)."""
+    return key.startswith(EVAL_PREFIXES)
+
+
 def is_eval_row(row: Mapping[str, Any]) -> bool:
-    """Whether a metrics.jsonl row is an evaluation row (its keys are ``eval/...``)."""
-    return any(k.startswith("eval/") for k in row)
+    """Whether a metrics.jsonl row is an evaluation row (its keys are ``eval/...`` or
+    ``eval_ema/...``)."""
+    return any(is_eval_key(k) for k in row)
 
 
 def read_metrics(run_dir: Path | str, kind: str = "train") -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ from matplotlib.patches import Patch
 from PIL import Image
 
 from digenrl.fileio import DamagedFile
-from digenrl.telemetry.metrics import read_metrics
+from digenrl.telemetry.metrics import is_eval_key, read_metrics
 from digenrl.telemetry.trace import (
     BUSY_SPANS,
     SPAN_NAMES,
@@ -51,7 +51,7 @@ DPI = 100
 PNG_SIZES: dict[str, tuple[int, int]] = {  # (width, height) in pixels
     "reward": (900, 500), "throughput": (900, 500), "timeline": (1200, 600), "samples": (1000, 560),
     "eval": (900, 500)}
-_EVAL_BOOKKEEPING = {"eval/samples", "eval/seconds"}  # not scores: not plotted
+_EVAL_BOOKKEEPING = {"eval/samples", "eval/seconds", "eval_ema/samples", "eval_ema/seconds"}  # not scores: not plotted
 _COLOURS = dict(zip(SPAN_NAMES, ["#1f77b4", "#aec7e8", "#2ca02c", "#ff7f0e", "#d62728",
                                  "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
                                  "#dbdb8d", "#d9d9d9", "#393b79", "#e7969c"], strict=True))
@@ -99,7 +99,7 @@ def format_summary(run_dir: Path, summary: Mapping[str, Any], busy_trace: Mappin
                      f" ± {_num(last.get('reward_std'), '.4f')}")
     if evals:
         first, final = evals[0], evals[-1]
-        keys = sorted(k for k in final if k.startswith("eval/") and k not in _EVAL_BOOKKEEPING)
+        keys = sorted(k for k in final if is_eval_key(k) and k not in _EVAL_BOOKKEEPING)
         lines.append(f"held-out evaluation, version {first['policy_version']} -> {final['policy_version']}")
         lines += [f"  {k:<32} {_num(first.get(k), '8.4f')} -> {_num(final[k], '8.4f')}" for k in keys]
     busy = dict(summary.get("busy") or {})
@@ -167,7 +167,7 @@ def _plot_throughput(metrics: Sequence[Mapping[str, Any]], average: float | None
 
 
 def _plot_eval(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    keys = sorted({k for r in rows for k in r if k.startswith("eval/")} - _EVAL_BOOKKEEPING)
+    keys = sorted({k for r in rows for k in r if is_eval_key(k)} - _EVAL_BOOKKEEPING)
     terms = sorted({k.split("/")[1] for k in keys})
     fig, _ = _figure("eval")
     fig.clf()
@@ -176,7 +176,8 @@ def _plot_eval(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
         for k in (k for k in keys if k.split("/")[1] == term):
             pts = [(r["policy_version"], r[k]) for r in rows if k in r]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
-                    label=k.split("/", 2)[2] if k.count("/") > 1 else "mean")
+                    label=("ema " if k.startswith("eval_ema/") else "")
+                    + (k.split("/", 2)[2] if k.count("/") > 1 else "mean"))
         ax.set(title=term, xlabel="policy version")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-from digenrl.telemetry.metrics import StepMetrics
+from digenrl.telemetry.metrics import StepMetrics, is_eval_key
 from digenrl.telemetry.trace import busy_share
 
 
@@ -58,7 +58,7 @@ class StepRows:
         """Rank 0's StepDone: its row waits for :meth:`flush`. An evaluation that rode on it
         (``eval/`` keys, rl/evaluate.py) is written at once, as its own row."""
         metrics = dict(metrics)
-        evaluated = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith("eval/")]}
+        evaluated = {k: metrics.pop(k) for k in [k for k in metrics if is_eval_key(k)]}
         if evaluated:
             self.metrics.write_eval(int(evaluated.pop("eval/policy_version")), wall_time, evaluated)
         messages, nbytes = traffic
