@@ -45,7 +45,6 @@ class ExportError(ConfigError):
 def _trained_weights(run_dir: Path) -> tuple[Path, int]:
     """The policy file to export and its version: ``final/policy.safetensors``, else the newest
     checkpoint that verifies (an unsharded one: a sharded checkpoint is read by ``digenrl eval``)."""
-    from safetensors import safe_open
 
     final = run_dir / "final" / "policy.safetensors"
     path: Path | None = final if final.is_file() else None
@@ -61,29 +60,29 @@ def _trained_weights(run_dir: Path) -> tuple[Path, int]:
     if path is None:
         raise ExportError(f"digenrl export {run_dir}: the run has neither final/policy.safetensors nor an "
                           "unsharded checkpoint; export a run that finished, or resume it first")
+    return path, _version(path)
+
+
+def _version(path: Path) -> int:
+    """The policy version a run's safetensors file records; ExportError if it cannot be read."""
+    from safetensors import SafetensorError, safe_open
+
     try:
         with safe_open(str(path), framework="pt") as f:
-            version = int((f.metadata() or {}).get("version", 0))
-    except Exception as e:  # safetensors raises its own error types on a damaged header
+            return int((f.metadata() or {}).get("version", 0))
+    except (SafetensorError, OSError, ValueError) as e:
         raise ExportError(f"digenrl export: {path} is not a readable safetensors file ({e}); "
                           "the run's final/ or checkpoint is damaged") from None
-    return path, version
 
 
 def _ema_weights(run_dir: Path) -> tuple[Path, int]:
     """``final/ema/policy.safetensors`` and its version (``--ema``)."""
-    from safetensors import safe_open
 
     path = run_dir / "final" / "ema" / "policy.safetensors"
     if not path.is_file():
         raise ExportError(f"digenrl export --ema {run_dir}: no final/ema/policy.safetensors (the run kept "
                           "no EMA, train.ema_decay = 0, or has not finished)")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            version = int((f.metadata() or {}).get("version", 0))
-    except Exception as e:  # safetensors raises its own error types on a damaged header
-        raise ExportError(f"digenrl export --ema: {path} is not a readable safetensors file ({e})") from None
-    return path, version
+    return path, _version(path)
 
 
 def _eval_scores(run_dir: Path, version: int, prefix: str = "eval/") -> dict[str, float]:

@@ -69,6 +69,7 @@ def test_a_skipped_step_leaves_the_ema_as_it_leaves_the_weights() -> None:
     weights = _copy(live_weights(policy))
     out = _step(policy, 1, nan=True)
     assert out["skipped"] and policy.version == 2
+    # exact on purpose: a skipped step computes nothing on these tensors (same process, untouched)
     assert all(torch.equal(policy.ema.state[k], before[k]) for k in before)
     assert all(torch.equal(live_weights(policy)[k], weights[k]) for k in weights)
     _step(policy, 2)  # the next applied step moves it again

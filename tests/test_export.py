@@ -227,3 +227,16 @@ def test_export_ema_writes_the_ema_weights_and_refuses_a_run_without_them(tmp_pa
     save_final(Policy(build_model(plain_cfg.model, seed=0), plain_cfg.train, plain_cfg.sampler), plain)
     with pytest.raises(ExportError, match=r"no final/ema/policy.safetensors \(the run kept no EMA"):
         export_run(plain, tmp_path / "o4", ema=True)
+
+
+def test_a_damaged_policy_file_is_one_error_naming_it(trained_run, tmp_path):
+    from digenrl.export import ExportError, export_run
+
+    _, run_dir = trained_run
+    torn = tmp_path / "torn"
+    (torn / "final").mkdir(parents=True)
+    (torn / "config.toml").write_text((run_dir / "config.toml").read_text())
+    data = (run_dir / "final" / "policy.safetensors").read_bytes()
+    (torn / "final" / "policy.safetensors").write_bytes(data[: len(data) // 3])  # a crash mid-write
+    with pytest.raises(ExportError, match=r"policy\.safetensors is not a readable safetensors file"):
+        export_run(torn, tmp_path / "out")
