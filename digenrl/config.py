@@ -328,6 +328,33 @@ class TransportConfig:
     allow_plaintext: bool = _f(False, "permit plain text on a non-loopback address (warns)")
 
 
+TrackerName = Literal["tensorboard", "wandb", "swanlab", "mlflow"]
+TRACKERS: tuple[str, ...] = get_args(TrackerName)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingConfig:
+    """Experiment trackers the coordinator logs to (telemetry/tracking.py, docs/observability.md)."""
+
+    backends: list[TrackerName] = _f(
+        ["tensorboard"], "experiment trackers the coordinator logs the config, every metrics.jsonl "
+        "row and sample grids to: any of tensorboard (the metrics extra), wandb, swanlab, mlflow "
+        "(the tracking extra); [] = none. One that fails is logged and dropped, the run goes on")
+    images_every: int = _f(
+        50, "a grid of a fragment's samples (videos: frames side by side) with their prompts goes "
+        "to the trackers at the first and last step and every N steps; evaluation grids at every "
+        "evaluation; 0 = evaluation grids only", ge=0)
+    project: str = _f("digenrl", "the trackers' project (wandb, swanlab) or experiment (mlflow)")
+    run_name: str = _f("", "the run's name in the trackers; '' = the run dir's name")
+    dir: str = _f("", "folder of the trackers' local files (tb/, wandb/, swanlog/, mlruns/); '' = the run dir")
+    mode: Literal["auto", "offline", "online"] = _f(
+        "auto", "auto: each package's default and environment (WANDB_MODE, SWANLAB_MODE); "
+        "offline: wandb and swanlab write local files only (to sync later), no network; online: "
+        "they upload as the run goes (a login is needed)")
+    mlflow_uri: str = _f("", "MLflow tracking URI; '' = $MLFLOW_TRACKING_URI, else a local file "
+                         "store <dir>/mlruns")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
@@ -340,6 +367,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     @property
     def batch_size(self) -> int:
@@ -555,6 +583,8 @@ def _check_consistency(cfg: Config) -> None:
         if cfg.model.fsdp:
             raise ConfigError(f"model.fsdp = true with train.algorithm = {t.algorithm!r}: sharded "
                               "training of the forward-process losses is not implemented")
+    if len(set(cfg.tracking.backends)) < len(cfg.tracking.backends):
+        raise ConfigError(f"tracking.backends = {cfg.tracking.backends!r}: a tracker is listed twice")
     if t.ema_decay > 0 and cfg.model.fsdp:
         raise ConfigError(f"train.ema_decay = {t.ema_decay} with model.fsdp = true: the EMA of "
                           "sharded weights is not implemented (set one of them off)")

@@ -220,6 +220,11 @@ def check_before_start(cfg: Config) -> None:
             check_reward(eval_terms(cfg))
         except RewardError as e:
             raise ConfigError(f"eval.terms: {e}") from None
+    from digenrl.telemetry.tracking import check_trackers
+    try:
+        check_trackers(cfg.tracking)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def launch(cfg: ResolvedConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:

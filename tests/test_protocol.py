@@ -93,7 +93,7 @@ def test_the_message_set_is_registered() -> None:
     assert set(message_types()) == {
         "hello", "welcome", "heartbeat", "assign", "chunk", "clean_sample", "commit", "consumed",
         "version_announce", "weights_request", "weights_part", "weights_missing", "weights_pending",
-        "weights_route", "weights_held", "step_done",
+        "weights_route", "weights_held", "step_done", "samples",
         "tag_offer", "revoke", "shutdown", "score", "scored"}
 
 
@@ -329,7 +329,7 @@ def test_weights_part_with_slashes_in_names_and_messages_equal_is_strict() -> No
     assert isinstance(got, WeightsPart) and tensor_checksum(got.tensors) == part.checksum
     assert not messages_equal(Shutdown(reason="a"), Shutdown(reason="b"))
     assert not messages_equal(_chunk(), _chunk(x_t=torch.zeros(2, 3, 4)))
-    assert protocol.PROTOCOL_VERSION == 7
+    assert protocol.PROTOCOL_VERSION == 8
 
 
 # ---------------------------------------------------------------- one honest message of each type
@@ -366,6 +366,8 @@ HONEST: list[Message] = [
     protocol.WeightsRoute(upstream="tcp://10.0.0.9:5602", upstream_node="rollout-3"),
     protocol.WeightsHeld(node_id="rollout-0", version=4),
     protocol.StepDone(step=1, version=4, metrics={"reward_mean": 0.5, "grad_norm": math.nan, "trained": 16}),
+    protocol.Samples(step=1, kind="train", grid=torch.zeros(4, 6, 3, dtype=torch.uint8), prompt_ids=[3, 4],
+                     caption=""),
     protocol.TagOffer(node_id="trainer-0", rank=0, free_mb=-1.0),
     protocol.Revoke(task_id=5, reason="lease expired"),
     Shutdown(reason="done"),

@@ -213,7 +213,7 @@ def test_tensorboard_is_skipped_when_not_installed(tmp_path):
     if importlib.util.find_spec("tensorboard") is not None:
         pytest.skip("tensorboard is installed here")
     with MetricsWriter(tmp_path) as writer:
-        assert writer._tb is None
+        assert writer.trackers.names == []
     assert not (tmp_path / "tb").exists()
 
 

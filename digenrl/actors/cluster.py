@@ -40,6 +40,7 @@ from digenrl.telemetry.logging import get_logger
 from digenrl.telemetry.metrics import MetricsWriter
 from digenrl.telemetry.progress import Progress
 from digenrl.telemetry.trace import SpanRecorder
+from digenrl.telemetry.tracking import open_trackers
 from digenrl.transport import factory as zs
 from digenrl.transport.endpoints import free_port, rendezvous_endpoint
 from digenrl.transport.options import node_context
@@ -251,7 +252,7 @@ async def serve_coordinator(cfg: ResolvedConfig, run_dir: Path, *, bind: str | N
         from digenrl.core.plan import plan_for_step
         return Scheduler(sched.params, plan_timesteps=lambda step: plan_for_step(cfg, step))
 
-    metrics = MetricsWriter(run_dir, sink=record_sink)
+    metrics = MetricsWriter(run_dir, sink=record_sink, trackers=open_trackers(cfg, run_dir))
     recorder = SpanRecorder("coordinator", "coordinator")
     trace_path = run_dir / "trace" / "coordinator.jsonl"
     actor = CoordinatorActor(cfg=cfg, scheduler=sched, control=control, pub=pub, prompts=prompts,

@@ -33,10 +33,11 @@ from digenrl.rl.learner import Learner, save_final
 from digenrl.rl.policy import build_policy
 from digenrl.rl.rewards import build_reward
 from digenrl.rl.sde import sigma_schedule
-from digenrl.telemetry.images import save_grid
+from digenrl.telemetry.images import grid_array, save_grid
 from digenrl.telemetry.metrics import MetricsWriter, StepMetrics
 from digenrl.telemetry.progress import Progress
 from digenrl.telemetry.trace import BusyClock, SpanRecorder, busy_share
+from digenrl.telemetry.tracking import images_due, open_trackers
 
 
 def _all_reduce(t: torch.Tensor) -> None:
@@ -83,7 +84,8 @@ def run_colocated(cfg: ResolvedConfig, run_dir: Path, *, rank: int = 0, world_si
     sigma_max = float(sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)[1])
     node = f"colocated-{rank}"
     recorder = SpanRecorder(node, "colocated")
-    writer = MetricsWriter(run_dir) if rank == 0 else None
+    # rank 0 is the coordinator here: it alone opens the experiment trackers
+    writer = MetricsWriter(run_dir, trackers=open_trackers(cfg, run_dir)) if rank == 0 else None
     per_rank = P // world_size
     my_groups = range(rank * per_rank, (rank + 1) * per_rank)
     t_start = time.perf_counter()
@@ -96,9 +98,11 @@ def run_colocated(cfg: ResolvedConfig, run_dir: Path, *, rank: int = 0, world_si
     def maybe_eval(version: int) -> None:
         if not (evaluating and test_set is not None and eval_due(version, cfg)):
             return
+        show = (lambda kind, grid, caption: writer.write_samples(version, kind, grid, caption)) \
+            if writer is not None else None
         with recorder.span("evaluate", version=version):
             row = evaluate_policy(policy, cfg, test_set, eval_reward, version=version,
-                           run_dir=run_dir if rank == 0 else None)
+                                  run_dir=run_dir if rank == 0 else None, show=show)
         if writer is not None:
             writer.write_eval(version, time.perf_counter() - t_start, row)
 
@@ -141,6 +145,9 @@ def run_colocated(cfg: ResolvedConfig, run_dir: Path, *, rank: int = 0, world_si
         if rank == 0 and (step == 0 or step == cfg.run.steps - 1 or
                           (cfg.run.sample_grid_every and step % cfg.run.sample_grid_every == 0)):
             save_grid(result.images, run_dir / "samples" / f"step_{step:04d}.png", nrow=G)
+        if writer is not None and result.images.numel() and images_due(step, cfg):
+            writer.write_samples(step, "train", grid_array(result.images, G),
+                                 row_prompts=[prompts[ids[g]] for g in my_groups])
         last = {"step": step, "policy_version": policy.version, **metrics,
                 "samples_per_s": P * G / dt, "step_seconds": dt,
                 "wall_time": time.perf_counter() - t_start,

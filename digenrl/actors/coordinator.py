@@ -1,6 +1,6 @@
 """Coordinator: drives the sans-I/O scheduler with real sockets; records the run.
 
-    nodes --Hello/Heartbeat/Commit/Consumed/VersionAnnounce/StepDone/TagOffer--> [ROUTER control]
+    nodes --Hello/Heartbeat/Commit/Consumed/VersionAnnounce/StepDone/Samples/TagOffer--> [ROUTER control]
     [ROUTER control] --Welcome/Assign/Revoke/VersionAnnounce/Shutdown--> nodes
     [PUB] --VersionAnnounce/Shutdown--> rollouts (small state only; re-sent on heartbeats)
 
@@ -64,6 +64,7 @@ from digenrl.transport.protocol import (
     Heartbeat,
     Hello,
     Revoke,
+    Samples,
     Shutdown,
     StepDone,
     TagOffer,
@@ -319,6 +320,9 @@ class CoordinatorActor(Actor):
         elif isinstance(msg, StepDone):
             self._step_done(msg)
             signal_point("stepdone", msg.version)  # TEST-ONLY (digenrl/faults.py)
+        elif isinstance(msg, Samples):  # a grid for the trackers (a train grid: a prompt a row)
+            self.metrics.write_samples(msg.step, msg.kind, msg.grid, msg.caption,
+                                       [self.prompts[i] for i in msg.prompt_ids if i < len(self.prompts)])
         elif isinstance(msg, WeightsHeld):
             self.weights.held(msg.node_id, msg.version, now)
             self._maybe_finish(now)

@@ -48,7 +48,8 @@ from digenrl.rl.learner import Learner, save_final
 from digenrl.rl.policy import Policy
 from digenrl.rl.sde import sigma_schedule
 from digenrl.rl.sharding import pass_count, step_passes
-from digenrl.telemetry.images import save_grid
+from digenrl.telemetry.images import grid_array, save_grid
+from digenrl.telemetry.tracking import images_due
 from digenrl.transport.protocol import (
     Assign,
     Chunk,
@@ -57,6 +58,7 @@ from digenrl.transport.protocol import (
     Consumed,
     Heartbeat,
     Revoke,
+    Samples,
     Shutdown,
     StepDone,
     TagOffer,
@@ -383,6 +385,11 @@ class TrainerActor(Actor):
                 await asyncio.to_thread(
                     save_grid, commit.images, self.run_dir / "samples" / f"step_{step:04d}_f{commit.fragment}.png",
                     nrow=self.cfg.train.group_size)
+            if self.rank == 0 and not self.consumed_slots[step] and commit.images.numel() \
+                    and images_due(step, self.cfg):  # the step's first fragment, for the trackers
+                grid = await asyncio.to_thread(grid_array, commit.images, self.cfg.train.group_size)
+                await self.peers.control.send(Samples(step=step, kind="train", grid=grid, caption="",
+                                                      prompt_ids=list(commit.prompt_ids)))
         self.consumed_slots[step].add(commit.fragment)
         await self._report(commit, trained, discarded, time.perf_counter() - t0)
 
@@ -483,11 +490,16 @@ class TrainerActor(Actor):
         if not (self.rank == 0 or self.policy.sharded):
             return
         rank0 = self.rank == 0
+        grids: list[tuple[Any, Any, str]] = []  # (eval or eval_ema, grid, caption) for the trackers
+        show = (lambda *g: grids.append(g)) if rank0 and self.cfg.tracking.backends else None
         row = await self.in_thread("evaluate", partial(
             evaluate_policy, self.policy, self.cfg, self.test_set, self.eval_reward if rank0 else None,
-            version=version, run_dir=self.run_dir if rank0 else None), version=version)
+            version=version, run_dir=self.run_dir if rank0 else None, show=show), version=version)
         if rank0:
             self.pending_eval.update({**row, "eval/policy_version": version})
+        for kind, grid, caption in grids:
+            await self.peers.control.send(Samples(step=version, kind=kind, grid=grid, prompt_ids=[],
+                                                  caption=caption))
 
     async def _publish(self, version: int) -> None:
         """Rank 0 serves ``version`` and announces it; sharded ranks all join the gather."""

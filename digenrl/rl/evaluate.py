@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,8 @@ from digenrl.fileio import write_text_atomic
 from digenrl.models.base import FlowModel
 from digenrl.rl.rewards import Reward, build_reward
 from digenrl.rl.sampler import rollout, seeded_generators
-from digenrl.telemetry.images import save_grid
+from digenrl.telemetry.images import grid_array, save_grid
+from digenrl.telemetry.tracking import grid_caption
 
 if TYPE_CHECKING:
     from digenrl.rl.policy import Policy
@@ -85,12 +87,18 @@ def generate(model: FlowModel, cfg: Config, test: PromptSet) -> tuple[torch.Tens
     return torch.cat(out), plan
 
 
+ShowGrid = Callable[[str, torch.Tensor, str], None]
+"""Receives an evaluation's grid for the experiment trackers: (prefix, uint8 (H, W, 3), caption)."""
+
+
 def evaluate(model: FlowModel, cfg: Config, test: PromptSet, reward: Reward | None, *,
-             version: int, run_dir: Path | None = None, prefix: str = "eval") -> dict[str, Any]:
+             version: int, run_dir: Path | None = None, prefix: str = "eval",
+             show: ShowGrid | None = None) -> dict[str, Any]:
     """Sample the test prompts with ``model`` and score them; the ``<prefix>/`` metrics.
 
     ``reward`` None: generate only (a sharded rank joining rank 0's forward passes); returns {}.
     ``prefix``: of the metric keys and files (``eval``: the policy's; ``eval_ema``: its EMA's).
+    ``show``: also gets the grid (the first :data:`GRID_MAX` samples) and its prompts.
     """
     t0 = time.perf_counter()
     images, plan = generate(model, cfg, test)
@@ -101,10 +109,12 @@ def evaluate(model: FlowModel, cfg: Config, test: PromptSet, reward: Reward | No
     metrics: dict[str, Any] = {f"{prefix}/{k}": float(v.double().mean()) for k, v in values.items()}
     metrics[f"{prefix}/samples"] = len(plan)
     metrics[f"{prefix}/seconds"] = time.perf_counter() - t0
+    k = cfg.eval.samples_per_prompt
+    nrow = k if k > 1 else 8
+    if show is not None:
+        show(prefix, grid_array(images[:GRID_MAX], nrow), grid_caption(prompts[:GRID_MAX], nrow))
     if run_dir is not None:
-        k = cfg.eval.samples_per_prompt
-        save_grid(images[:GRID_MAX], run_dir / "samples" / f"{prefix}_v{version:04d}.png",
-                  nrow=k if k > 1 else 8)
+        save_grid(images[:GRID_MAX], run_dir / "samples" / f"{prefix}_v{version:04d}.png", nrow=nrow)
         lines = [json.dumps({"version": version, "prompt_index": i, "prompt": test.prompts[i], "seed": s,
                              **{k_: float(v[n]) for k_, v in values.items()}})
                  for n, (i, s) in enumerate(plan)]
@@ -122,7 +132,7 @@ def eval_policies(cfg: Config) -> list[str]:
 
 
 def evaluate_policy(policy: Policy, cfg: Config, test: PromptSet, reward: Reward | None, *,
-                    version: int, run_dir: Path | None = None) -> dict[str, Any]:
+                    version: int, run_dir: Path | None = None, show: ShowGrid | None = None) -> dict[str, Any]:
     """:func:`evaluate` of the trained weights (``eval/`` keys), of their EMA (``eval_ema/``,
     the EMA loaded into the model for the time of it), or both, per ``eval.policy``."""
     from digenrl.rl.ema import ema_weights
@@ -130,9 +140,10 @@ def evaluate_policy(policy: Policy, cfg: Config, test: PromptSet, reward: Reward
     row: dict[str, Any] = {}
     for which in eval_policies(cfg):
         if which == "policy":
-            row.update(evaluate(policy.model, cfg, test, reward, version=version, run_dir=run_dir))
+            row.update(evaluate(policy.model, cfg, test, reward, version=version, run_dir=run_dir,
+                                show=show))
         else:
             with ema_weights(policy):
                 row.update(evaluate(policy.model, cfg, test, reward, version=version, run_dir=run_dir,
-                                    prefix="eval_ema"))
+                                    prefix="eval_ema", show=show))
     return row

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -56,3 +57,8 @@ def save_grid(images: torch.Tensor, path: Path, nrow: int, *, scale: int | None 
     grid(images, nrow, scale=scale).save(tmp)
     tmp.replace(path)
     return path
+
+
+def grid_array(images: torch.Tensor, nrow: int) -> torch.Tensor:
+    """:func:`grid` as a uint8 (H, W, 3) tensor (what the experiment trackers are sent)."""
+    return torch.from_numpy(np.array(grid(images, nrow), dtype=np.uint8))

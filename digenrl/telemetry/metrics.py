@@ -2,9 +2,10 @@
 
 The trainer (rank 0) reduces a step's numbers into a :class:`StepMetrics` and hands it to a
 :class:`MetricsWriter`, which appends one JSON line to ``run_dir/metrics.jsonl`` (flushed
-per line, so ``tail -f`` and a crashed run both see every finished step) and, when the
-optional ``metrics`` extra is installed, the same scalars to TensorBoard under
-``run_dir/tb``. Every key a record can produce is documented in ``docs/metrics.md``;
+per line, so ``tail -f`` and a crashed run both see every finished step) and hands it to the
+run's experiment trackers (:mod:`digenrl.telemetry.tracking`; by default TensorBoard under
+``run_dir/tb`` when the ``metrics`` extra is installed). Every key a record can produce is
+documented in ``docs/metrics.md``;
 :func:`documented_keys` parses that file so a test can hold the two together.
 
 Busy fractions come from :func:`digenrl.telemetry.trace.busy_fraction` over the step's
@@ -14,18 +15,19 @@ window, the same function the report applies to ``trace.json``.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import structlog
 
 from digenrl.fileio import read_jsonl, write_text_atomic
+from digenrl.telemetry.tracking import Trackers, grid_caption, open_trackers
 
 __all__ = ["DOCS_PATH", "MetricsWriter", "MissingExtraError", "StepMetrics", "documented_keys",
            "finite_only", "is_documented", "is_eval_row", "read_metrics"]
@@ -153,26 +155,24 @@ def finite_only(record: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 
 class MetricsWriter:
-    """Appends :class:`StepMetrics` to ``run_dir/metrics.jsonl`` (and TensorBoard if present).
+    """Appends :class:`StepMetrics` to ``run_dir/metrics.jsonl`` and hands every row (and the
+    sample grids of :meth:`write_samples`) to the run's experiment trackers.
 
-    ``tensorboard=True`` uses ``torch.utils.tensorboard`` when the ``tensorboard`` package
-    is importable and logs once (``tensorboard_unavailable``) when it is not.
+    ``trackers``: :func:`digenrl.telemetry.tracking.open_trackers` of the run's config (the
+    coordinator's writer); None with ``tensorboard=True`` opens TensorBoard alone when the
+    ``tensorboard`` package is importable (logged once, ``tensorboard_unavailable``, when not).
     """
 
     def __init__(self, run_dir: Path | str, *, tensorboard: bool = True,
-                 sink: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 sink: Callable[[dict[str, Any]], None] | None = None,
+                 trackers: Trackers | None = None) -> None:
         self.sink = sink  # sees every step record written (digenrl-node's Prometheus endpoint)
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
-        self._tb = None
-        if tensorboard:
-            if importlib.util.find_spec("tensorboard") is None:
-                _log.debug("tensorboard_unavailable", hint="pip install 'digenrl[metrics]'",
-                          path=str(self.path))
-            else:
-                from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+        if trackers is None:
+            trackers = open_trackers(None, run_dir, ["tensorboard"] if tensorboard else [])
+        self.trackers = trackers
 
     def _finite(self, record: Mapping[str, Any], step: Any, *, count: bool = True) -> dict[str, Any]:
         """:func:`finite_only`, counting (``nonfinite_metrics``: in every row with ``count``,
@@ -190,11 +190,7 @@ class MetricsWriter:
         record = self._finite(metrics.to_record(), metrics.step)
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float):
-                    self._tb.add_scalar(key, value, global_step=metrics.step)
-            self._tb.flush()
+        self.trackers.scalars(metrics.step, {k: v for k, v in record.items() if k != "step"})
         if self.sink is not None:
             self.sink(record)
         return record
@@ -210,20 +206,22 @@ class MetricsWriter:
                                **metrics}, version, count=False)
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key in ("step", "policy_version", "wall_time"):
-                    continue
-                if isinstance(value, int | float):
-                    self._tb.add_scalar(key, value, global_step=version)
-            self._tb.flush()
+        self.trackers.scalars(version, {k: v for k, v in record.items()
+                                        if k not in ("step", "policy_version", "wall_time")})
         return record
 
+    def write_samples(self, step: int, kind: str, grid_HW3: Any, caption: str = "",
+                      row_prompts: Sequence[str] = ()) -> None:
+        """A sample grid (uint8 (H, W, 3)) to the trackers as ``samples/<kind>`` at ``step``
+        (``train``: a training step; ``eval``, ``eval_ema``: the evaluated version) with its
+        prompts: ``caption``, or one line per grid row from ``row_prompts``."""
+        caption = caption or grid_caption(list(row_prompts), 1)
+        self.trackers.image(step, f"samples/{kind}", np.asarray(grid_HW3), caption)
+
     def close(self) -> None:
-        """Close the file (and the TensorBoard writer)."""
+        """Close the file, then the trackers (they finish what was queued first)."""
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        self.trackers.close()
 
     def __enter__(self) -> MetricsWriter:
         return self

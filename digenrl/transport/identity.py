@@ -17,6 +17,7 @@ from digenrl.transport.protocol import (
     Consumed,
     Heartbeat,
     Hello,
+    Samples,
     StepDone,
     TagOffer,
     VersionAnnounce,
@@ -44,8 +45,8 @@ class IdentityGate:
         any other id, and a restart (a newer incarnation) must come with the key the id was
         first bound to. Every later message must come from a bound peer with that key, claim
         only that id and incarnation, and be a message its role sends (``nodes``: node id ->
-        its ``role`` and ``rank``; reports from trainer ranks, StepDone and VersionAnnounce
-        from rank 0 only, within the run's ``steps``; ``version``: the ledger's)."""
+        its ``role`` and ``rank``; reports from trainer ranks, StepDone, VersionAnnounce and
+        Samples from rank 0 only, within the run's ``steps``; ``version``: the ledger's)."""
         if isinstance(msg, Hello):
             if peer != msg.node_id.encode():
                 return "hello_id_not_routing_id"
@@ -71,17 +72,19 @@ class IdentityGate:
         if isinstance(msg, Heartbeat) and msg.incarnation != self.bound.get(node_id):
             return "another_incarnation"
         node = nodes.get(node_id, {})
-        if isinstance(msg, Consumed | StepDone | VersionAnnounce | TagOffer):
+        if isinstance(msg, Consumed | StepDone | VersionAnnounce | TagOffer | Samples):
             if node.get("role") != "trainer":
                 return "not_a_trainer"
             if isinstance(msg, Consumed | TagOffer) and msg.rank != node.get("rank"):
                 return "not_its_rank"
-            if isinstance(msg, StepDone | VersionAnnounce) and node.get("rank") != 0:
+            if isinstance(msg, StepDone | VersionAnnounce | Samples) and node.get("rank") != 0:
                 return "not_rank_0"
         if isinstance(msg, StepDone) and not (msg.step == version < steps and msg.version == msg.step + 1):
             return "step_outside_the_run"
         if isinstance(msg, VersionAnnounce) and not msg.version <= steps:
             return "version_outside_the_run"
+        if isinstance(msg, Samples) and not msg.step <= steps:
+            return "step_outside_the_run"
         if isinstance(msg, Consumed | Commit) and not msg.step < steps:
             return "step_outside_the_run"
         return None

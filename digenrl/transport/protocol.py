@@ -12,7 +12,7 @@ any message it has no branch for: ``Actor.unexpected``)::
 
     node -> coordinator (control DEALER -> ROUTER)   Hello, Heartbeat, Commit, Consumed,
                                                      VersionAnnounce (rank 0), StepDone (rank 0),
-                                                     TagOffer (trainers)
+                                                     Samples (rank 0), TagOffer (trainers)
     coordinator -> node (ROUTER -> DEALER)           Welcome, Heartbeat (the answer to every
                                                      beat), Assign, Revoke, VersionAnnounce
                                                      (rollouts that missed one), Shutdown
@@ -64,7 +64,7 @@ from digenrl.transport.errors import ProtocolError, VersionMismatch
 __all__ = [
     "DEFAULT_MAX_FRAMES", "DEFAULT_MAX_HEADER_BYTES", "DTYPES", "INT_MAX", "INT_MIN",
     "PROTOCOL_VERSION", "Assign", "Chunk", "CleanSample", "Commit", "Consumed", "Heartbeat", "Hello",
-    "JSONDict", "Message", "NodeState", "ProtocolError", "Revoke", "Role", "Score", "Scored", "Shutdown",
+    "JSONDict", "Message", "NodeState", "ProtocolError", "Revoke", "Role", "Samples", "Score", "Scored", "Shutdown",
     "StepDone", "TagOffer", "VersionAnnounce", "VersionMismatch", "WeightsHeld", "WeightsMissing",
     "WeightsPart", "WeightsPending", "WeightsRequest", "WeightsRoute", "Welcome", "decode", "encode",
     "message", "message_types", "messages_equal", "tensor_checksum",
@@ -289,6 +289,18 @@ class StepDone(Message):
     step: int
     version: int  # the version the step produced
     metrics: JSONDict  # train/* metrics of the step
+
+
+@message("samples")
+class Samples(Message):
+    """Trainer rank 0 shows the coordinator a grid of samples, for the experiment trackers
+    (telemetry/tracking.py); the coordinator alone logs them."""
+
+    step: int  # kind "train": the training step; "eval" / "eval_ema": the evaluated version
+    kind: Literal["train", "eval", "eval_ema"]
+    grid: torch.Tensor  # uint8 (H, W, 3): the picture (telemetry/images.py's grid; videos: frames side by side)
+    prompt_ids: list[int]  # train: each grid row's prompt (indices of the train split); else []
+    caption: str  # eval: the grid's prompts (telemetry/tracking.grid_caption); train: ""
 
 
 @message("tag_offer")

@@ -183,6 +183,13 @@ def _score_whole(m: Any) -> str | None:
     return None
 
 
+def _samples_whole(m: Any) -> str | None:
+    g = m.grid
+    if g.dim() != 3 or g.shape[2] != 3 or str(g.dtype) != "torch.uint8" or not g.numel():
+        return f"grid {tuple(g.shape)} {g.dtype}: expected uint8 (H, W, 3)"
+    return None
+
+
 def _scored_whole(m: Any) -> str | None:
     if bool(m.error) == bool(m.rewards):
         return "expected rewards or an error, not both or neither"
@@ -260,6 +267,8 @@ RULES: dict[str, dict[str, Rule]] = {
     "weights_route": {"upstream": _TEXT, "upstream_node": (_text(MAX_NAME), "a node id or ''")},
     "weights_held": {"node_id": _NAME, "version": _NONNEG},
     "step_done": {"step": _NONNEG, "version": _NONNEG, "metrics": _NUMBERS},
+    "samples": {"step": _NONNEG, "prompt_ids": (_ints(I62), "prompt indices >= 0"),
+                "caption": (_text(MAX_PROMPT), f"at most {MAX_PROMPT} characters")},
     "tag_offer": {"node_id": _NAME, "rank": _RANK,
                   "free_mb": (_range(-1.0, 1e12), "MiB >= -1 (-1: unknown)")},
     "revoke": {"task_id": _NONNEG, "reason": _TEXT},
@@ -267,7 +276,7 @@ RULES: dict[str, dict[str, Rule]] = {
 }
 WHOLE: dict[str, Callable[[Any], str | None]] = {
     "chunk": _sigmas, "clean_sample": _clean_tensors, "commit": _commit_discard, "assign": _assign_whole, "score": _score_whole,
-    "scored": _scored_whole}
+    "scored": _scored_whole, "samples": _samples_whole}
 """Checks across fields (shapes of a message's tensors), by tag."""
 
 
