@@ -222,6 +222,10 @@ class RewardTerm:
                               "folder, device, batch_size, url, ...) or a function's keyword arguments")
     label: str = _f("", "the term's name in metrics (default: name); needed to list one reward twice")
     key: str = _f("", "for a term returning several values (a mapping), the one that is the reward")
+    per_frame: Literal["", "mean", "min"] = _f(
+        "", "video models: score each frame with this image term and take the mean or the minimum "
+        "over the frames; '' = the whole sample (a video's frames side by side). A term that takes "
+        "frames itself (docs/rewards.md) has none")
 
 
 @dataclass(frozen=True, kw_only=True)

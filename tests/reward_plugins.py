@@ -77,3 +77,20 @@ class MissingWeights:
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         raise AssertionError("never built")
+
+
+class ClipDynamics:
+    """A video reward model's shape (docs/rewards.md, VideoAlign-style): built once with its
+    args, called with the videos (``frames``: uint8 (B, T, H, W, 3)), several scores back."""
+
+    def __init__(self, scale: float = 1.0, device: str = "cpu") -> None:
+        self.scale, self.device = scale, device
+        self.seen: list[tuple[int, ...]] = []
+
+    def __call__(self, frames: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        self.seen.append(tuple(frames.shape))
+        x = frames.float() / 255
+        motion = (x[:, 1:] - x[:, :-1]).abs().mean(dim=(1, 2, 3, 4)) if frames.shape[1] > 1 \
+            else torch.zeros(frames.shape[0])
+        visual = x.mean(dim=(1, 2, 3, 4))
+        return {"visual": visual, "motion": motion, "overall": self.scale * (visual - motion)}

@@ -32,6 +32,7 @@ from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.learner import Learner, save_final
 from digenrl.rl.policy import build_policy
 from digenrl.rl.rewards import build_reward
+from digenrl.rl.rewards.video import video_frames
 from digenrl.rl.sde import sigma_schedule
 from digenrl.telemetry.images import grid_array, save_grid
 from digenrl.telemetry.metrics import MetricsWriter, StepMetrics
@@ -75,7 +76,7 @@ def run_colocated(cfg: ResolvedConfig, run_dir: Path, *, rank: int = 0, world_si
     algorithm = learner.algorithm  # what the sampler hands out and what trains on it
     start, done_trained, done_discarded = (colocated_resume(run_dir, policy, rank) if resume
                                            else (0, 0, {}))
-    reward_fn = build_reward(cfg.reward.terms, device=device)
+    reward_fn = build_reward(cfg.reward.terms, device=device, frames=video_frames(cfg.model))
     train_set, test_set = load_splits(cfg.prompts)
     prompts = train_set.prompts
     # evaluation: rank 0 scores; a sharded policy's other ranks join its forward passes

@@ -310,9 +310,11 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
         from digenrl.actors.peers import NodePeers
         from digenrl.models import build_model
         from digenrl.rl.rewards import build_reward
+        from digenrl.rl.rewards.video import video_frames
         # with reward workers, only they build the reward (its models may need a GPU each)
         workers = cfg.cluster.rewards > 0 and role != "reward"
-        reward_fn = None if workers else build_reward(cfg.reward.terms, device=device)
+        reward_fn = None if workers else build_reward(cfg.reward.terms, device=device,
+                                                      frames=video_frames(cfg.model))
         scorers = {k.split("/", 1)[1]: track(zs.connect(ctx, "dealer", v, cfg, lane="bulk", name="scores"))
                    for k, v in sorted(endpoints.items()) if k.startswith("reward/")} if workers else {}
         sec = node_security(ctx)

@@ -25,6 +25,7 @@ from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.learner import Learner
 from digenrl.rl.policy import build_policy
 from digenrl.rl.rewards import build_reward
+from digenrl.rl.rewards.video import video_frames
 from digenrl.rl.sde import sigma_schedule
 
 
@@ -42,7 +43,7 @@ def rollout_only(cfg: ResolvedConfig, steps: int, record: Path | None = None) ->
     seconds per step (``step_seconds``, ``cpu_seconds``)."""
     torch.set_num_threads(cfg.run.threads)
     policy = build_policy(cfg, device=resolve_device())
-    reward_fn = build_reward(cfg.reward.terms)
+    reward_fn = build_reward(cfg.reward.terms, frames=video_frames(cfg.model))
     algorithm = algorithm_for(cfg.train)
     prompts = load_splits(cfg.prompts)[0].prompts
     recording: list[dict[str, Any]] = []

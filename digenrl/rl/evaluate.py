@@ -34,6 +34,7 @@ from digenrl.data.prompts import PromptSet
 from digenrl.fileio import write_text_atomic
 from digenrl.models.base import FlowModel
 from digenrl.rl.rewards import Reward, build_reward
+from digenrl.rl.rewards.video import video_frames
 from digenrl.rl.sampler import rollout, seeded_generators
 from digenrl.telemetry.images import grid_array, save_grid
 from digenrl.telemetry.tracking import grid_caption
@@ -52,7 +53,7 @@ def eval_terms(cfg: Config) -> list[RewardTerm]:
 
 def build_eval_reward(cfg: Config, device: Any = None) -> Reward:
     """The evaluation reward; class terms that take a ``device`` get this one (the node's)."""
-    return build_reward(eval_terms(cfg), device=device)
+    return build_reward(eval_terms(cfg), device=device, frames=video_frames(cfg.model))
 
 
 def eval_due(version: int, cfg: Config) -> bool:

@@ -1,4 +1,4 @@
-"""Rewards: decoded images + prompts (+ each prompt's metadata) -> one float per image.
+"""Rewards: decoded images (or videos) + prompts (+ each prompt's metadata) -> one float per sample.
 
 The simplest reward, built-in or plug-in, is a function::
 
@@ -44,6 +44,14 @@ Shapes judges (tiny learned classifiers shipped as package data; :mod:`digenrl.r
                           ``shape``, ``colour``, ``background``, ``all`` of 0/1 (for ``[eval]``)
 ========================  ==================================================================
 
+Video (:mod:`digenrl.rl.rewards.video`; any image term also scores each frame with
+``per_frame = "mean" | "min"``):
+
+==========================  ================================================================
+``temporal_consistency``    mean similarity of consecutive frames, 1 - mean absolute
+                            difference of frames area-averaged to <= 32 px, in [0, 1]
+==========================  ================================================================
+
 Model rewards (weights from a local folder named in ``args.weights``; never a hub):
 
 ========================  ==================================================================
@@ -83,12 +91,14 @@ from digenrl.rl.rewards.base import (
     check_values,
     register,
     resolve_reward,
+    takes_frames,
+    untile_frames,
 )
 from digenrl.rl.rewards.stats import STATS, prompt_colour_match, prompt_colours
 
 __all__ = ["BUILTIN", "Metadata", "Reward", "RewardError", "RewardFn", "Term", "build_reward",
            "builtin_names", "call_reward", "check_images", "check_reward", "check_values", "prompt_colour_match",
-           "prompt_colours", "register", "resolve_reward"]
+           "prompt_colours", "register", "resolve_reward", "takes_frames", "untile_frames"]
 
 BUILTIN: dict[str, RewardFn] = dict(STATS)
 """The cheap built-ins by name (plain functions of images and prompts)."""
@@ -106,5 +116,6 @@ for _name, _target in {
     "vlm_judge": "digenrl.rl.rewards.vlm:VLMJudge",
     "shapes_judge": "digenrl.rl.rewards.judge:ShapesJudgeReward",
     "shapes_attributes": "digenrl.rl.rewards.judge:ShapesAttributes",
+    "temporal_consistency": "digenrl.rl.rewards.video:temporal_consistency",
 }.items():
     register(_name, _target)  # imported when a config names it

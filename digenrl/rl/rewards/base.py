@@ -17,6 +17,13 @@ keep working. A term returns a floating tensor ``(B,)`` or a mapping ``name -> (
 values, e.g. a judge's per-attribute scores); with a mapping, the term's ``key`` names the
 value that is its reward, and :meth:`Reward.evaluate` reports every value.
 
+Videos (``build_reward(..., frames=T)`` with T > 1, :func:`video_frames` of the model config)
+reach the reward as decoded: each sample's T frames side by side, uint8 ``(B, 3, H, T*W)``. An
+image term scores that whole picture, or with the term's ``per_frame = "mean" | "min"`` each
+frame alone (B*T images, each with its sample's prompt and metadata), reduced over the frames.
+A term whose first parameter is named ``frames`` takes the videos themselves: uint8
+``(B, T, H, W, 3)`` RGB (an image model: T = 1).
+
 Anything wrong with a term -- unknown name, import failure, bad ``args``, an exception inside
 it, a result of the wrong type, shape or dtype, NaN or infinity -- raises :class:`RewardError`
 naming the term and what was wrong.
@@ -129,6 +136,27 @@ def _invoke(name: str, fn: RewardFn, images: torch.Tensor, prompts: Sequence[str
         raise RewardError(f"reward {name!r} raised {type(e).__name__}: {e}") from e
 
 
+def untile_frames(images: torch.Tensor, frames: int) -> torch.Tensor:
+    """(B, 3, H, T*W) with T = ``frames`` side by side -> (B, T, H, W, 3): each sample's frames."""
+    b, c, h, w = images.shape
+    if frames < 1 or w % frames:
+        raise RewardError(f"reward input: width {w} px is not {frames} frames side by side")
+    return images.reshape(b, c, h, frames, w // frames).permute(0, 3, 2, 4, 1).contiguous()
+
+
+def takes_frames(target: Any) -> bool:
+    """Whether a reward function, class or instance takes videos: its first parameter (after a
+    class's ``self``) is named ``frames``."""
+    try:
+        if inspect.isclass(target):
+            params = list(inspect.signature(target.__call__).parameters)[1:]
+        else:
+            params = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):  # no signature: an (images, prompts) builtin
+        return False
+    return bool(params) and params[0] == "frames"
+
+
 def _takes_metadata(fn: RewardFn) -> bool:
     try:
         params = inspect.signature(fn).parameters.values()
@@ -147,14 +175,30 @@ class Term:
     kwargs: dict[str, Any] = field(default_factory=dict)  # per call (function terms' args)
     takes_metadata: bool = False
     key: str = ""
+    takes_frames: bool = False  # called with videos (B, T, H, W, 3)
+    per_frame: str = ""  # an image term scored per frame: "mean" or "min" over the frames
 
-    def values(self, images: torch.Tensor, prompts: Sequence[str], metadata: Metadata) -> dict[str, torch.Tensor]:
-        """Every value the term returns: ``{label: (B,)}`` or ``{label/<name>: (B,)}``."""
+    def values(self, images: torch.Tensor, prompts: Sequence[str], metadata: Metadata,
+               frames: int = 1) -> dict[str, torch.Tensor]:
+        """Every value the term returns: ``{label: (B,)}`` or ``{label/<name>: (B,)}``.
+        ``frames``: each sample is that many frames side by side (module doc)."""
+        b = images.shape[0]
+        if self.takes_frames:
+            return self._call(untile_frames(images, frames), prompts, metadata, b)
+        if not self.per_frame:
+            return self._call(images, prompts, metadata, b)
+        video = untile_frames(images, frames)  # (B, T, H, W, 3) -> B*T images (3, H, W)
+        each = video.permute(0, 1, 4, 2, 3).reshape(b * frames, 3, *video.shape[2:4])
+        out = self._call(each, [p for p in prompts for _ in range(frames)],
+                         [m for m in metadata for _ in range(frames)], b * frames)
+        reduce = torch.mean if self.per_frame == "mean" else torch.amin
+        return {k: reduce(v.view(b, frames), dim=1) for k, v in out.items()}
+
+    def _call(self, x: torch.Tensor, prompts: Sequence[str], metadata: Metadata, b: int) -> dict[str, torch.Tensor]:
         kw = dict(self.kwargs)
         if self.takes_metadata:
             kw["metadata"] = metadata
-        out = _invoke(self.label, self.scorer, images, prompts, kw)
-        b = images.shape[0]
+        out = _invoke(self.label, self.scorer, x, prompts, kw)
         if isinstance(out, Mapping):
             if not out:
                 raise RewardError(f"reward {self.label!r}: returned an empty mapping")
@@ -188,12 +232,16 @@ def _metadata(prompts: Sequence[str], metadata: Metadata | None) -> Metadata:
 
 
 class Reward:
-    """A weighted sum of reward terms: ``reward(images, prompts, metadata) -> (total[B], {label: [B]})``."""
+    """A weighted sum of reward terms: ``reward(images, prompts, metadata) -> (total[B], {label: [B]})``.
 
-    def __init__(self, terms: Sequence[Term | tuple[str, float, RewardFn]]) -> None:
+    ``frames``: each image is that many video frames side by side (module doc)."""
+
+    def __init__(self, terms: Sequence[Term | tuple[str, float, RewardFn]], frames: int = 1) -> None:
         self.terms = [t if isinstance(t, Term) else
-                      Term(label=t[0], weight=float(t[1]), scorer=t[2], takes_metadata=_takes_metadata(t[2]))
+                      Term(label=t[0], weight=float(t[1]), scorer=t[2], takes_metadata=_takes_metadata(t[2]),
+                           takes_frames=takes_frames(t[2]))
                       for t in terms]
+        self.frames = frames
 
     @property
     def names(self) -> list[str]:
@@ -207,7 +255,7 @@ class Reward:
         total = torch.zeros(images.shape[0], dtype=torch.float32)
         parts: dict[str, torch.Tensor] = {}
         for term in self.terms:
-            parts[term.label] = term.reward(term.values(images, prompts, meta))
+            parts[term.label] = term.reward(term.values(images, prompts, meta, self.frames))
             total += term.weight * parts[term.label]
         return total, parts
 
@@ -219,8 +267,17 @@ class Reward:
         images, meta = images.cpu(), _metadata(prompts, metadata)
         out: dict[str, torch.Tensor] = {}
         for term in self.terms:
-            out.update(term.values(images, prompts, meta))
+            out.update(term.values(images, prompts, meta, self.frames))
         return out
+
+
+def _check_per_frame(label: str, spec: RewardTerm, target: Any) -> bool:
+    """Whether the term takes frames; RewardError for ``per_frame`` on such a term."""
+    frames = takes_frames(target)
+    if frames and spec.per_frame:
+        raise RewardError(f"reward {label!r}: per_frame = {spec.per_frame!r} is for image terms; "
+                          "this one takes the frames itself")
+    return frames
 
 
 def _build_term(spec: RewardTerm) -> Term:
@@ -228,6 +285,7 @@ def _build_term(spec: RewardTerm) -> Term:
     if not math.isfinite(spec.weight):
         raise RewardError(f"reward {label!r}: weight {spec.weight} is not finite")
     target = resolve_reward(spec.name)
+    frames = _check_per_frame(label, spec, target)
     args = dict(spec.args)
     if inspect.isclass(target):
         try:
@@ -243,7 +301,8 @@ def _build_term(spec: RewardTerm) -> Term:
             raise RewardError(f"reward {label!r}: a {target.__name__} is not callable (a reward "
                               "class needs __call__(images, prompts[, metadata]))")
         return Term(label=label, weight=float(spec.weight), scorer=scorer,
-                    takes_metadata=_takes_metadata(scorer), key=spec.key)
+                    takes_metadata=_takes_metadata(scorer), key=spec.key,
+                    takes_frames=frames, per_frame=spec.per_frame)
     if args:
         try:
             inspect.signature(target).bind_partial(None, None, **args)
@@ -252,13 +311,15 @@ def _build_term(spec: RewardTerm) -> Term:
         except ValueError:  # no signature to check against: the first call will tell
             pass
     return Term(label=label, weight=float(spec.weight), scorer=target, kwargs=args,
-                takes_metadata=_takes_metadata(target), key=spec.key)
+                takes_metadata=_takes_metadata(target), key=spec.key,
+                takes_frames=frames, per_frame=spec.per_frame)
 
 
-def build_reward(terms: Sequence[RewardTerm], device: Any = None) -> Reward:
+def build_reward(terms: Sequence[RewardTerm], device: Any = None, *, frames: int = 1) -> Reward:
     """Resolve (and build) each term now, so a typo or a missing weights folder fails at
     start-up, not after the first rollout. A class term whose constructor takes ``device``
-    gets the node's (a reward model then sits on the node's GPU)."""
+    gets the node's (a reward model then sits on the node's GPU). ``frames``: the model's
+    video frames (:func:`digenrl.rl.rewards.video.video_frames`; 1 for images)."""
     if not terms:
         raise RewardError("reward terms: expected at least one term")
     built: list[Term] = []
@@ -270,7 +331,7 @@ def build_reward(terms: Sequence[RewardTerm], device: Any = None) -> Reward:
         if device is not None and "device" not in spec.args and _takes_device(resolve_reward(spec.name)):
             spec = dataclasses.replace(spec, args={**spec.args, "device": str(device)})
         built.append(_build_term(spec))
-    return Reward(built)
+    return Reward(built, frames=frames)
 
 
 def _takes_device(target: Any) -> bool:
@@ -298,6 +359,7 @@ def check_reward(terms: Sequence[RewardTerm]) -> None:
         if not math.isfinite(spec.weight):
             raise RewardError(f"reward {label!r}: weight {spec.weight} is not finite")
         target = resolve_reward(spec.name)
+        _check_per_frame(label, spec, target)
         args = dict(spec.args)
         try:
             if inspect.isclass(target):
