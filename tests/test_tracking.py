@@ -311,6 +311,31 @@ def test_grids_go_at_the_first_last_and_every_nth_step_and_captions_name_rows_or
     assert grid_caption(["a", "b", "c"], 2) == "1: a\n2: b\n3: c"
 
 
+def test_colocated_rank_0_logs_its_rows_train_grids_and_evaluation_to_the_trackers(tmp_path, monkeypatch):
+    """In colocated mode rank 0 is the coordinator: it opens the trackers, and its own grids
+    and evaluations go to them (here MLflow's local store)."""
+    from digenrl.actors.colocated import run_colocated
+    from digenrl.config import resolve_mode
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    cfg = resolve_mode(load_config(None, [*SMALL, "run.steps=2", "run.eval_every=2", "prompts.test_fraction=0.1",
+                                          "eval.prompts=2", "eval.samples_per_prompt=2",
+                                          'eval.terms=[{ name = "brightness" }]', "tracking.images_every=1",
+                                          'tracking.backends=["mlflow"]']), "colocated")
+    run_colocated(cfg, tmp_path)
+    client, run_id = mlflow_run(tmp_path)
+    assert [m.step for m in client.get_metric_history(run_id, "reward_mean")] == [0, 1]
+    assert [m.step for m in client.get_metric_history(run_id, "eval/brightness")] == [0, 2]
+    images = [a.path for a in client.list_artifacts(run_id, "images")]
+    assert sorted(p.split("+")[2] for p in images if p.startswith("images/samples~train") and p.endswith(".png")) \
+        == ["0", "1"]
+    assert sum(p.startswith("images/samples~eval+") and p.endswith(".png") for p in images) == 2
+    caption = Path(client.download_artifacts(run_id, "samples/eval/step_000002.txt", str(tmp_path / "dl")))
+    lines = caption.read_text().splitlines()  # 2 prompts x 2 samples: one grid row each
+    assert len(lines) == 2 and all(line.startswith(f"row {i + 1}: ") for i, line in enumerate(lines))
+
+
 # ----------------------------------------------------------------------------- a launched run
 
 @pytest.mark.slow
