@@ -240,7 +240,7 @@ async def test_clean_samples_are_staged_within_the_same_bounds_as_chunks(tmp_pat
 async def test_identity_is_bound_at_hello_and_spoofed_reports_are_dropped_and_counted(tmp_path: Path) -> None:
     import zmq.asyncio
 
-    from digenrl.transport.protocol import Heartbeat, Welcome
+    from digenrl.transport.protocol import Heartbeat, Samples, Welcome
     from digenrl.transport.sockets import Dealer
     from tests.conftest import wait_until_async
     from tests.test_security import config, start_coordinator
@@ -273,9 +273,12 @@ async def test_identity_is_bound_at_hello_and_spoofed_reports_are_dropped_and_co
             await socks["trainer-0"].send(hostile.consumed(rank=3, trained=4))
             await socks["rollout-7"].send(hostile.hello("rollout-7", "rollout"))
             await socks["rollout-7"].send(hostile.step_done())  # not a trainer
+            grid = torch.zeros(2, 2, 3, dtype=torch.uint8)  # sample grids: from trainer rank 0, within the run
+            await socks["rollout-7"].send(Samples(step=0, kind="train", grid=grid, prompt_ids=[], caption=""))
+            await socks["trainer-0"].send(Samples(step=10**6, kind="eval", grid=grid, prompt_ids=[], caption=""))
             # regression: stats.busy_s a string (refused by the schema, counted as a bad frame)
             await socks["trainer-0"].send(hostile.bad_stats_heartbeat())
-            await wait_until_async(lambda: actor.refused.total() >= 8, "the refusals", 30)
+            await wait_until_async(lambda: actor.refused.total() >= 10, "the refusals", 30)
             await wait_until_async(lambda: actor.control.statistics().bad_by_reason.get("invalid") == 1,
                              "the schema's refusal", 30)
             await socks["trainer-0"].send(hostile.heartbeat())  # the real trainer is still answered
@@ -284,8 +287,8 @@ async def test_identity_is_bound_at_hello_and_spoofed_reports_are_dropped_and_co
             run.cancel()
         assert actor.refused == {"before_hello": 1, "hello_id_not_routing_id": 1,
                                  "hello_of_a_live_incarnation": 1, "claims_another_id": 1,
-                                 "another_incarnation": 1, "step_outside_the_run": 1,
-                                 "not_its_rank": 1, "not_a_trainer": 1}
+                                 "another_incarnation": 1, "step_outside_the_run": 2,
+                                 "not_its_rank": 1, "not_a_trainer": 2}
         # the thief's VersionAnnounce never reached the actor: ZeroMQ keeps the live connection
         assert actor.latest_announce is None and actor.sched.ledger.version == 0
         assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()

@@ -302,6 +302,8 @@ class Trackers:
 
     def image(self, step: int, key: str, image_HW3: np.ndarray, caption: str) -> None:
         """Log a uint8 (H, W, 3) picture under ``key`` with its caption."""
+        if self._thread is None:
+            return
         picture = Image.fromarray(np.array(image_HW3, dtype=np.uint8))  # a copy: the caller's may be reused
         caption = caption if len(caption) <= MAX_CAPTION else caption[:MAX_CAPTION - 1] + "…"
         self._put(lambda: self._each("image", step, key, picture, caption))
