@@ -28,9 +28,6 @@ from digenrl.telemetry.tracking import (
 )
 from tests.conftest import SMALL, launch_command, launch_env
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",
-                                        "ignore::UserWarning")
-
 GRID = np.arange(8 * 12 * 3, dtype=np.uint8).reshape(8, 12, 3)
 
 
