@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import json
 import math
 import tomllib
 import types
@@ -89,10 +90,54 @@ class EmulateConfig:
                          "trainer ranks span hosts (a cluster TOML's network.link_gbs)", gt=0)
 
 
+PIPELINE_FAMILIES: dict[str, str] = {
+    "StableDiffusion3Pipeline": "sd3",
+    "FluxPipeline": "flux",
+    "WanPipeline": "wan",  # Wan2.1 and Wan2.2 (TI2V-5B, T2V-A14B) folders alike
+    "QwenImagePipeline": "qwenimage",
+    "HunyuanVideoPipeline": "hunyuanvideo",
+    "Flux2Pipeline": "flux2",  # FLUX.2-dev
+    "Flux2KleinPipeline": "flux2",  # FLUX.2-klein
+    "ZImagePipeline": "zimage",  # Z-Image(-Turbo)
+    "QwenImageEditPipeline": "qwenimage_edit",
+    "QwenImageEditPlusPipeline": "qwenimage_edit",
+    "FluxKontextPipeline": "flux_kontext",
+}
+"""A pipeline folder's class (``model_index.json``'s ``_class_name``) -> its family. A class whose
+family is not in :data:`FAMILIES` is known but not trained yet (a one-line error names it)."""
+
+
+def detect_family(path: str) -> str:
+    """The family of pipeline folder ``path``, read from its ``model_index.json``; "" when
+    ``path`` is no pipeline folder. A pipeline DigenRL does not train is a :class:`ConfigError`
+    naming its class and the supported ones."""
+    index = Path(path) / "model_index.json"
+    if path in ("builtin", "random", "emulated") or not index.is_file():
+        return ""
+    try:
+        cls = json.loads(index.read_text()).get("_class_name", "")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{index}: not a readable model_index.json ({e})") from None
+    return pipeline_family(str(cls), index)
+
+
+def pipeline_family(pipeline_class: str, index: Path) -> str:
+    """The family of ``pipeline_class`` (read from ``index``), or a one-line :class:`ConfigError`
+    naming the class and the pipelines DigenRL trains."""
+    family = PIPELINE_FAMILIES.get(pipeline_class, "")
+    if family not in FAMILIES:
+        supported = ", ".join(p for p, f in PIPELINE_FAMILIES.items() if f in FAMILIES)
+        known = f" (family {family!r}, not trained by this version)" if family else ""
+        raise ConfigError(f"{index} names pipeline {pipeline_class!r}{known}; DigenRL trains {supported}")
+    return family
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    family: Literal["sd3", "flux", "wan", "qwenimage", "hunyuanvideo"] = _f(
-        "sd3", "diffusers transformer family: sd3, flux, wan, qwenimage, hunyuanvideo")
+    family: Literal["", "sd3", "flux", "wan", "qwenimage", "hunyuanvideo", "flux2", "zimage"] = _f(
+        "", "diffusers transformer family: sd3, flux, wan, qwenimage, hunyuanvideo, flux2, zimage "
+        "(docs/models.md); '' (the default) = the one model.path's model_index.json names, sd3 "
+        "when model.path is no pipeline folder")
     path: str = _f("builtin", "'builtin' (the shipped tiny base model), 'random' (tiny random "
                    "init), 'emulated' (no weights: an accelerator emulated from the cost model, "
                    "see model.emulate) or a local diffusers folder loaded with from_pretrained, offline")
@@ -123,6 +168,15 @@ class ModelConfig:
     fsdp: bool = _f(False, "shard parameters/grads/optimizer state over trainer ranks (FSDP2)")
     emulate: EmulateConfig = field(default_factory=EmulateConfig,
                                    metadata={"help": "knobs of model.path = 'emulated'"})
+
+    def __post_init__(self) -> None:
+        if not self.family:  # read from the folder once; the resolved tree then names it
+            object.__setattr__(self, "family", detect_family(self.path) or "sd3")
+
+
+FAMILIES: tuple[str, ...] = tuple(f for f in get_args(typing.get_type_hints(ModelConfig)["family"]) if f)
+"""The families DigenRL trains (``model.family``'s values; each has an adapter in
+digenrl/models/families.py and a row in docs/models.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,11 +42,14 @@ def diffusers_call(family: str, pipe, x0: torch.Tensor):
     images as uint8 laid out like our decode (video frames side by side)."""
     from digenrl.models.packing import pack_2x2
 
-    kw = dict(prompt=PROMPTS, num_inference_steps=3, output_type="pt", max_sequence_length=MAX_TEXT_TOKENS,
+    # a copy: Z-Image's pipeline rewrites the prompt list it is given with its chat template
+    kw = dict(prompt=list(PROMPTS), num_inference_steps=3, output_type="pt", max_sequence_length=MAX_TEXT_TOKENS,
               **size(family))
     kw["latents"] = pack_2x2(x0) if family in ("flux", "qwenimage") else x0
     kw.update({"sd3": dict(guidance_scale=1.0), "flux": dict(guidance_scale=3.5), "qwenimage": dict(true_cfg_scale=1.0),
-               "wan": dict(guidance_scale=1.0), "hunyuanvideo": dict(guidance_scale=6.0)}[family])
+               "wan": dict(guidance_scale=1.0), "hunyuanvideo": dict(guidance_scale=6.0),
+               "flux2": dict(guidance_scale=1.0),
+               "zimage": dict(guidance_scale=0.0)}[family])  # Z-Image: pos + g (pos - neg), so 0 is no CFG
     out = pipe(**kw)
     images = out.frames if family in VIDEO else out.images  # [0, 1]; videos (B, F, 3, H, W)
     if family in VIDEO:

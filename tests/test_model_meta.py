@@ -17,7 +17,7 @@ from digenrl.config import ModelConfig, load_config
 from digenrl.models import build_model
 from digenrl.models.meta import ModelConfigError, latent_shape_of
 
-FAMILIES = ["sd3", "flux", "qwenimage", "wan", "hunyuanvideo"]
+FAMILIES = ["sd3", "flux", "qwenimage", "wan", "hunyuanvideo", "flux2", "zimage"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -19,17 +19,9 @@ from typing import Any
 
 import torch
 
-from digenrl.config import ConfigError
-
-#: Pipeline class (``model_index.json``'s ``_class_name``) -> family.
-PIPELINE_FAMILIES = {
-    "StableDiffusion3Pipeline": "sd3",
-    "FluxPipeline": "flux",
-    "WanPipeline": "wan",
-    "QwenImagePipeline": "qwenimage",
-    "HunyuanVideoPipeline": "hunyuanvideo",
-}
-FAMILY_PIPELINES = {f: p for p, f in PIPELINE_FAMILIES.items()}
+# the pipeline class -> family table is the config's (model.family is read from it)
+from digenrl.config import PIPELINE_FAMILIES as PIPELINE_FAMILIES
+from digenrl.config import ConfigError, pipeline_family
 
 #: The text stack each family's pipeline encodes prompts with: component -> what it is.
 TEXT_COMPONENTS: dict[str, dict[str, str]] = {
@@ -43,6 +35,10 @@ TEXT_COMPONENTS: dict[str, dict[str, str]] = {
                   "tokenizer": "Qwen2.5-VL's Qwen2Tokenizer"},
     "hunyuanvideo": {"text_encoder": "LLaVA-Llama-3 (LlamaModel)", "tokenizer": "its LlamaTokenizerFast",
                      "text_encoder_2": "CLIP-L (CLIPTextModel)", "tokenizer_2": "CLIP-L's CLIPTokenizer"},
+    "flux2": {"text_encoder": "Mistral Small 3.1 (Mistral3ForConditionalGeneration; FLUX.2-dev) or Qwen3 "
+                              "(Qwen3ForCausalLM; FLUX.2-klein)",
+              "tokenizer": "its PixtralProcessor (dev) or Qwen2Tokenizer (klein)"},
+    "zimage": {"text_encoder": "Qwen3 (Qwen3Model)", "tokenizer": "Qwen3's Qwen2Tokenizer"},
 }
 
 
@@ -65,11 +61,10 @@ class PipelineFolder:
         except (OSError, ValueError) as e:
             raise ModelFolderError(f"{path}: not a readable model_index.json ({e})") from None
         self.pipeline_class = str(self.index.get("_class_name", ""))
-        if self.pipeline_class not in PIPELINE_FAMILIES:
-            raise ModelFolderError(
-                f"{path} names pipeline {self.pipeline_class!r}; DigenRL trains "
-                f"{', '.join(sorted(PIPELINE_FAMILIES))}")
-        self.family = PIPELINE_FAMILIES[self.pipeline_class]
+        try:
+            self.family = pipeline_family(self.pipeline_class, path)
+        except ConfigError as e:
+            raise ModelFolderError(str(e)) from None
 
     def check_family(self, family: str) -> None:
         """A config whose ``model.family`` disagrees with the folder is a one-line error."""
