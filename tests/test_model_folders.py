@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +223,46 @@ def test_final_weights_load_into_the_diffusers_pipeline_and_give_the_trained_vel
     else:
         assert_same_weights(loaded.sync_state_dict(), model.sync_state_dict())
     assert_close_across_instances(v_loaded, v_trained)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_left_out_family_is_read_from_model_index(family, folders, tmp_path):
+    import tomllib
+
+    from digenrl.config import load_config
+
+    assert ModelConfig(path=str(folders[family])).family == family
+    # a config file that names no family (as the shipped default does not): the folder set on the
+    # command line is read, and the resolved config names the family
+    shipped = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml"
+    assert "family" not in tomllib.loads(shipped.read_text())["model"]
+    (tmp_path / "run.toml").write_text("[model]\npath = \"builtin\"\n")
+    cfg = load_config(tmp_path / "run.toml", [f'model.path="{folders[family]}"'])
+    assert cfg.model.family == family
+    assert ModelConfig(path="builtin").family == ModelConfig(path="random").family == "sd3"  # as before
+
+
+def test_a_pipeline_digenrl_does_not_train_is_one_line_naming_it_and_the_supported_ones(folders, tmp_path):
+    from digenrl.config import PIPELINE_FAMILIES, load_config
+
+    folder = shutil.copytree(folders["flux"], tmp_path / "flux")
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    supported = r"DigenRL trains StableDiffusion3Pipeline, FluxPipeline, .*Flux2KleinPipeline, ZImagePipeline"
+    with pytest.raises(ConfigError, match=rf"model_index\.json names pipeline 'StableDiffusionXLPipeline'; {supported}"):
+        load_config(None, [f'model.path="{folder}"', 'model.family=""'])
+    with pytest.raises(ModelFolderError, match=rf"names pipeline 'StableDiffusionXLPipeline'; {supported}"):
+        build_model(model_cfg("flux", folder))  # with the family given: refused when the folder is read
+    # a pipeline the table knows whose family is not registered in this version: named, no KeyError
+    PIPELINE_FAMILIES_BEFORE = dict(PIPELINE_FAMILIES)
+    try:
+        PIPELINE_FAMILIES["FutureEditPipeline"] = "future_edit"
+        (folder / "model_index.json").write_text(json.dumps({"_class_name": "FutureEditPipeline"}))
+        with pytest.raises(ConfigError, match=r"names pipeline 'FutureEditPipeline' \(family 'future_edit', not "
+                                              r"trained by this version\); DigenRL trains StableDiffusion3Pipeline"):
+            ModelConfig(path=str(folder))
+    finally:
+        PIPELINE_FAMILIES.clear()
+        PIPELINE_FAMILIES.update(PIPELINE_FAMILIES_BEFORE)
+    (folder / "model_index.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"model_index\.json: not a readable model_index\.json"):
+        ModelConfig(path=str(folder))
