@@ -182,24 +182,30 @@ def test_embedded_guidance_defaults_to_the_pipelines_and_is_configurable(family,
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_final_weights_load_into_the_diffusers_pipeline_and_give_the_trained_velocity(family, lora, folders, tmp_path):
-    """A LoRA loads with the pipeline's own ``load_lora_weights`` (diffusers' format, its peft
-    config kept), a full fine-tune with the transformer class's ``from_pretrained``."""
+    """One GRPO step on the folder's model (a rollout of its own, so at K = 0 the first ratio is 1
+    to within 1e-6), then: a LoRA loads with the pipeline's own ``load_lora_weights`` (diffusers'
+    format, its peft config kept), a full fine-tune with the transformer class's ``from_pretrained``."""
     import diffusers
 
     from digenrl.config import load_config
     from digenrl.models.families import SPECS
     from digenrl.rl.learner import save_final
     from digenrl.rl.policy import Policy
+    from digenrl.rl.sampler import rollout, seeded_generators
 
-    cfg = load_config(None, ["sampler.num_steps=2", "train.timesteps=\"all\""])
+    # a large learning rate: one AdamW step moves every trained weight by about lr
+    cfg = load_config(None, ["sampler.num_steps=2", "train.timesteps=\"all\"", "train.lr=0.05"])
     model = build_model(model_cfg(family, folders[family], lora_rank=2 if lora else 0))
     policy = Policy(model, cfg.train, cfg.sampler)
     x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
     cond = model.encode_prompts(PROMPTS)
     with torch.no_grad():
         v_base = model.velocity(x, 0.6, cond)
-        for i, p in enumerate(policy.params):  # stands in for training: every trained weight moves
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+        records = dict(enumerate(rollout(model, cond, generator=seeded_generators([5, 6]), sampler_cfg=cfg.sampler)))
+    stats = policy.fragment_loss_backward(records, cond, torch.tensor([1.0, -1.0]), torch.ones(2, dtype=torch.bool),
+                                          batch_size_total=2, n_trained_total=len(records))
+    assert stats["n"] == 2 * len(records) and stats["ratio_max_dev"] <= 1e-6, stats
+    policy.optimizer_step()
     save_final(policy, tmp_path)
     final = tmp_path / "final"
     pipe = diffusers.DiffusionPipeline.from_pretrained(folders[family], local_files_only=True)
