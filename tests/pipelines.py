@@ -31,6 +31,7 @@ zimage        2x                     32 x 48 px (latent 4 x 16 x 24, patch 2)
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 
@@ -95,6 +96,55 @@ def qwen3_tokenizer():
     tok = qwen_tokenizer()
     tok.chat_template = CHATML
     return tok
+
+
+#: A Mistral-style template over system/user turns of typed content (what FLUX.2-dev sends).
+MISTRAL_CHAT = ("{{ bos_token }}{% for m in messages %}"
+                "{% if m.role == 'system' %}[SYSTEM_PROMPT]{% else %}[INST]{% endif %}"
+                "{% for c in m.content %}{% if c.type == 'text' %}{{ c.text }}{% else %}[IMG]{% endif %}{% endfor %}"
+                "{% if m.role == 'system' %}[/SYSTEM_PROMPT]{% else %}[/INST]{% endif %}{% endfor %}")
+PIXTRAL_SPECIALS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"]
+
+
+def pixtral_processor():
+    """FLUX.2-dev's processor: a byte-level BPE with Mistral's markers and chat template, in a
+    ``PixtralProcessor`` where torchvision is installed; without it, the text half DigenRL
+    loads in its place (:func:`digenrl.models.folder.text_processor`), which
+    :func:`write_pipeline_folder` then labels as the PixtralProcessor it stands for."""
+    import transformers
+    from transformers import LlamaTokenizerFast
+
+    from digenrl.models.folder import text_processor_class
+
+    vocab = _byte_vocab()
+    for special in ("<s>", "</s>", "<unk>", "<pad>"):
+        vocab[special] = len(vocab)
+    tok = LlamaTokenizerFast(vocab=vocab, merges=[], bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                             pad_token="<pad>")
+    # the pipeline's system message as one token: prompts survive MAX_TEXT_TOKENS after it
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    tok.add_special_tokens({"additional_special_tokens": [*PIXTRAL_SPECIALS, SYSTEM_MESSAGE]})
+    if not getattr(transformers.PixtralProcessor, "is_dummy", False):
+        return transformers.PixtralProcessor(image_processor=transformers.PixtralImageProcessor(patch_size=4),
+                                             tokenizer=tok, patch_size=4, spatial_merge_size=2,
+                                             chat_template=MISTRAL_CHAT)
+    return text_processor_class()(tokenizer=tok, chat_template=MISTRAL_CHAT)
+
+
+def mistral3_encoder(vocab: int, hidden: int = 8):
+    """Mistral Small 3.1's class (``Mistral3ForConditionalGeneration``) with a tiny Pixtral
+    tower; 30 text layers, as FLUX.2-dev reads hidden states 10, 20 and 30."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    cfg = Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+                         max_position_embeddings=2048),
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=8, patch_size=4, image_size=32),
+        image_token_index=vocab - len(PIXTRAL_SPECIALS) - 1, spatial_merge_size=2)
+    return Mistral3ForConditionalGeneration(cfg)
 
 
 def llama_tokenizer():
@@ -319,6 +369,17 @@ def _flux2(folder: Path):
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
 
 
+def _flux2_dev(folder: Path):
+    """FLUX.2-dev (32B): Mistral3 and its PixtralProcessor, embedded guidance."""
+    import diffusers
+
+    proc = pixtral_processor()
+    return diffusers.Flux2Pipeline(
+        transformer=_flux2_transformer(3 * 8, guidance=True), vae=flux2_vae(4),
+        text_encoder=mistral3_encoder(len(proc.tokenizer), hidden=8), tokenizer=proc,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
+
+
 def _zimage(folder: Path):
     import diffusers
 
@@ -332,7 +393,7 @@ def _zimage(folder: Path):
 
 
 _BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "qwenimage": _qwenimage, "hunyuanvideo": _hunyuanvideo,
-             "flux2": _flux2, "zimage": _zimage}
+             "flux2": _flux2, "flux2-dev": _flux2_dev, "zimage": _zimage}
 
 
 def build_pipeline(family: str, folder: Path, *, seed: int = 0, **kw):
@@ -356,4 +417,29 @@ def write_pipeline_folder(family: str, folder: Path, *, seed: int = 0, **kw) -> 
     import shutil
 
     shutil.rmtree(folder / "_build", ignore_errors=True)
+    index = json.loads((folder / "model_index.json").read_text())
+    if index["tokenizer"][1] == "ChatTextProcessor":  # FLUX.2-dev without torchvision (pixtral_processor)
+        index["tokenizer"] = ["transformers", "PixtralProcessor"]
+        (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+        (folder / "tokenizer" / "processor_config.json").write_text(json.dumps(
+            {"processor_class": "PixtralProcessor", "patch_size": 4, "spatial_merge_size": 2}, indent=2))
     return folder
+
+
+def load_pipeline(folder: Path):
+    """The folder's diffusers pipeline (``DiffusionPipeline.from_pretrained``, offline). Where
+    transformers cannot build a component's class (FLUX.2-dev's PixtralProcessor without
+    torchvision; diffusers then refuses the folder), the pipeline class is built from the
+    folder's components as DigenRL loads them."""
+    import diffusers
+    import transformers
+
+    from digenrl.models.folder import PipelineFolder
+
+    pf = PipelineFolder(folder)
+    tokenizer_class = getattr(transformers, (pf.entry("tokenizer") or ("", ""))[1], None)
+    if not getattr(tokenizer_class, "is_dummy", False):  # transformers' stand-in for a missing backend
+        return diffusers.DiffusionPipeline.from_pretrained(folder, local_files_only=True)
+    parts = {name: pf.load(name, frozen=False) for name, value in pf.index.items()
+             if not name.startswith("_") and isinstance(value, list)}
+    return getattr(diffusers, pf.pipeline_class)(**parts)

@@ -18,23 +18,26 @@ import torch
 from digenrl.config import ConfigError, ModelConfig
 from digenrl.models import ModelFolderError, build_model
 from tests.conftest import assert_close_across_instances, assert_same_weights
-from tests.pipelines import FAMILIES, MAX_TEXT_TOKENS, SMALL, write_pipeline_folder
+from tests.pipelines import FAMILIES, MAX_TEXT_TOKENS, SMALL, load_pipeline, write_pipeline_folder
 
 VIDEO = ("wan", "hunyuanvideo")
 PROMPTS = ["a red circle", "a blue square on the left"]
+#: Every family's folder, and the second pipeline of a family (FLUX.2: klein is "flux2", dev "flux2-dev").
+CASES = (*FAMILIES, "flux2-dev")
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipelines")
-    return {f: write_pipeline_folder(f, root / f) for f in FAMILIES}
+    return {f: write_pipeline_folder(f, root / f) for f in CASES}
 
 
 def size(family: str) -> dict:
     return {k: v for k, v in SMALL.items() if k != "num_frames" or family in VIDEO}
 
 
-def model_cfg(family: str, path, **kw) -> ModelConfig:
+def model_cfg(case: str, path, **kw) -> ModelConfig:
+    family = case.split("-")[0]
     return ModelConfig(family=family, path=str(path), max_text_tokens=MAX_TEXT_TOKENS, **{**size(family), **kw})
 
 
@@ -49,7 +52,7 @@ def diffusers_call(family: str, pipe, x0: torch.Tensor):
     kw["latents"] = pack_2x2(x0) if family in ("flux", "qwenimage") else x0
     kw.update({"sd3": dict(guidance_scale=1.0), "flux": dict(guidance_scale=3.5), "qwenimage": dict(true_cfg_scale=1.0),
                "wan": dict(guidance_scale=1.0), "hunyuanvideo": dict(guidance_scale=6.0),
-               "flux2": dict(guidance_scale=1.0),
+               "flux2": dict(guidance_scale=1.0), "flux2-dev": dict(guidance_scale=4.0),
                "zimage": dict(guidance_scale=0.0)}[family])  # Z-Image: pos + g (pos - neg), so 0 is no CFG
     out = pipe(**kw)
     images = out.frames if family in VIDEO else out.images  # [0, 1]; videos (B, F, 3, H, W)
@@ -59,16 +62,15 @@ def diffusers_call(family: str, pipe, x0: torch.Tensor):
     return (images * 255).round().to(torch.uint8)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_a_pipeline_folder_generates_what_its_diffusers_pipeline_generates(family, folders):
     """Prompts through the folder's own text encoders, the adapter's Euler steps and the VAE
     decode give the images the diffusers pipeline makes from the same folder, prompts and
     noise: encode_prompt, timestep and guidance conventions and latent (de)normalisation."""
-    import diffusers
 
     model = build_model(model_cfg(family, folders[family]))
     x0 = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(3))
-    pipe = diffusers.DiffusionPipeline.from_pretrained(folders[family], local_files_only=True)
+    pipe = load_pipeline(folders[family])
     pipe.set_progress_bar_config(disable=True)
     assert type(pipe).__name__ == model.pipeline_class
     with torch.no_grad():
@@ -180,12 +182,11 @@ def test_embedded_guidance_defaults_to_the_pipelines_and_is_configurable(family,
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_final_weights_load_into_the_diffusers_pipeline_and_give_the_trained_velocity(family, lora, folders, tmp_path):
     """One GRPO step on the folder's model (a rollout of its own, so at K = 0 the first ratio is 1
     to within 1e-6), then: a LoRA loads with the pipeline's own ``load_lora_weights`` (diffusers'
     format, its peft config kept), a full fine-tune with the transformer class's ``from_pretrained``."""
-    import diffusers
 
     from digenrl.config import load_config
     from digenrl.models.families import SPECS
@@ -208,16 +209,16 @@ def test_final_weights_load_into_the_diffusers_pipeline_and_give_the_trained_vel
     policy.optimizer_step()
     save_final(policy, tmp_path)
     final = tmp_path / "final"
-    pipe = diffusers.DiffusionPipeline.from_pretrained(folders[family], local_files_only=True)
+    pipe = load_pipeline(folders[family])
     with torch.no_grad():
         if lora:
             pipe.load_lora_weights(final)
             assert sorted(p.name for p in final.iterdir()) == ["policy.safetensors", "pytorch_lora_weights.safetensors"]
         else:
-            pipe.transformer = SPECS[family].cls.from_pretrained(final, local_files_only=True)
+            pipe.transformer = SPECS[family.split("-")[0]].cls.from_pretrained(final, local_files_only=True)
             assert (final / "config.json").is_file()
             assert (final / "policy.safetensors").stat().st_ino == (final / "diffusion_pytorch_model.safetensors").stat().st_ino
-        loaded = SPECS[family].adapter(pipe.transformer, encoder=model.encoder, decoder=model.decoder,
+        loaded = SPECS[family.split("-")[0]].adapter(pipe.transformer, encoder=model.encoder, decoder=model.decoder,
                                        latent_shape=model.latent_shape)
         loaded.guidance = model.guidance
         v_trained, v_loaded = model.velocity(x, 0.6, cond), loaded.velocity(x, 0.6, cond)
@@ -231,20 +232,20 @@ def test_final_weights_load_into_the_diffusers_pipeline_and_give_the_trained_vel
     assert_close_across_instances(v_loaded, v_trained)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_a_left_out_family_is_read_from_model_index(family, folders, tmp_path):
     import tomllib
 
     from digenrl.config import load_config
 
-    assert ModelConfig(path=str(folders[family])).family == family
+    assert ModelConfig(path=str(folders[family])).family == family.split("-")[0]
     # a config file that names no family (as the shipped default does not): the folder set on the
     # command line is read, and the resolved config names the family
     shipped = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml"
     assert "family" not in tomllib.loads(shipped.read_text())["model"]
     (tmp_path / "run.toml").write_text("[model]\npath = \"builtin\"\n")
     cfg = load_config(tmp_path / "run.toml", [f'model.path="{folders[family]}"'])
-    assert cfg.model.family == family
+    assert cfg.model.family == family.split("-")[0]
     assert ModelConfig(path="builtin").family == ModelConfig(path="random").family == "sd3"  # as before
 
 

@@ -46,6 +46,43 @@ class ModelFolderError(ConfigError):
     """A model path that is missing, incomplete or not what the config says it is."""
 
 
+def text_processor(folder: Path) -> Any:
+    """The text half of a multimodal processor saved at ``folder``: its tokenizer and its chat
+    template, behind transformers' own ``ProcessorMixin.apply_chat_template`` (so text-only
+    messages tokenize as the full processor tokenizes them). What FLUX.2-dev's
+    ``PixtralProcessor`` is where torchvision is not installed (its image processor and the
+    processor class itself import torchvision under transformers 5); with torchvision, the
+    folder's own class loads."""
+    from transformers import AutoTokenizer
+
+    template = None
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    elif (folder / "chat_template.json").is_file():  # the older processors' file
+        template = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return text_processor_class()(tokenizer=tokenizer, chat_template=template or tokenizer.chat_template)
+
+
+def text_processor_class() -> type:
+    """:class:`ChatTextProcessor`, defined on first use (transformers loads only with a model)."""
+    global _TEXT_PROCESSOR
+    if _TEXT_PROCESSOR is None:
+        from transformers import ProcessorMixin
+
+        class ChatTextProcessor(ProcessorMixin):
+            """A processor of a tokenizer alone (see :func:`text_processor`)."""
+
+            def __init__(self, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any) -> None:
+                super().__init__(tokenizer, chat_template=chat_template)
+
+        _TEXT_PROCESSOR = ChatTextProcessor
+    return _TEXT_PROCESSOR
+
+
+_TEXT_PROCESSOR: type | None = None
+
+
 def is_pipeline_folder(folder: Path) -> bool:
     return (folder / "model_index.json").is_file()
 
@@ -110,6 +147,10 @@ class PipelineFolder:
             raise ModelFolderError(
                 f"{self.root / 'model_index.json'}: {name} is {library}.{cls_name}, which this "
                 f"{library} does not have") from None
+        if library == "transformers" and cls_name.endswith("Processor") and getattr(cls, "is_dummy", False):
+            # a processor whose image half needs a backend not installed (PixtralProcessor:
+            # torchvision): prompts need only its text half, built from the same files
+            return text_processor(self.root / name)
         if library == "transformers":
             from transformers.utils import logging as hf_logging
 
