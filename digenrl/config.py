@@ -145,7 +145,7 @@ class ModelConfig:
         "float32", "compute dtype of the transformer and text encoders; trained parameters and "
         "optimizer state stay float32 (master weights) whatever this is")
     height: int = _f(0, "image height in pixels; 0 = the pipeline's default (SD3: sample_size x VAE "
-                     "factor, FLUX/Qwen-Image 1024, Wan 480, HunyuanVideo 720; tiny models 32)", ge=0,
+                     "factor, FLUX/FLUX.2/Z-Image/Qwen-Image 1024, Wan 480, HunyuanVideo 720; tiny models 32)", ge=0,
                      le=16384)
     width: int = _f(0, "image width in pixels; 0 = the pipeline's default (Wan 832, HunyuanVideo 1280)", ge=0, le=16384)
     num_frames: int = _f(0, "video frames (wan, hunyuanvideo); 0 = the pipeline's default (81, 129); "
@@ -155,7 +155,8 @@ class ModelConfig:
         "pipeline encodes), 'hash' = the toy hash-of-words encoder; 'auto' = pipeline for a "
         "pipeline folder, hash for 'builtin' / 'random' (any other folder must say which)")
     max_text_tokens: int = _f(0, "prompt tokens the text encoders keep; 0 = the pipeline's default "
-                              "(SD3 256, FLUX 512, Wan 226, Qwen-Image 1024, HunyuanVideo 256)", ge=0,
+                              "(SD3 256, FLUX 512, Wan 226, Qwen-Image 1024, HunyuanVideo 256, FLUX.2 512, "
+                              "Z-Image 512)", ge=0,
                               le=8192)
     lora_rank: int = _f(0, "LoRA rank via peft; 0 trains all parameters (at most the "
                        "transformer's width, checked at launch)", ge=0, le=16384)
@@ -187,10 +188,12 @@ class SamplerConfig:
     noise_level: float = _f(0.7, "Flow-GRPO noise level a (0.7 SD3, 0.9 FLUX, 1.2 Qwen)", ge=0)
     eta: float = _f(0.3, "DanceGRPO constant eta", ge=0)
     shift: float = _f(3.0, "sigma shift s: sigma -> s*sigma/(1+(s-1)*sigma)", gt=0)
-    guidance_scale: float = _f(1.0, "classifier-free guidance; 1 disables CFG (recommended)", ge=0)
+    guidance_scale: float = _f(1.0, "classifier-free guidance; 1 disables CFG (recommended). "
+                               "uncond + g (cond - uncond): Z-Image's pipeline writes cond + g' (cond - "
+                               "uncond), so its g' is this minus 1 (Turbo's 0 is 1 here)", ge=0)
     embedded_guidance: float = _f(
-        0.0, "guidance value fed to a guidance-distilled transformer (FLUX.1-dev, HunyuanVideo); "
-        "0 = the pipeline's default (FLUX 3.5, HunyuanVideo 6.0)", ge=0)
+        0.0, "guidance value fed to a guidance-distilled transformer (FLUX.1-dev, FLUX.2-dev, "
+        "HunyuanVideo); 0 = the pipeline's default (FLUX 3.5, FLUX.2 4.0, HunyuanVideo 6.0)", ge=0)
     wire_dtype: Literal["float32", "bfloat16"] = _f(
         "float32", "dtype latents are stored/sent in; log-probs are computed on the rounded value")
     ode_solver: Literal["euler", "dpm2"] = _f(
