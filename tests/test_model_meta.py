@@ -188,3 +188,13 @@ def test_flux2_and_zimage_are_priced_at_their_published_sizes() -> None:
     # a forward's FLOPs grow with the size at one resolution: klein 4B < Z-Image < klein 9B < FLUX.2-dev
     assert gen["flux2_klein_4b"] < gen["zimage"] < gen["flux2_klein_9b"] < gen["flux2"]
     assert cm.trainable_bytes(cm.MODELS["flux2"], 0) == 64e9  # bf16 full weights: 2 B x 32 B
+
+
+def test_a_lora_rank_above_z_images_width_is_refused() -> None:
+    from digenrl.config import ConfigError
+    from digenrl.models.footprint import check_footprint, transformer_width
+
+    cfg = load_config(None, ['model.family="zimage"', 'model.path="random"', "model.lora_rank=33"])
+    assert transformer_width(cfg) == 32  # the tiny Z-Image's dim (it has no attention_head_dim)
+    with pytest.raises(ConfigError, match=r"model\.lora_rank = 33: more than the transformer's width 32 \(zimage"):
+        check_footprint(cfg, latent_shape_of(cfg.model), available=0)
