@@ -317,3 +317,21 @@ def test_euler_steps_with_adapter_velocity_reproduce_the_diffusers_pipeline(fami
     # Two code paths (ours and diffusers' loop) may order float ops differently, so the last
     # bits may differ; a wrong convention (timestep scale, packing, ids, sign) is an O(1) error.
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_z_image_gets_its_timestep_in_float32_in_a_bfloat16_model_as_its_pipeline_passes_it():
+    """ZImagePipeline keeps latents and ``(1000 - t) / 1000`` in float32 and casts only the
+    latents for the transformer; a bfloat16 timestep would be another model input."""
+    model = tiny("zimage", dtype="bfloat16")
+    x = latents(model, 2)
+    cond = model.encode_prompts(PROMPTS[:2])
+    sigma = 0.7624328136444092  # a shifted sigma bfloat16 cannot hold
+    with torch.no_grad():
+        v = model.velocity(x, sigma, cond)
+        rows = [e[m.bool()].to(torch.bfloat16) for e, m in zip(cond["prompt_embeds"], cond["prompt_mask"], strict=True)]
+        xs = list(x.to(torch.bfloat16).unsqueeze(2).unbind(0))
+        t32 = 1 - torch.full((2,), sigma, dtype=torch.float32)
+        expected = -torch.stack(model.transformer(xs, t32, rows, return_dict=False)[0]).squeeze(2).float()
+        rounded = -torch.stack(model.transformer(xs, t32.bfloat16(), rows, return_dict=False)[0]).squeeze(2).float()
+    assert not torch.equal(expected, rounded)  # the timestep's precision shows in the output
+    assert torch.equal(v, expected)

@@ -2,7 +2,8 @@
 
 Conventions (``pipeline_z_image.py``, diffusers 0.42.1): latents ``(C, H, W)`` (the VAE's,
 unpacked; the transformer patchifies 2x2 itself) go in as a *list* of per-sample ``(C, 1, H, W)``
-tensors; the timestep passed is ``(1000 - t) / 1000 = 1 - sigma`` (0 is noise, 1 is data); text
+tensors; the timestep passed is ``(1000 - t) / 1000 = 1 - sigma`` (0 is noise, 1 is data), in
+float32 whatever the model's dtype (the pipeline's latents stay float32); text
 is a list of per-sample embeddings holding only the prompt's real tokens (Qwen3's second-to-last
 hidden state under its attention mask), so here ``prompt_embeds`` rows are cut at
 ``prompt_mask``. The model predicts the negative velocity: the velocity is ``-output``. Decoding
@@ -28,6 +29,7 @@ class ZImageModel(DiffusersFlowModel):
 
     family = "zimage"
     pipeline_class = "ZImagePipeline"
+    timestep_dtype = torch.float32  # the pipeline keeps latents and timesteps float32 in any dtype
 
     def _forward(self, x: torch.Tensor, sigma_B: torch.Tensor, cond: Cond) -> torch.Tensor:
         mask = cond["prompt_mask"].bool().clone()
