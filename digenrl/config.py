@@ -104,7 +104,7 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "FluxKontextPipeline": "flux_kontext",
 }
 """A pipeline folder's class (``model_index.json``'s ``_class_name``) -> its family. A class whose
-family is not in :data:`FAMILIES` is known but not trained yet (a one-line error names it)."""
+family is not in :data:`FAMILIES` is known but not trained by this version (a one-line error names it)."""
 
 
 def detect_family(path: str) -> str:
