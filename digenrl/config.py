@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import json
 import math
 import tomllib
 import types
@@ -89,10 +90,54 @@ class EmulateConfig:
                          "trainer ranks span hosts (a cluster TOML's network.link_gbs)", gt=0)
 
 
+PIPELINE_FAMILIES: dict[str, str] = {
+    "StableDiffusion3Pipeline": "sd3",
+    "FluxPipeline": "flux",
+    "WanPipeline": "wan",  # Wan2.1 and Wan2.2 (TI2V-5B, T2V-A14B) folders alike
+    "QwenImagePipeline": "qwenimage",
+    "HunyuanVideoPipeline": "hunyuanvideo",
+    "Flux2Pipeline": "flux2",  # FLUX.2-dev
+    "Flux2KleinPipeline": "flux2",  # FLUX.2-klein
+    "ZImagePipeline": "zimage",  # Z-Image(-Turbo)
+    "QwenImageEditPipeline": "qwenimage_edit",
+    "QwenImageEditPlusPipeline": "qwenimage_edit",
+    "FluxKontextPipeline": "flux_kontext",
+}
+"""A pipeline folder's class (``model_index.json``'s ``_class_name``) -> its family. A class whose
+family is not in :data:`FAMILIES` is known but not trained by this version (a one-line error names it)."""
+
+
+def detect_family(path: str) -> str:
+    """The family of pipeline folder ``path``, read from its ``model_index.json``; "" when
+    ``path`` is no pipeline folder. A pipeline DigenRL does not train is a :class:`ConfigError`
+    naming its class and the supported ones."""
+    index = Path(path) / "model_index.json"
+    if path in ("builtin", "random", "emulated") or not index.is_file():
+        return ""
+    try:
+        cls = json.loads(index.read_text()).get("_class_name", "")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{index}: not a readable model_index.json ({e})") from None
+    return pipeline_family(str(cls), index)
+
+
+def pipeline_family(pipeline_class: str, index: Path) -> str:
+    """The family of ``pipeline_class`` (read from ``index``), or a one-line :class:`ConfigError`
+    naming the class and the pipelines DigenRL trains."""
+    family = PIPELINE_FAMILIES.get(pipeline_class, "")
+    if family not in FAMILIES:
+        supported = ", ".join(p for p, f in PIPELINE_FAMILIES.items() if f in FAMILIES)
+        known = f" (family {family!r}, not trained by this version)" if family else ""
+        raise ConfigError(f"{index} names pipeline {pipeline_class!r}{known}; DigenRL trains {supported}")
+    return family
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    family: Literal["sd3", "flux", "wan", "qwenimage", "hunyuanvideo"] = _f(
-        "sd3", "diffusers transformer family: sd3, flux, wan, qwenimage, hunyuanvideo")
+    family: Literal["", "sd3", "flux", "wan", "qwenimage", "hunyuanvideo", "flux2", "zimage"] = _f(
+        "", "diffusers transformer family: sd3, flux, wan, qwenimage, hunyuanvideo, flux2, zimage "
+        "(docs/models.md); '' (the default) = the one model.path's model_index.json names, sd3 "
+        "when model.path is no pipeline folder")
     path: str = _f("builtin", "'builtin' (the shipped tiny base model), 'random' (tiny random "
                    "init), 'emulated' (no weights: an accelerator emulated from the cost model, "
                    "see model.emulate) or a local diffusers folder loaded with from_pretrained, offline")
@@ -100,7 +145,7 @@ class ModelConfig:
         "float32", "compute dtype of the transformer and text encoders; trained parameters and "
         "optimizer state stay float32 (master weights) whatever this is")
     height: int = _f(0, "image height in pixels; 0 = the pipeline's default (SD3: sample_size x VAE "
-                     "factor, FLUX/Qwen-Image 1024, Wan 480, HunyuanVideo 720; tiny models 32)", ge=0,
+                     "factor, FLUX/FLUX.2/Z-Image/Qwen-Image 1024, Wan 480, HunyuanVideo 720; tiny models 32)", ge=0,
                      le=16384)
     width: int = _f(0, "image width in pixels; 0 = the pipeline's default (Wan 832, HunyuanVideo 1280)", ge=0, le=16384)
     num_frames: int = _f(0, "video frames (wan, hunyuanvideo); 0 = the pipeline's default (81, 129); "
@@ -110,7 +155,8 @@ class ModelConfig:
         "pipeline encodes), 'hash' = the toy hash-of-words encoder; 'auto' = pipeline for a "
         "pipeline folder, hash for 'builtin' / 'random' (any other folder must say which)")
     max_text_tokens: int = _f(0, "prompt tokens the text encoders keep; 0 = the pipeline's default "
-                              "(SD3 256, FLUX 512, Wan 226, Qwen-Image 1024, HunyuanVideo 256)", ge=0,
+                              "(SD3 256, FLUX 512, Wan 226, Qwen-Image 1024, HunyuanVideo 256, FLUX.2 512, "
+                              "Z-Image 512)", ge=0,
                               le=8192)
     lora_rank: int = _f(0, "LoRA rank via peft; 0 trains all parameters (at most the "
                        "transformer's width, checked at launch)", ge=0, le=16384)
@@ -124,6 +170,15 @@ class ModelConfig:
     emulate: EmulateConfig = field(default_factory=EmulateConfig,
                                    metadata={"help": "knobs of model.path = 'emulated'"})
 
+    def __post_init__(self) -> None:
+        if not self.family:  # read from the folder once; the resolved tree then names it
+            object.__setattr__(self, "family", detect_family(self.path) or "sd3")
+
+
+FAMILIES: tuple[str, ...] = tuple(f for f in get_args(typing.get_type_hints(ModelConfig)["family"]) if f)
+"""The families DigenRL trains (``model.family``'s values; each has an adapter in
+digenrl/models/families.py and a row in docs/models.md)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplerConfig:
@@ -133,10 +188,12 @@ class SamplerConfig:
     noise_level: float = _f(0.7, "Flow-GRPO noise level a (0.7 SD3, 0.9 FLUX, 1.2 Qwen)", ge=0)
     eta: float = _f(0.3, "DanceGRPO constant eta", ge=0)
     shift: float = _f(3.0, "sigma shift s: sigma -> s*sigma/(1+(s-1)*sigma)", gt=0)
-    guidance_scale: float = _f(1.0, "classifier-free guidance; 1 disables CFG (recommended)", ge=0)
+    guidance_scale: float = _f(1.0, "classifier-free guidance; 1 disables CFG (recommended). "
+                               "uncond + g (cond - uncond): Z-Image's pipeline writes cond + g' (cond - "
+                               "uncond), so its g' is this minus 1 (Turbo's 0 is 1 here)", ge=0)
     embedded_guidance: float = _f(
-        0.0, "guidance value fed to a guidance-distilled transformer (FLUX.1-dev, HunyuanVideo); "
-        "0 = the pipeline's default (FLUX 3.5, HunyuanVideo 6.0)", ge=0)
+        0.0, "guidance value fed to a guidance-distilled transformer (FLUX.1-dev, FLUX.2-dev, "
+        "HunyuanVideo); 0 = the pipeline's default (FLUX 3.5, FLUX.2 4.0, HunyuanVideo 6.0)", ge=0)
     wire_dtype: Literal["float32", "bfloat16"] = _f(
         "float32", "dtype latents are stored/sent in; log-probs are computed on the rounded value")
     ode_solver: Literal["euler", "dpm2"] = _f(

@@ -21,17 +21,23 @@ flux          2x                     32 x 48 px (latent 16 x 24, packed 2x2)
 qwenimage     2x                     32 x 48 px
 wan           2x space, 2x time      5 frames of 32 x 48 px (latent 3 x 16 x 24)
 hunyuanvideo  2x space, 4x time      5 frames of 32 x 48 px (latent 2 x 16 x 24)
+flux2         2x, then 2x2 patchify  32 x 48 px (latent 16 x 8 x 12)
+zimage        2x                     32 x 48 px (latent 4 x 16 x 24, patch 2)
 ============  =====================  =============================================
+
+``flux2`` is a FLUX.2-klein folder (``Flux2KleinPipeline``, Qwen3 text encoder);
+``flux2-dev`` a FLUX.2-dev one (``Flux2Pipeline``, Mistral3 text encoder, PixtralProcessor).
 """
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 
 import torch
 
-FAMILIES = ("sd3", "flux", "wan", "qwenimage", "hunyuanvideo")
+FAMILIES = ("sd3", "flux", "wan", "qwenimage", "hunyuanvideo", "flux2", "zimage")
 #: A size every tiny folder accepts (height, width, frames for the video families).
 SMALL = {"height": 32, "width": 48, "num_frames": 5}
 #: Tiny text encoders are cheap, but the pipelines' default lengths (256-512 tokens) are not.
@@ -77,6 +83,68 @@ def qwen_tokenizer():
     tok = Qwen2Tokenizer(vocab=_byte_vocab(), merges=[])
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     return tok
+
+
+#: A ChatML template (Qwen's message markers) for the tiny Qwen tokenizers; the pipelines that
+#: encode through ``apply_chat_template`` (FLUX.2-klein, Z-Image) need one.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def qwen3_tokenizer():
+    """:func:`qwen_tokenizer` with a chat template (Qwen3's tokenizer is a Qwen2Tokenizer)."""
+    tok = qwen_tokenizer()
+    tok.chat_template = CHATML
+    return tok
+
+
+#: A Mistral-style template over system/user turns of typed content (what FLUX.2-dev sends).
+MISTRAL_CHAT = ("{{ bos_token }}{% for m in messages %}"
+                "{% if m.role == 'system' %}[SYSTEM_PROMPT]{% else %}[INST]{% endif %}"
+                "{% for c in m.content %}{% if c.type == 'text' %}{{ c.text }}{% else %}[IMG]{% endif %}{% endfor %}"
+                "{% if m.role == 'system' %}[/SYSTEM_PROMPT]{% else %}[/INST]{% endif %}{% endfor %}")
+PIXTRAL_SPECIALS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"]
+
+
+def pixtral_processor():
+    """FLUX.2-dev's processor: a byte-level BPE with Mistral's markers and chat template, in a
+    ``PixtralProcessor`` where torchvision is installed; without it, the text half DigenRL
+    loads in its place (:func:`digenrl.models.folder.text_processor`), which
+    :func:`write_pipeline_folder` then labels as the PixtralProcessor it stands for."""
+    import transformers
+    from transformers import LlamaTokenizerFast
+
+    from digenrl.models.folder import text_processor_class
+
+    vocab = _byte_vocab()
+    for special in ("<s>", "</s>", "<unk>", "<pad>"):
+        vocab[special] = len(vocab)
+    tok = LlamaTokenizerFast(vocab=vocab, merges=[], bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                             pad_token="<pad>")
+    # the pipeline's system message as one token: prompts survive MAX_TEXT_TOKENS after it
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    tok.add_special_tokens({"additional_special_tokens": [*PIXTRAL_SPECIALS, SYSTEM_MESSAGE]})
+    if not getattr(transformers.PixtralProcessor, "is_dummy", False):
+        return transformers.PixtralProcessor(image_processor=transformers.PixtralImageProcessor(patch_size=4),
+                                             tokenizer=tok, patch_size=4, spatial_merge_size=2,
+                                             chat_template=MISTRAL_CHAT)
+    return text_processor_class()(tokenizer=tok, chat_template=MISTRAL_CHAT)
+
+
+def mistral3_encoder(vocab: int, hidden: int = 8):
+    """Mistral Small 3.1's class (``Mistral3ForConditionalGeneration``) with a tiny Pixtral
+    tower; 30 text layers, as FLUX.2-dev reads hidden states 10, 20 and 30."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    cfg = Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+                         max_position_embeddings=2048),
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=8, patch_size=4, image_size=32),
+        image_token_index=vocab - len(PIXTRAL_SPECIALS) - 1, spatial_merge_size=2)
+    return Mistral3ForConditionalGeneration(cfg)
 
 
 def llama_tokenizer():
@@ -133,6 +201,17 @@ def qwen_vl_encoder(hidden: int = 32, vocab: int = 260):
     return Qwen2_5_VLForConditionalGeneration(cfg)
 
 
+def qwen3_encoder(causal_lm: bool, hidden: int = 8, layers: int = 2, vocab: int = 260):
+    """Qwen3: ``Qwen3ForCausalLM`` (FLUX.2-klein reads hidden states 9, 18 and 27, so 27 layers)
+    or ``Qwen3Model`` (Z-Image reads the second to last)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+                      max_position_embeddings=2048)
+    return (Qwen3ForCausalLM if causal_lm else Qwen3Model)(cfg)
+
+
 def llama_encoder(hidden: int = 32, vocab: int = 264):
     from transformers import LlamaConfig, LlamaModel
 
@@ -176,6 +255,21 @@ def qwen_vae(z_dim: int = 4):
     mean, std = _mean_std(z_dim)
     return AutoencoderKLQwenImage(base_dim=8, z_dim=z_dim, dim_mult=[1, 2], num_res_blocks=1,
                                   temperal_downsample=[False], latents_mean=mean, latents_std=std)
+
+
+def flux2_vae(latent_channels: int = 4):
+    """FLUX.2's ``AutoencoderKLFlux2`` downsampling 2x, with batch-norm statistics on its
+    patchified latent that are not the identity (so decoding must undo them)."""
+    from diffusers import AutoencoderKLFlux2
+
+    vae = AutoencoderKLFlux2(latent_channels=latent_channels, block_out_channels=(8, 8),
+                             down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                             layers_per_block=1, norm_num_groups=4, use_quant_conv=False, use_post_quant_conv=False,
+                             mid_block_add_attention=False)
+    mean, std = _mean_std(4 * latent_channels)
+    vae.bn.running_mean.copy_(torch.tensor(mean))
+    vae.bn.running_var.copy_(torch.tensor(std) ** 2)
+    return vae
 
 
 def hunyuan_vae(latent_channels: int = 4):
@@ -255,7 +349,51 @@ def _hunyuanvideo(folder: Path):
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0))
 
 
-_BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "qwenimage": _qwenimage, "hunyuanvideo": _hunyuanvideo}
+def _flux2_transformer(text_dim: int, guidance: bool):
+    import diffusers
+
+    return diffusers.Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=text_dim, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance)
+
+
+def _flux2(folder: Path):
+    """FLUX.2-klein (4B / 9B): Qwen3, no embedded guidance."""
+    import diffusers
+
+    tok = qwen3_tokenizer()
+    return diffusers.Flux2KleinPipeline(
+        transformer=_flux2_transformer(3 * 8, guidance=False), vae=flux2_vae(4),
+        text_encoder=qwen3_encoder(True, hidden=8, layers=27, vocab=len(tok)), tokenizer=tok,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
+
+
+def _flux2_dev(folder: Path):
+    """FLUX.2-dev (32B): Mistral3 and its PixtralProcessor, embedded guidance."""
+    import diffusers
+
+    proc = pixtral_processor()
+    return diffusers.Flux2Pipeline(
+        transformer=_flux2_transformer(3 * 8, guidance=True), vae=flux2_vae(4),
+        text_encoder=mistral3_encoder(len(proc.tokenizer), hidden=8), tokenizer=proc,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
+
+
+def _zimage(folder: Path):
+    import diffusers
+
+    tok = qwen3_tokenizer()
+    return diffusers.ZImagePipeline(
+        transformer=diffusers.ZImageTransformer2DModel(
+            in_channels=4, dim=32, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16,
+            axes_dims=[4, 6, 6], axes_lens=[256, 64, 64]),
+        vae=kl_vae(4, scaling=0.3611, shift=0.1159), text_encoder=qwen3_encoder(False, hidden=16, vocab=len(tok)),
+        tokenizer=tok, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
+
+
+_BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "qwenimage": _qwenimage, "hunyuanvideo": _hunyuanvideo,
+             "flux2": _flux2, "flux2-dev": _flux2_dev, "zimage": _zimage}
 
 
 def build_pipeline(family: str, folder: Path, *, seed: int = 0, **kw):
@@ -279,4 +417,29 @@ def write_pipeline_folder(family: str, folder: Path, *, seed: int = 0, **kw) -> 
     import shutil
 
     shutil.rmtree(folder / "_build", ignore_errors=True)
+    index = json.loads((folder / "model_index.json").read_text())
+    if index["tokenizer"][1] == "ChatTextProcessor":  # FLUX.2-dev without torchvision (pixtral_processor)
+        index["tokenizer"] = ["transformers", "PixtralProcessor"]
+        (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+        (folder / "tokenizer" / "processor_config.json").write_text(json.dumps(
+            {"processor_class": "PixtralProcessor", "patch_size": 4, "spatial_merge_size": 2}, indent=2))
     return folder
+
+
+def load_pipeline(folder: Path):
+    """The folder's diffusers pipeline (``DiffusionPipeline.from_pretrained``, offline). Where
+    transformers cannot build a component's class (FLUX.2-dev's PixtralProcessor without
+    torchvision; diffusers then refuses the folder), the pipeline class is built from the
+    folder's components as DigenRL loads them."""
+    import diffusers
+    import transformers
+
+    from digenrl.models.folder import PipelineFolder
+
+    pf = PipelineFolder(folder)
+    tokenizer_class = getattr(transformers, (pf.entry("tokenizer") or ("", ""))[1], None)
+    if not getattr(tokenizer_class, "is_dummy", False):  # transformers' stand-in for a missing backend
+        return diffusers.DiffusionPipeline.from_pretrained(folder, local_files_only=True)
+    parts = {name: pf.load(name, frozen=False) for name, value in pf.index.items()
+             if not name.startswith("_") and isinstance(value, list)}
+    return getattr(diffusers, pf.pipeline_class)(**parts)

@@ -4,8 +4,8 @@ its ``final/`` loaded into the family's diffusers pipeline.
 Each launch is three processes importing torch, diffusers and transformers: tens of seconds
 even at tiny sizes. The suite runs one family (Wan: video, frames set); every family's
 folder loading, prompt encoding, decoding, saving and diffusers loading is tested at the unit
-level in tests/test_model_folders.py. ``DIGENRL_E2E_FAMILIES=sd3,flux,wan,qwenimage,hunyuanvideo``
-runs all five here; ``flux@1024`` is the device check's FLUX at 1024 x 1024 px with the run's default
+level in tests/test_model_folders.py. ``DIGENRL_E2E_FAMILIES=sd3,flux,wan,qwenimage,hunyuanvideo,
+flux2,flux2-dev,zimage`` runs every family's folders here (``flux2`` is FLUX.2-klein's); ``flux@1024`` is the device check's FLUX at 1024 x 1024 px with the run's default
 settings (16 images a step; a tiny FLUX folder whose VAE upsamples 16x, so the transformer sees
 a 64 x 64 latent): no node may be lost, the step-0 sample grid is capped in size.
 """
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.conftest import SUITE_SETS, assert_close_across_instances, assert_same_weights
-from tests.pipelines import MAX_TEXT_TOKENS, SMALL, write_pipeline_folder
+from tests.pipelines import MAX_TEXT_TOKENS, SMALL, load_pipeline, write_pipeline_folder
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("case", E2E_FAMILIES)
 def test_a_pipeline_folder_trains_end_to_end_and_its_final_loads_into_diffusers(case: str, tmp_path: Path) -> None:
-    import diffusers
     from PIL import Image
     from safetensors.torch import load_file
 
@@ -41,14 +40,15 @@ def test_a_pipeline_folder_trains_end_to_end_and_its_final_loads_into_diffusers(
     from digenrl.models.families import SPECS
     from digenrl.telemetry.images import MAX_SIDE
 
-    family, _, px = case.partition("@")
+    folder_case, _, px = case.partition("@")
+    family = folder_case.split("-")[0]  # flux2-dev: a FLUX.2 folder of the other pipeline
     video = family in ("wan", "hunyuanvideo")
     if px:  # a large size at the run's default batch and steps (the device check's FLUX at 1024 px)
-        folder = write_pipeline_folder(family, tmp_path / family, vae_factor=16)
+        folder = write_pipeline_folder(folder_case, tmp_path / family, vae_factor=16)
         sizes = {"height": int(px), "width": int(px)}
         small_run: list[str] = []
     else:
-        folder = write_pipeline_folder(family, tmp_path / family)
+        folder = write_pipeline_folder(folder_case, tmp_path / family)
         sizes = {k: v for k, v in SMALL.items() if k != "num_frames" or video}
         small_run = ["train.prompts_per_step=2", "train.group_size=2", "sampler.num_steps=4"]
     sets = [*SUITE_SETS, f'model.path="{folder}"', f'model.family="{family}"', "model.lora_rank=4",
@@ -71,7 +71,7 @@ def test_a_pipeline_folder_trains_end_to_end_and_its_final_loads_into_diffusers(
 
     # final/ into the diffusers pipeline: the LoRA in it is the one trained, and its velocity
     trained = load_file(run_dir / "final" / "policy.safetensors")
-    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, local_files_only=True)
+    pipe = load_pipeline(folder)
     pipe.load_lora_weights(run_dir / "final")
     loaded = {k.replace(".default_0", ""): v for k, v in pipe.transformer.state_dict().items() if "lora_" in k}
     assert_same_weights(loaded, trained)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,23 +18,26 @@ import torch
 from digenrl.config import ConfigError, ModelConfig
 from digenrl.models import ModelFolderError, build_model
 from tests.conftest import assert_close_across_instances, assert_same_weights
-from tests.pipelines import FAMILIES, MAX_TEXT_TOKENS, SMALL, write_pipeline_folder
+from tests.pipelines import FAMILIES, MAX_TEXT_TOKENS, SMALL, load_pipeline, write_pipeline_folder
 
 VIDEO = ("wan", "hunyuanvideo")
 PROMPTS = ["a red circle", "a blue square on the left"]
+#: Every family's folder, and the second pipeline of a family (FLUX.2: klein is "flux2", dev "flux2-dev").
+CASES = (*FAMILIES, "flux2-dev")
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipelines")
-    return {f: write_pipeline_folder(f, root / f) for f in FAMILIES}
+    return {f: write_pipeline_folder(f, root / f) for f in CASES}
 
 
 def size(family: str) -> dict:
     return {k: v for k, v in SMALL.items() if k != "num_frames" or family in VIDEO}
 
 
-def model_cfg(family: str, path, **kw) -> ModelConfig:
+def model_cfg(case: str, path, **kw) -> ModelConfig:
+    family = case.split("-")[0]
     return ModelConfig(family=family, path=str(path), max_text_tokens=MAX_TEXT_TOKENS, **{**size(family), **kw})
 
 
@@ -42,11 +46,14 @@ def diffusers_call(family: str, pipe, x0: torch.Tensor):
     images as uint8 laid out like our decode (video frames side by side)."""
     from digenrl.models.packing import pack_2x2
 
-    kw = dict(prompt=PROMPTS, num_inference_steps=3, output_type="pt", max_sequence_length=MAX_TEXT_TOKENS,
+    # a copy: Z-Image's pipeline rewrites the prompt list it is given with its chat template
+    kw = dict(prompt=list(PROMPTS), num_inference_steps=3, output_type="pt", max_sequence_length=MAX_TEXT_TOKENS,
               **size(family))
     kw["latents"] = pack_2x2(x0) if family in ("flux", "qwenimage") else x0
     kw.update({"sd3": dict(guidance_scale=1.0), "flux": dict(guidance_scale=3.5), "qwenimage": dict(true_cfg_scale=1.0),
-               "wan": dict(guidance_scale=1.0), "hunyuanvideo": dict(guidance_scale=6.0)}[family])
+               "wan": dict(guidance_scale=1.0), "hunyuanvideo": dict(guidance_scale=6.0),
+               "flux2": dict(guidance_scale=1.0), "flux2-dev": dict(guidance_scale=4.0),
+               "zimage": dict(guidance_scale=0.0)}[family])  # Z-Image: pos + g (pos - neg), so 0 is no CFG
     out = pipe(**kw)
     images = out.frames if family in VIDEO else out.images  # [0, 1]; videos (B, F, 3, H, W)
     if family in VIDEO:
@@ -55,16 +62,15 @@ def diffusers_call(family: str, pipe, x0: torch.Tensor):
     return (images * 255).round().to(torch.uint8)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_a_pipeline_folder_generates_what_its_diffusers_pipeline_generates(family, folders):
     """Prompts through the folder's own text encoders, the adapter's Euler steps and the VAE
     decode give the images the diffusers pipeline makes from the same folder, prompts and
     noise: encode_prompt, timestep and guidance conventions and latent (de)normalisation."""
-    import diffusers
 
     model = build_model(model_cfg(family, folders[family]))
     x0 = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(3))
-    pipe = diffusers.DiffusionPipeline.from_pretrained(folders[family], local_files_only=True)
+    pipe = load_pipeline(folders[family])
     pipe.set_progress_bar_config(disable=True)
     assert type(pipe).__name__ == model.pipeline_class
     with torch.no_grad():
@@ -176,38 +182,43 @@ def test_embedded_guidance_defaults_to_the_pipelines_and_is_configurable(family,
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_final_weights_load_into_the_diffusers_pipeline_and_give_the_trained_velocity(family, lora, folders, tmp_path):
-    """A LoRA loads with the pipeline's own ``load_lora_weights`` (diffusers' format, its peft
-    config kept), a full fine-tune with the transformer class's ``from_pretrained``."""
-    import diffusers
+    """One GRPO step on the folder's model (a rollout of its own, so at K = 0 the first ratio is 1
+    to within 1e-6), then: a LoRA loads with the pipeline's own ``load_lora_weights`` (diffusers'
+    format, its peft config kept), a full fine-tune with the transformer class's ``from_pretrained``."""
 
     from digenrl.config import load_config
     from digenrl.models.families import SPECS
     from digenrl.rl.learner import save_final
     from digenrl.rl.policy import Policy
+    from digenrl.rl.sampler import rollout, seeded_generators
 
-    cfg = load_config(None, ["sampler.num_steps=2", "train.timesteps=\"all\""])
+    # a large learning rate: one AdamW step moves every trained weight by about lr
+    cfg = load_config(None, ["sampler.num_steps=2", "train.timesteps=\"all\"", "train.lr=0.05"])
     model = build_model(model_cfg(family, folders[family], lora_rank=2 if lora else 0))
     policy = Policy(model, cfg.train, cfg.sampler)
     x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
     cond = model.encode_prompts(PROMPTS)
     with torch.no_grad():
         v_base = model.velocity(x, 0.6, cond)
-        for i, p in enumerate(policy.params):  # stands in for training: every trained weight moves
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+        records = dict(enumerate(rollout(model, cond, generator=seeded_generators([5, 6]), sampler_cfg=cfg.sampler)))
+    stats = policy.fragment_loss_backward(records, cond, torch.tensor([1.0, -1.0]), torch.ones(2, dtype=torch.bool),
+                                          batch_size_total=2, n_trained_total=len(records))
+    assert stats["n"] == 2 * len(records) and stats["ratio_max_dev"] <= 1e-6, stats
+    policy.optimizer_step()
     save_final(policy, tmp_path)
     final = tmp_path / "final"
-    pipe = diffusers.DiffusionPipeline.from_pretrained(folders[family], local_files_only=True)
+    pipe = load_pipeline(folders[family])
     with torch.no_grad():
         if lora:
             pipe.load_lora_weights(final)
             assert sorted(p.name for p in final.iterdir()) == ["policy.safetensors", "pytorch_lora_weights.safetensors"]
         else:
-            pipe.transformer = SPECS[family].cls.from_pretrained(final, local_files_only=True)
+            pipe.transformer = SPECS[family.split("-")[0]].cls.from_pretrained(final, local_files_only=True)
             assert (final / "config.json").is_file()
             assert (final / "policy.safetensors").stat().st_ino == (final / "diffusion_pytorch_model.safetensors").stat().st_ino
-        loaded = SPECS[family].adapter(pipe.transformer, encoder=model.encoder, decoder=model.decoder,
+        loaded = SPECS[family.split("-")[0]].adapter(pipe.transformer, encoder=model.encoder, decoder=model.decoder,
                                        latent_shape=model.latent_shape)
         loaded.guidance = model.guidance
         v_trained, v_loaded = model.velocity(x, 0.6, cond), loaded.velocity(x, 0.6, cond)
@@ -219,3 +230,46 @@ def test_final_weights_load_into_the_diffusers_pipeline_and_give_the_trained_vel
     else:
         assert_same_weights(loaded.sync_state_dict(), model.sync_state_dict())
     assert_close_across_instances(v_loaded, v_trained)
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_a_left_out_family_is_read_from_model_index(family, folders, tmp_path):
+    import tomllib
+
+    from digenrl.config import load_config
+
+    assert ModelConfig(path=str(folders[family])).family == family.split("-")[0]
+    # a config file that names no family (as the shipped default does not): the folder set on the
+    # command line is read, and the resolved config names the family
+    shipped = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml"
+    assert "family" not in tomllib.loads(shipped.read_text())["model"]
+    (tmp_path / "run.toml").write_text("[model]\npath = \"builtin\"\n")
+    cfg = load_config(tmp_path / "run.toml", [f'model.path="{folders[family]}"'])
+    assert cfg.model.family == family.split("-")[0]
+    assert ModelConfig(path="builtin").family == ModelConfig(path="random").family == "sd3"  # as before
+
+
+def test_a_pipeline_digenrl_does_not_train_is_one_line_naming_it_and_the_supported_ones(folders, tmp_path):
+    from digenrl.config import PIPELINE_FAMILIES, load_config
+
+    folder = shutil.copytree(folders["flux"], tmp_path / "flux")
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    supported = r"DigenRL trains StableDiffusion3Pipeline, FluxPipeline, .*Flux2KleinPipeline, ZImagePipeline"
+    with pytest.raises(ConfigError, match=rf"model_index\.json names pipeline 'StableDiffusionXLPipeline'; {supported}"):
+        load_config(None, [f'model.path="{folder}"', 'model.family=""'])
+    with pytest.raises(ModelFolderError, match=rf"names pipeline 'StableDiffusionXLPipeline'; {supported}"):
+        build_model(model_cfg("flux", folder))  # with the family given: refused when the folder is read
+    # a pipeline the table knows whose family is not registered in this version: named, no KeyError
+    PIPELINE_FAMILIES_BEFORE = dict(PIPELINE_FAMILIES)
+    try:
+        PIPELINE_FAMILIES["FutureEditPipeline"] = "future_edit"
+        (folder / "model_index.json").write_text(json.dumps({"_class_name": "FutureEditPipeline"}))
+        with pytest.raises(ConfigError, match=r"names pipeline 'FutureEditPipeline' \(family 'future_edit', not "
+                                              r"trained by this version\); DigenRL trains StableDiffusion3Pipeline"):
+            ModelConfig(path=str(folder))
+    finally:
+        PIPELINE_FAMILIES.clear()
+        PIPELINE_FAMILIES.update(PIPELINE_FAMILIES_BEFORE)
+    (folder / "model_index.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"model_index\.json: not a readable model_index\.json"):
+        ModelConfig(path=str(folder))

@@ -7,6 +7,7 @@ with ``build_model`` made to fail, so a model build anywhere on that path is cau
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from math import prod
 from pathlib import Path
@@ -17,7 +18,7 @@ from digenrl.config import ModelConfig, load_config
 from digenrl.models import build_model
 from digenrl.models.meta import ModelConfigError, latent_shape_of
 
-FAMILIES = ["sd3", "flux", "qwenimage", "wan", "hunyuanvideo"]
+FAMILIES = ["sd3", "flux", "qwenimage", "wan", "hunyuanvideo", "flux2", "zimage"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -151,3 +152,49 @@ def test_the_launchers_checks_and_scheduler_import_neither_diffusers_nor_peft(tm
             "check_before_start(cfg)\n"
             "assert make_scheduler(cfg, prompt_count=8).params.bytes_per_trajectory > 0\n")
         assert heavy_imports_after(code) == [], path
+
+
+@pytest.mark.parametrize(("heads", "entry"), [(48, "flux2"), (24, "flux2_klein_4b"), (32, "flux2_klein_9b")])
+def test_a_flux2_folder_is_priced_as_the_model_its_transformer_is(tmp_path: Path, heads: int, entry: str) -> None:
+    """FLUX.2-dev (32 B) and klein (4 B, 9 B) share a family; the planner prices the one the
+    folder holds, told by the transformer's width, from config.json alone."""
+    from digenrl.core import costmodel as cm
+    from digenrl.sim.simulator import workload_from_config
+
+    for sub in ("transformer", "vae"):
+        (tmp_path / sub).mkdir()
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(
+        {"_class_name": "Flux2Transformer2DModel", "num_attention_heads": heads, "attention_head_dim": 128}))
+    (tmp_path / "vae" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKLFlux2"}))
+    cfg = load_config("configs/models/flux.toml", ['model.family=""', f'model.path="{tmp_path}"'])
+    assert cfg.model.family == "flux2"
+    assert workload_from_config(cfg).model == entry
+    assert latent_shape_of(cfg.model) == cm.MODELS[entry].latent_shape == (128, 64, 64)  # 1024 px by default
+
+
+def test_flux2_and_zimage_are_priced_at_their_published_sizes() -> None:
+    from digenrl.core import costmodel as cm
+    from digenrl.sim.simulator import workload_from_config
+
+    assert {m: cm.MODELS[m].params_b for m in ("flux2", "flux2_klein_4b", "flux2_klein_9b", "zimage")} == {
+        "flux2": 32.0, "flux2_klein_4b": 4.0, "flux2_klein_9b": 9.0, "zimage": 6.0}
+    for family in ("flux2", "zimage"):  # a plan with no folder prices the family's flagship
+        cfg = load_config("configs/models/flux.toml", [f'model.family="{family}"'])
+        assert workload_from_config(cfg).model == family
+    wl = workload_from_config(load_config("configs/models/flux.toml", ['model.family="flux2"']))
+    gen = {m: cm.node_costs("H100", dataclasses.replace(wl, model=m)).gen_step_s
+           for m in ("flux", "flux2", "flux2_klein_4b", "flux2_klein_9b", "zimage")}
+    # a forward's FLOPs grow with the size at one resolution: klein 4B < Z-Image < klein 9B < FLUX.2-dev
+    assert gen["flux2_klein_4b"] < gen["zimage"] < gen["flux2_klein_9b"] < gen["flux2"]
+    assert cm.trainable_bytes(cm.MODELS["flux2"], 0) == 64e9  # bf16 full weights: 2 B x 32 B
+
+
+def test_a_lora_rank_above_z_images_width_is_refused() -> None:
+    from digenrl.config import ConfigError
+    from digenrl.models.footprint import check_footprint, transformer_width
+
+    cfg = load_config(None, ['model.family="zimage"', 'model.path="random"', "model.lora_rank=33"])
+    assert transformer_width(cfg) == 32  # the tiny Z-Image's dim (it has no attention_head_dim)
+    with pytest.raises(ConfigError, match=r"model\.lora_rank = 33: more than the transformer's width 32 \(zimage"):
+        check_footprint(cfg, latent_shape_of(cfg.model), available=0)

@@ -31,10 +31,12 @@ from digenrl.rl.sampler import rollout, seeded_generators
 from digenrl.rl.sde import sde_step
 from tests.conftest import assert_close_across_instances, assert_same_weights
 
-FAMILIES = ["sd3", "flux", "qwenimage", "wan", "hunyuanvideo"]
+FAMILIES = ["sd3", "flux", "qwenimage", "wan", "hunyuanvideo", "flux2", "zimage"]
 PROMPTS = ["a red circle", "a blue square", "a green triangle on the left", ""]
 # The last block's text stream feeds nothing (its text output is dropped), so these may get no gradient.
-TEXT_STREAM = re.compile(r"add_|txt_|norm_added")
+#: Parameters a forward may leave without gradient: the last block's text stream, and Z-Image's
+#: padding tokens (used only when a sequence is not a multiple of its 32-token blocks).
+TEXT_STREAM = re.compile(r"add_|txt_|norm_added|x_pad_token|cap_pad_token")
 
 
 def tiny(family: str, **kw) -> FlowModel:
@@ -281,6 +283,16 @@ def pipeline_call(family: str, model: FlowModel, cond, x0):
         pipe = diffusers.WanPipeline(transformer=t, scheduler=sch, **no_text)
         return pipe, dict(prompt_embeds=cond["prompt_embeds"], latents=x0, height=64, width=64, num_frames=5,
                           guidance_scale=1.0), lambda out: out.frames
+    if family == "flux2":  # dev's pipeline: klein's un-patchifies through the VAE even for latents
+        c, h, w = model.latent_shape
+        pipe = diffusers.Flux2Pipeline(transformer=t, scheduler=sch, **no_text)
+        return pipe, dict(prompt_embeds=cond["prompt_embeds"], latents=x0, height=16 * h, width=16 * w,
+                          guidance_scale=4.0), lambda out: out.images.transpose(1, 2).reshape(-1, c, h, w)
+    if family == "zimage":
+        rows = [e[m.bool()] for e, m in zip(cond["prompt_embeds"], cond["prompt_mask"], strict=True)]
+        pipe = diffusers.ZImagePipeline(transformer=t, scheduler=sch, **no_text)
+        return pipe, dict(prompt_embeds=rows, latents=x0, height=8 * x0.shape[-2], width=8 * x0.shape[-1],
+                          guidance_scale=0.0), lambda out: out.images
     pipe = diffusers.HunyuanVideoPipeline(transformer=t, scheduler=sch, text_encoder_2=None, tokenizer_2=None, **no_text)
     return pipe, dict(prompt_embeds=cond["prompt_embeds"], pooled_prompt_embeds=cond["pooled_embeds"],
                       prompt_attention_mask=cond["prompt_mask"], latents=x0, height=64, width=64, num_frames=5,
@@ -305,3 +317,21 @@ def test_euler_steps_with_adapter_velocity_reproduce_the_diffusers_pipeline(fami
     # Two code paths (ours and diffusers' loop) may order float ops differently, so the last
     # bits may differ; a wrong convention (timestep scale, packing, ids, sign) is an O(1) error.
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_z_image_gets_its_timestep_in_float32_in_a_bfloat16_model_as_its_pipeline_passes_it():
+    """ZImagePipeline keeps latents and ``(1000 - t) / 1000`` in float32 and casts only the
+    latents for the transformer; a bfloat16 timestep would be another model input."""
+    model = tiny("zimage", dtype="bfloat16")
+    x = latents(model, 2)
+    cond = model.encode_prompts(PROMPTS[:2])
+    sigma = 0.7624328136444092  # a shifted sigma bfloat16 cannot hold
+    with torch.no_grad():
+        v = model.velocity(x, sigma, cond)
+        rows = [e[m.bool()].to(torch.bfloat16) for e, m in zip(cond["prompt_embeds"], cond["prompt_mask"], strict=True)]
+        xs = list(x.to(torch.bfloat16).unsqueeze(2).unbind(0))
+        t32 = 1 - torch.full((2,), sigma, dtype=torch.float32)
+        expected = -torch.stack(model.transformer(xs, t32, rows, return_dict=False)[0]).squeeze(2).float()
+        rounded = -torch.stack(model.transformer(xs, t32.bfloat16(), rows, return_dict=False)[0]).squeeze(2).float()
+    assert not torch.equal(expected, rounded)  # the timestep's precision shows in the output
+    assert torch.equal(v, expected)

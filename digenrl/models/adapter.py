@@ -54,6 +54,8 @@ class DiffusersFlowModel:
     """the diffusers pipeline this transformer belongs to (its LoRA loader reads our LoRA files)"""
     guidance = 0.0
     """embedded guidance for guidance-distilled transformers (set from sampler.embedded_guidance)"""
+    timestep_dtype: torch.dtype | None = None
+    """the dtype the pipeline passes timesteps in; None: the compute dtype"""
 
     def __init__(self, transformer: DiffusersTransformer, *, encoder: Callable[[Sequence[str]], Cond],
                  decoder: Callable[[torch.Tensor], torch.Tensor], latent_shape: tuple[int, ...],
@@ -110,7 +112,7 @@ class DiffusersFlowModel:
             raise ValueError(f"{self.family}: expected latents (B, {self.latent_shape}), got {tuple(x.shape)}")
         sigma_B = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0]).contiguous()
         cond = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in cond.items()}
-        return self._forward(x.to(self.dtype), sigma_B.to(self.dtype), cond).float()
+        return self._forward(x.to(self.dtype), sigma_B.to(self.timestep_dtype or self.dtype), cond).float()
 
     def _forward(self, x: torch.Tensor, sigma_B: torch.Tensor, cond: Cond) -> torch.Tensor:
         raise NotImplementedError

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from digenrl.config import ConfigError
-from digenrl.models import flux, qwenimage, sd3, video
+from digenrl.models import flux, flux2, qwenimage, sd3, video, zimage
 from digenrl.models.pixels import shuffle_factor
 
 
@@ -121,8 +121,26 @@ def _hunyuanvideo(cfg: Any, vae: Any) -> Geometry:
                     vae.config.temporal_compression_ratio, cfg.patch_size, (720, 1280), 129)
 
 
+def _flux2(cfg: Any, vae: Any) -> Geometry:
+    # the sampled latent is the VAE's patchified 2x2: in_channels channels at 1/(2 s) of the pixels
+    c = cfg.in_channels
+    if vae is None:
+        return Geometry("flux2", c, _pixels(c), 1, 1, (16 * _pixels(c),) * 2, 0)
+    s = 2 * 2 ** (len(vae.config.block_out_channels) - 1)
+    return Geometry("flux2", c, s, 1, 1, (64 * s,) * 2, 0)  # the pipeline's 128 x VAE factor: 1024 px
+
+
+def _zimage(cfg: Any, vae: Any) -> Geometry:
+    c, patch = cfg.in_channels, cfg.all_patch_size[0]
+    if vae is None:
+        return Geometry("zimage", c, _pixels(c), 1, patch, (16 * _pixels(c),) * 2, 0)
+    s = 2 ** (len(vae.config.block_out_channels) - 1)
+    return Geometry("zimage", c, s, 1, patch, (1024, 1024), 0)
+
+
 GEOMETRY: dict[str, Callable[[Any, Any], Geometry]] = {
     "sd3": _sd3, "flux": _flux, "qwenimage": _qwenimage, "wan": _wan, "hunyuanvideo": _hunyuanvideo,
+    "flux2": _flux2, "zimage": _zimage,
 }
 """family -> (transformer config, VAE or None) -> :class:`Geometry`"""
 
@@ -131,6 +149,7 @@ FAMILIES: tuple[str, ...] = tuple(GEOMETRY)
 VAE_CLASS: dict[str, str] = {
     "sd3": "AutoencoderKL", "flux": "AutoencoderKL", "qwenimage": "AutoencoderKLQwenImage",
     "wan": "AutoencoderKLWan", "hunyuanvideo": "AutoencoderKLHunyuanVideo",
+    "flux2": "AutoencoderKLFlux2", "zimage": "AutoencoderKL",
 }
 """family -> the diffusers class of its pipeline's VAE"""
 
@@ -140,6 +159,8 @@ TRANSFORMER_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwenimage": {"in_channels": 64, "out_channels": 16},
     "wan": {"in_channels": 16, "patch_size": (1, 2, 2)},
     "hunyuanvideo": {"in_channels": 16, "patch_size": 2},
+    "flux2": {"in_channels": 128},
+    "zimage": {"in_channels": 16, "all_patch_size": (2,)},
 }
 """family -> its transformer class's defaults of the keys its geometry reads"""
 
@@ -148,6 +169,7 @@ VAE_DEFAULTS: dict[str, dict[str, Any]] = {
     "AutoencoderKLQwenImage": {"temperal_downsample": [False, True, True]},
     "AutoencoderKLWan": {"scale_factor_spatial": 8, "scale_factor_temporal": 4},
     "AutoencoderKLHunyuanVideo": {"spatial_compression_ratio": 8, "temporal_compression_ratio": 4},
+    "AutoencoderKLFlux2": {"block_out_channels": (128, 256, 512, 512)},
 }
 """VAE class -> its defaults of the keys the geometry reads"""
 
@@ -158,4 +180,6 @@ TINY_CONFIGS: dict[str, dict] = {
     "qwenimage": qwenimage.TINY_QWENIMAGE,
     "wan": video.TINY_WAN,
     "hunyuanvideo": video.TINY_HUNYUANVIDEO,
+    "flux2": flux2.TINY_FLUX2,
+    "zimage": zimage.TINY_ZIMAGE,
 }

@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import diffusers
 
-from digenrl.models import flux, qwenimage, sd3, video
+from digenrl.models import flux, flux2, qwenimage, sd3, video, zimage
 from digenrl.models.adapter import DiffusersFlowModel
 from digenrl.models.base import DiffusersTransformer
 from digenrl.models.catalog import TINY_CONFIGS, Geometry
@@ -55,5 +55,9 @@ SPECS: dict[str, FamilySpec] = {
     "hunyuanvideo": FamilySpec(transformer_class(diffusers.HunyuanVideoTransformer3DModel), video.HunyuanVideoModel,
                                lambda cfg: (cfg.text_embed_dim, cfg.pooled_projection_dim),
                                guidance=6.0),
+    "flux2": FamilySpec(transformer_class(diffusers.Flux2Transformer2DModel), flux2.Flux2Model,
+                        lambda cfg: (cfg.joint_attention_dim, 0), guidance=4.0),
+    "zimage": FamilySpec(transformer_class(diffusers.ZImageTransformer2DModel), zimage.ZImageModel,
+                         lambda cfg: (cfg.cap_feat_dim, 0)),
 }
 

@@ -19,17 +19,9 @@ from typing import Any
 
 import torch
 
-from digenrl.config import ConfigError
-
-#: Pipeline class (``model_index.json``'s ``_class_name``) -> family.
-PIPELINE_FAMILIES = {
-    "StableDiffusion3Pipeline": "sd3",
-    "FluxPipeline": "flux",
-    "WanPipeline": "wan",
-    "QwenImagePipeline": "qwenimage",
-    "HunyuanVideoPipeline": "hunyuanvideo",
-}
-FAMILY_PIPELINES = {f: p for p, f in PIPELINE_FAMILIES.items()}
+# the pipeline class -> family table is the config's (model.family is read from it)
+from digenrl.config import PIPELINE_FAMILIES as PIPELINE_FAMILIES
+from digenrl.config import ConfigError, pipeline_family
 
 #: The text stack each family's pipeline encodes prompts with: component -> what it is.
 TEXT_COMPONENTS: dict[str, dict[str, str]] = {
@@ -43,11 +35,52 @@ TEXT_COMPONENTS: dict[str, dict[str, str]] = {
                   "tokenizer": "Qwen2.5-VL's Qwen2Tokenizer"},
     "hunyuanvideo": {"text_encoder": "LLaVA-Llama-3 (LlamaModel)", "tokenizer": "its LlamaTokenizerFast",
                      "text_encoder_2": "CLIP-L (CLIPTextModel)", "tokenizer_2": "CLIP-L's CLIPTokenizer"},
+    "flux2": {"text_encoder": "Mistral Small 3.1 (Mistral3ForConditionalGeneration; FLUX.2-dev) or Qwen3 "
+                              "(Qwen3ForCausalLM; FLUX.2-klein)",
+              "tokenizer": "its PixtralProcessor (dev) or Qwen2Tokenizer (klein)"},
+    "zimage": {"text_encoder": "Qwen3 (Qwen3Model)", "tokenizer": "Qwen3's Qwen2Tokenizer"},
 }
 
 
 class ModelFolderError(ConfigError):
     """A model path that is missing, incomplete or not what the config says it is."""
+
+
+def text_processor(folder: Path) -> Any:
+    """The text half of a multimodal processor saved at ``folder``: its tokenizer and its chat
+    template, behind transformers' own ``ProcessorMixin.apply_chat_template`` (so text-only
+    messages tokenize as the full processor tokenizes them). What FLUX.2-dev's
+    ``PixtralProcessor`` is where torchvision is not installed (its image processor and the
+    processor class itself import torchvision under transformers 5); with torchvision, the
+    folder's own class loads."""
+    from transformers import AutoTokenizer
+
+    template = None
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    elif (folder / "chat_template.json").is_file():  # the older processors' file
+        template = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return text_processor_class()(tokenizer=tokenizer, chat_template=template or tokenizer.chat_template)
+
+
+def text_processor_class() -> type:
+    """:class:`ChatTextProcessor`, defined on first use (transformers loads only with a model)."""
+    global _TEXT_PROCESSOR
+    if _TEXT_PROCESSOR is None:
+        from transformers import ProcessorMixin
+
+        class ChatTextProcessor(ProcessorMixin):
+            """A processor of a tokenizer alone (see :func:`text_processor`)."""
+
+            def __init__(self, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any) -> None:
+                super().__init__(tokenizer, chat_template=chat_template)
+
+        _TEXT_PROCESSOR = ChatTextProcessor
+    return _TEXT_PROCESSOR
+
+
+_TEXT_PROCESSOR: type | None = None
 
 
 def is_pipeline_folder(folder: Path) -> bool:
@@ -65,11 +98,10 @@ class PipelineFolder:
         except (OSError, ValueError) as e:
             raise ModelFolderError(f"{path}: not a readable model_index.json ({e})") from None
         self.pipeline_class = str(self.index.get("_class_name", ""))
-        if self.pipeline_class not in PIPELINE_FAMILIES:
-            raise ModelFolderError(
-                f"{path} names pipeline {self.pipeline_class!r}; DigenRL trains "
-                f"{', '.join(sorted(PIPELINE_FAMILIES))}")
-        self.family = PIPELINE_FAMILIES[self.pipeline_class]
+        try:
+            self.family = pipeline_family(self.pipeline_class, path)
+        except ConfigError as e:
+            raise ModelFolderError(str(e)) from None
 
     def check_family(self, family: str) -> None:
         """A config whose ``model.family`` disagrees with the folder is a one-line error."""
@@ -115,6 +147,10 @@ class PipelineFolder:
             raise ModelFolderError(
                 f"{self.root / 'model_index.json'}: {name} is {library}.{cls_name}, which this "
                 f"{library} does not have") from None
+        if library == "transformers" and cls_name.endswith("Processor") and getattr(cls, "is_dummy", False):
+            # a processor whose image half needs a backend not installed (PixtralProcessor:
+            # torchvision): prompts need only its text half, built from the same files
+            return text_processor(self.root / name)
         if library == "transformers":
             from transformers.utils import logging as hf_logging
 

@@ -50,7 +50,8 @@ def transformer_width(cfg: Config) -> int | None:
     heads, dim = config.get("num_attention_heads"), config.get("attention_head_dim")
     if isinstance(heads, int) and isinstance(dim, int):
         return heads * dim
-    return None
+    width = config.get("dim")  # Z-Image names its width
+    return width if isinstance(width, int) else None
 
 
 def step_footprint(cfg: Config, latent_shape: tuple[int, ...], test_prompts: int = 0) -> dict[str, int]:

@@ -93,3 +93,17 @@ def latent_shape_of(model_cfg: ModelConfig) -> tuple[int, ...]:
     vae = SimpleNamespace(config=SimpleNamespace(**vae_config(model_cfg))) if pipeline else None
     geometry = catalog.GEOMETRY[model_cfg.family](SimpleNamespace(**config), vae)
     return geometry.latent_shape(model_cfg.height, model_cfg.width, model_cfg.num_frames)
+
+
+#: FLUX.2 transformer width (heads x head dim) -> the cost model's entry (digenrl/core/costmodel.py).
+FLUX2_WIDTHS = {6144: "flux2", 3072: "flux2_klein_4b", 4096: "flux2_klein_9b"}
+
+
+def cost_model_name(model_cfg: ModelConfig) -> str:
+    """The cost model's entry for ``model_cfg``: its family, except FLUX.2, whose folder's
+    transformer width tells dev (32 B, also what a folderless plan prices) from klein 4B and 9B."""
+    if model_cfg.family != "flux2" or model_cfg.path in ("random", "emulated"):
+        return model_cfg.family
+    config, _ = transformer_config(model_cfg)
+    width = int(config.get("num_attention_heads", 48)) * int(config.get("attention_head_dim", 128))
+    return FLUX2_WIDTHS.get(width, "flux2")

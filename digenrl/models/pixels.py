@@ -97,7 +97,9 @@ def encode_images(images: torch.Tensor, channels: int = 12) -> torch.Tensor:
 class VaeDecoder:
     """A pipeline folder's VAE with the pipeline's latent normalisation undone before decoding.
 
-    SD3 / FLUX (``AutoencoderKL``): ``z / scaling_factor + shift_factor``; Wan (``AutoencoderKLWan``)
+    SD3 / FLUX / Z-Image (``AutoencoderKL``): ``z / scaling_factor + shift_factor``; FLUX.2
+    (``AutoencoderKLFlux2``): the patchified latent times the VAE's batch-norm std plus its mean,
+    then un-patchified 2x2; Wan (``AutoencoderKLWan``)
     and Qwen-Image (``AutoencoderKLQwenImage``): ``z * latents_std + latents_mean`` per channel;
     HunyuanVideo (``AutoencoderKLHunyuanVideo``): ``z / scaling_factor``.
     """
@@ -109,8 +111,15 @@ class VaeDecoder:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.vae.config
         z = x.to(self.vae.dtype)
-        if self.family in ("sd3", "flux"):
+        if self.family in ("sd3", "flux", "zimage"):
             z = z / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
+            return to_uint8(self.vae.decode(z).sample)
+        if self.family == "flux2":
+            bn = self.vae.bn
+            std = torch.sqrt(bn.running_var + cfg.batch_norm_eps).to(z.dtype).view(1, -1, 1, 1)
+            z = z * std + bn.running_mean.to(z.dtype).view(1, -1, 1, 1)
+            b, c4, h, w = z.shape  # (B, 4C, h, w) -> (B, C, 2h, 2w): the pipeline's _unpatchify_latents
+            z = z.reshape(b, c4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c4 // 4, 2 * h, 2 * w)
             return to_uint8(self.vae.decode(z).sample)
         if self.family in ("wan", "qwenimage"):
             shape = (1, -1) + (1,) * (z.dim() - 2)

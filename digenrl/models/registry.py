@@ -166,6 +166,8 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
                              lora_targets=model_cfg.lora_targets,
                              gradient_checkpointing=model_cfg.gradient_checkpointing, dtype=dtype)
         model.guidance = embedded_guidance or spec.guidance
+        if pf is not None:  # a family of several pipelines (FLUX.2-dev, -klein): the folder's own
+            model.pipeline_class = pf.pipeline_class
     return model
 
 

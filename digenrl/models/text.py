@@ -80,7 +80,8 @@ class HashPromptEncoder:
 
 
 #: The diffusers pipelines' default prompt lengths (``max_sequence_length``).
-DEFAULT_TEXT_TOKENS = {"sd3": 256, "flux": 512, "wan": 226, "qwenimage": 1024, "hunyuanvideo": 256}
+DEFAULT_TEXT_TOKENS = {"sd3": 256, "flux": 512, "wan": 226, "qwenimage": 1024, "hunyuanvideo": 256,
+                       "flux2": 512, "zimage": 512}
 
 
 def template_prefix_tokens(tokenizer: Any, template: str) -> int:
@@ -133,6 +134,16 @@ class PipelinePromptEncoder:
         elif self.family == "qwenimage":
             # padded to the batch's longest prompt, as the pipeline does; cond_cat pads further
             embeds, mask = pipe.encode_prompt(prompts, device=dev, max_sequence_length=n)
+        elif self.family == "flux2":  # all n tokens, padding included, as the pipeline attends
+            embeds = pipe.encode_prompt(prompts, device=dev, max_sequence_length=n)[0]
+        elif self.family == "zimage":
+            # one tensor per prompt of its real tokens; padded here to the longest, with a mask
+            # (the adapter cuts the rows again); the pipeline rewrites the list it is given
+            rows = pipe.encode_prompt(list(prompts), device=dev, do_classifier_free_guidance=False,
+                                      max_sequence_length=n)[0]
+            embeds = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+            mask = torch.nn.utils.rnn.pad_sequence([r.new_ones(len(r), dtype=torch.long) for r in rows],
+                                                   batch_first=True)
         else:
             embeds, pooled, mask = pipe.encode_prompt(prompts, prompt_template=self._template, device=dev,
                                                       max_sequence_length=n)

@@ -97,8 +97,14 @@ class SimResult:
 
 
 def workload_from_config(cfg: Config) -> Workload:
-    """The cost-relevant shape of ``cfg`` (trained timesteps from the config, no torch)."""
-    return Workload(model=cfg.model.family, num_steps=cfg.sampler.num_steps,
+    """The cost-relevant shape of ``cfg`` (trained timesteps from the config; no torch, except
+    that a FLUX.2 folder's transformer config is read to tell dev from klein)."""
+    model: str = cfg.model.family
+    if model == "flux2" and cfg.model.path not in ("random", "emulated"):
+        from digenrl.models.meta import cost_model_name
+
+        model = cost_model_name(cfg.model)
+    return Workload(model=model, num_steps=cfg.sampler.num_steps,
                     trained_steps=len(trained_timesteps(cfg)), cfg_gen=cfg.sampler.guidance_scale > 1,
                     cfg_train=cfg.sampler.guidance_scale > 1, grad_ckpt=cfg.model.gradient_checkpointing,
                     kl=cfg.train.kl_beta > 0, lora_rank=cfg.model.lora_rank, fsdp=cfg.model.fsdp)
