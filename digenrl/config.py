@@ -165,6 +165,9 @@ class ModelConfig:
         ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
         "module names LoRA adapts (peft target_modules; flow_grpo's set: the image and text "
         "attention projections)")
+    train_experts: Literal["both", "high", "low"] = _f(
+        "both", "two-expert models (Wan2.2 A14B): which expert trains, 'high' (transformer, the "
+        "high-noise steps), 'low' (transformer_2) or 'both'; a one-transformer model takes only 'both'")
     gradient_checkpointing: bool = _f(False, "activation checkpointing in the trainer")
     fsdp: bool = _f(False, "shard parameters/grads/optimizer state over trainer ranks (FSDP2)")
     emulate: EmulateConfig = field(default_factory=EmulateConfig,

@@ -1,4 +1,4 @@
-"""Video families: Wan2.1 (``WanTransformer3DModel``) and HunyuanVideo
+"""Video families: Wan2.1 / Wan2.2 (``WanTransformer3DModel``) and HunyuanVideo
 (``HunyuanVideoTransformer3DModel``). Latents are ``(C, F, H, W)``.
 
 Wan (``pipeline_wan.py``): timestep ``sigma * 1000``, text ``encoder_hidden_states`` (umT5,
@@ -31,14 +31,53 @@ TINY_HUNYUANVIDEO = dict(
 
 
 class WanModel(DiffusersFlowModel):
-    """Wan2.1 text-to-video adapter."""
+    """Wan2.1 / Wan2.2 text-to-video adapter.
+
+    Wan2.2 TI2V-5B (``expand_timesteps`` in the pipeline config): the timestep goes in per
+    token, ``(B, F * H/2 * W/2)``, as ``WanPipeline`` builds it (its mask is all ones for
+    text-to-video, so every token carries ``sigma * 1000``). Wan2.2 A14B (``transformer_2``
+    and ``boundary_ratio``): a sample whose timestep ``sigma * num_train_timesteps`` is at
+    least ``boundary_ratio * num_train_timesteps`` goes through ``transformer`` (the
+    high-noise expert), the others through ``transformer_2``, the pipeline's own rule.
+    """
 
     family = "wan"
     pipeline_class = "WanPipeline"
+    expand_timesteps = False
+    """per-token timesteps (Wan2.2 TI2V-5B's pipeline config)"""
+    boundary_ratio: float | None = None
+    """Wan2.2 A14B: where ``transformer_2`` takes over, a fraction of ``num_train_timesteps``"""
+    num_train_timesteps = 1000
+
+    def expert_of(self, sigma: float) -> str:
+        """Which expert denoises at ``sigma``: "high" (``transformer``) or "low" (``transformer_2``)."""
+        if self.transformer_2 is None or self.boundary_ratio is None:
+            return "high"
+        t = torch.tensor(sigma, dtype=torch.float32) * self.num_train_timesteps
+        return "high" if bool(t >= self.boundary_ratio * self.num_train_timesteps) else "low"
 
     def _forward(self, x: torch.Tensor, sigma_B: torch.Tensor, cond: Cond) -> torch.Tensor:
-        return self.transformer(hidden_states=x, timestep=sigma_B * 1000,
-                                encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+        if self.transformer_2 is None or self.boundary_ratio is None:
+            return self._expert(self.transformer, x, sigma_B, cond["prompt_embeds"])
+        # the pipeline compares its float32 scheduler timestep with the boundary
+        high = sigma_B.float() * self.num_train_timesteps >= self.boundary_ratio * self.num_train_timesteps
+        if bool(high.all()):
+            return self._expert(self.transformer, x, sigma_B, cond["prompt_embeds"])
+        if not bool(high.any()):
+            return self._expert(self.transformer_2, x, sigma_B, cond["prompt_embeds"])
+        out = torch.empty_like(x)
+        for mask, expert in ((high, self.transformer), (~high, self.transformer_2)):
+            out[mask] = self._expert(expert, x[mask], sigma_B[mask], cond["prompt_embeds"][mask])
+        return out
+
+    def _expert(self, transformer: torch.nn.Module, x: torch.Tensor, sigma_B: torch.Tensor,
+                text: torch.Tensor) -> torch.Tensor:
+        timestep = sigma_B * 1000
+        if self.expand_timesteps:  # pipeline_wan.py: (mask[0][0][:, ::2, ::2] * t).flatten(), per sample
+            f, h, w = x.shape[2], x.shape[3], x.shape[4]
+            tokens = f * len(range(0, h, 2)) * len(range(0, w, 2))
+            timestep = timestep[:, None].expand(-1, tokens)
+        return transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
 
 
 class HunyuanVideoModel(DiffusersFlowModel):

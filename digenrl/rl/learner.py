@@ -68,6 +68,7 @@ class StepStats:
     passes: int = 0  # forward/backward passes run (sharded ranks keep these equal)
     fragments: list[str] = field(default_factory=list)  # each trained fragment's source label
     nonfinite_loss: list[str] = field(default_factory=list)  # those whose loss was not finite
+    experts: dict[str, int] = field(default_factory=dict)  # two-expert models: expert -> trained passes
 
 
 class Learner:
@@ -170,6 +171,9 @@ class Learner:
             st.clipfrac_num += float(out.get("clipfrac", 0.0)) * len(records)
             st.ratio_max_dev = max(st.ratio_max_dev, float(out.get("ratio_max_dev", 0.0)))
             st.n_loss += len(records)
+            for key, passes_of in out.items():
+                if key.startswith("expert/"):
+                    st.experts[key] = st.experts.get(key, 0) + int(passes_of)
             st.passes += len(records)
         ran = len(records) if n_keep and records else 0
         owed = len(records) if passes is None else passes
@@ -276,6 +280,7 @@ class Learner:
             "max_staleness": max(st.staleness, default=0),
             "mean_staleness": sum(st.staleness) / max(len(st.staleness), 1),
             **{f"staleness/{k}": v for k, v in sorted(st.trained_staleness.items())},
+            **dict(sorted(st.experts.items())),
             "zero_adv_groups": st.zero_adv_groups,
             "trained": st.trained,
             "discarded": sum(st.discarded.values()),
