@@ -225,3 +225,54 @@ def test_train_experts_high_trains_sends_and_saves_the_high_expert_only(lora, fo
     assert_same_weights(model.transformer_2.state_dict(), low_before)
     names = sorted(p.name for p in final.iterdir())
     assert names == (sorted(["policy.safetensors", LORA_FILE]) if lora else ["policy.safetensors", "transformer"])
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["lora", "merged"])
+def test_export_of_a_two_expert_lora_run_loads_into_wanpipeline_with_both_experts_trained(merge, folders, tmp_path):
+    """``digenrl export``: unmerged, both experts' LoRA files beside the base pipeline; merged,
+    ``transformer/`` and ``transformer_2/`` replaced. Either way the pipeline generates what the
+    trained policy's experts give, and not what the base gives."""
+    import diffusers
+    from safetensors.torch import load_file
+
+    from digenrl.config import load_config, to_toml
+    from digenrl.export import export_run
+    from digenrl.models.adapter import LORA_FILE, LORA_FILE_2
+    from digenrl.rl.learner import save_final
+    from digenrl.rl.policy import Policy
+
+    base = folders["wan22-a14b"]
+    cfg = load_config(None, [f'model.path="{base}"', 'model.family="wan"', "model.lora_rank=2",
+                             f"model.max_text_tokens={MAX_TEXT_TOKENS}", *[f"model.{k}={v}" for k, v in SMALL.items()],
+                             "sampler.num_steps=3", "sampler.base_tail=0", 'train.timesteps="all"'])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    policy = Policy(build_model(cfg.model, seed=cfg.run.seed), cfg.train, cfg.sampler)
+    with torch.no_grad():
+        for i, p in enumerate(policy.params):  # every trained weight of both experts moves
+            p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    save_final(policy, run_dir)
+    out = tmp_path / "out"
+    export_run(run_dir, out, merge=merge)
+    if merge:
+        assert not (out / LORA_FILE).exists()
+        pipe = diffusers.WanPipeline.from_pretrained(out, local_files_only=True)
+    else:
+        assert (out / LORA_FILE).is_file() and (out / LORA_FILE_2).is_file()
+        pipe = load_pipeline(out)
+        pipe.load_lora_weights(out, weight_name=LORA_FILE)
+        pipe.load_lora_weights(out, weight_name=LORA_FILE_2, load_into_transformer_2=True)
+    trained = build_model(cfg.model, seed=cfg.run.seed)
+    trained.load_sync_state_dict(load_file(str(run_dir / "final" / "policy.safetensors")))
+    base_model = build_model(cfg.model, seed=cfg.run.seed)
+    x = torch.randn(1, *trained.latent_shape, generator=torch.Generator().manual_seed(0))
+    cond = trained.encode_prompts(PROMPTS[:1])
+    with torch.no_grad():
+        v_trained = torch.cat([trained.velocity(x, s, cond) for s in (0.95, 0.5)])
+        v_export = _loaded_velocity(pipe, trained, x, cond)
+        with base_model.adapter_disabled():
+            v_base = torch.cat([base_model.velocity(x, s, cond) for s in (0.95, 0.5)])
+    assert_close_across_instances(v_export, v_trained)
+    assert not torch.allclose(v_export[:1], v_base[:1], atol=1e-3)
+    assert not torch.allclose(v_export[1:], v_base[1:], atol=1e-3)
