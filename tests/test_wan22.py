@@ -276,3 +276,23 @@ def test_export_of_a_two_expert_lora_run_loads_into_wanpipeline_with_both_expert
     assert_close_across_instances(v_export, v_trained)
     assert not torch.allclose(v_export[:1], v_base[:1], atol=1e-3)
     assert not torch.allclose(v_export[1:], v_base[1:], atol=1e-3)
+
+
+def test_the_planner_prices_wan22_folders_at_their_published_sizes(folders):
+    """A14B: two 14 B experts, one active per step (a forward costs Wan2.1-14B's); TI2V-5B: 5 B
+    on the 48-channel, 16x VAE's latent."""
+    from digenrl.config import load_config
+    from digenrl.core import costmodel as cm
+    from digenrl.sim.simulator import workload_from_config
+
+    def entry(case, *sets):
+        cfg = load_config(None, ['model.family="wan"', f'model.path="{folders[case]}"', *sets])
+        return workload_from_config(cfg).model
+
+    assert entry("wan22-a14b") == "wan22_a14b" and entry("wan22-a14b", 'model.train_experts="low"') == "wan22_a14b_expert"
+    assert entry("wan22-ti2v") == "wan22_ti2v_5b"
+    assert cm.MODELS["wan22_a14b"].params_b == 27.0 and cm.MODELS["wan22_a14b_expert"].params_b == 14.0
+    assert cm.MODELS["wan22_a14b"].fwd_tflop == cm.MODELS["wan"].fwd_tflop  # one expert runs per step
+    ti2v = cm.MODELS["wan22_ti2v_5b"]
+    assert ti2v.params_b == 5.0 and ti2v.latent_shape == (48, 31, 44, 80) and ti2v.latent_bytes == 2 * 48 * 31 * 44 * 80
+    assert cm.sync_bytes("wan22_a14b_expert", 0) < cm.sync_bytes("wan22_a14b", 0)  # a frozen expert is never sent
