@@ -296,3 +296,47 @@ def test_the_planner_prices_wan22_folders_at_their_published_sizes(folders):
     ti2v = cm.MODELS["wan22_ti2v_5b"]
     assert ti2v.params_b == 5.0 and ti2v.latent_shape == (48, 31, 44, 80) and ti2v.latent_bytes == 2 * 48 * 31 * 44 * 80
     assert cm.sync_bytes("wan22_a14b_expert", 0) < cm.sync_bytes("wan22_a14b", 0)  # a frozen expert is never sent
+
+
+@pytest.fixture(scope="module")
+def colocated_runs(folders, tmp_path_factory):
+    """Two-step colocated runs (in process): A14B with LoRA on both experts, TI2V full weights."""
+    from digenrl.actors.colocated import run_colocated
+    from digenrl.config import load_config, resolve_mode
+    from tests.conftest import SMALL as SMALL_RUN
+
+    runs = {}
+    for case, sets in (("wan22-a14b", ["model.lora_rank=2"]), ("wan22-ti2v", ["model.lora_rank=0"])):
+        run_dir = tmp_path_factory.mktemp(case)
+        cfg = resolve_mode(load_config(None, [
+            *SMALL_RUN, f'model.path="{folders[case]}"', 'model.family="wan"', *sets, "run.steps=2",
+            f"model.max_text_tokens={MAX_TEXT_TOKENS}", *[f"model.{k}={v}" for k, v in SMALL.items()],
+            "sampler.shift=5.0", 'train.timesteps="all"', "tracking.images_every=0"]), "colocated")
+        run_colocated(cfg, run_dir)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        runs[case] = (run_dir, [r for r in rows if "loss" in r], cfg)
+    return runs
+
+
+def test_a_colocated_two_expert_run_trains_both_experts_and_names_each_steps_expert(colocated_runs):
+    from digenrl.rl.sde import sigma_schedule
+
+    run_dir, rows, cfg = colocated_runs["wan22-a14b"]
+    assert [r["step"] for r in rows] == [0, 1]
+    sigmas = sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)[:-1].tolist()
+    n_high = sum(s >= 0.875 for s in sigmas)  # boundary_ratio 0.875 of 1000 train timesteps
+    assert 0 < n_high < len(sigmas)
+    fragments = cfg.runtime.fragments_per_step
+    for r in rows:
+        assert r["expert/high"] == n_high * fragments and r["expert/low"] == (len(sigmas) - n_high) * fragments, r
+        assert r["ratio_max_dev"] <= 1e-6  # K = 0: the first ratio is 1
+    from safetensors.torch import load_file
+    sd = load_file(str(run_dir / "final" / "policy.safetensors"))
+    assert any(k.startswith("transformer_2.") for k in sd) and any(not k.startswith("transformer_2.") for k in sd)
+
+
+def test_a_colocated_ti2v_full_weight_run_trains(colocated_runs):
+    run_dir, rows, _ = colocated_runs["wan22-ti2v"]
+    assert [r["step"] for r in rows] == [0, 1] and all(r["ratio_max_dev"] <= 1e-6 for r in rows)
+    assert all(not any(k.startswith("expert/") for k in r) for r in rows)
+    assert (run_dir / "final" / "diffusion_pytorch_model.safetensors").is_file()
