@@ -647,6 +647,10 @@ def _check_consistency(cfg: Config) -> None:
         if cfg.model.fsdp:
             raise ConfigError(f"model.fsdp = true with train.algorithm = {t.algorithm!r}: sharded "
                               "training of the forward-process losses is not implemented")
+        if cfg.model.train_experts != "both":
+            raise ConfigError(f"model.train_experts = {cfg.model.train_experts!r} with train.algorithm = "
+                              f"{t.algorithm!r}: one trained expert is implemented for the GRPO loss only "
+                              "(the forward-process losses draw timesteps of either expert)")
     if len(set(cfg.tracking.backends)) < len(cfg.tracking.backends):
         raise ConfigError(f"tracking.backends = {cfg.tracking.backends!r}: a tracker is listed twice")
     if t.ema_decay > 0 and cfg.model.fsdp:

@@ -340,3 +340,10 @@ def test_a_colocated_ti2v_full_weight_run_trains(colocated_runs):
     assert [r["step"] for r in rows] == [0, 1] and all(r["ratio_max_dev"] <= 1e-6 for r in rows)
     assert all(not any(k.startswith("expert/") for k in r) for r in rows)
     assert (run_dir / "final" / "diffusion_pytorch_model.safetensors").is_file()
+
+
+def test_one_trained_expert_with_a_forward_process_loss_is_a_config_error():
+    from digenrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"^model\.train_experts = 'high' with train\.algorithm = 'nft': "):
+        load_config(None, ['model.train_experts="high"', 'train.algorithm="nft"'])
