@@ -347,3 +347,37 @@ def test_one_trained_expert_with_a_forward_process_loss_is_a_config_error():
 
     with pytest.raises(ConfigError, match=r"^model\.train_experts = 'high' with train\.algorithm = 'nft': "):
         load_config(None, ['model.train_experts="high"', 'train.algorithm="nft"'])
+
+
+def test_a_two_expert_lora_run_launches_with_tsp_over_two_trainer_ranks(folders, tmp_path):
+    """``digenrl launch`` (real processes: coordinator, rollout, two TSP trainer ranks): weight
+    sync carries both experts' LoRA to the rollout, both experts train, final/ loads into
+    WanPipeline."""
+    from safetensors.torch import load_file
+
+    from digenrl.config import load_config, resolve_mode
+    from digenrl.launch import launch, make_run_dir
+    from digenrl.models.adapter import LORA_FILE, LORA_FILE_2
+    from digenrl.telemetry.metrics import read_metrics
+    from tests.conftest import SMALL as SMALL_RUN
+
+    cfg = resolve_mode(load_config(None, [
+        *SMALL_RUN, f'model.path="{folders["wan22-a14b"]}"', 'model.family="wan"', "model.lora_rank=2",
+        "run.steps=2", f"model.max_text_tokens={MAX_TEXT_TOKENS}", *[f"model.{k}={v}" for k, v in SMALL.items()],
+        "sampler.shift=5.0", 'train.timesteps="all"', "tracking.images_every=0", "cluster.trainers=2",
+        "runtime.fragments_per_step=1"]), "digenrl")
+    assert cfg.runtime.tsp
+    run_dir = make_run_dir(cfg, str(tmp_path / "run"))
+    summary = launch(cfg, run_dir)
+    assert summary["steps"] == 2 and summary["recovery"]["rollouts_lost"] == 0
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r.get("expert/high", 0) + r.get("expert/low", 0) > 0 for r in rows)  # rank 0's share
+    sd = load_file(str(run_dir / "final" / "policy.safetensors"))
+    assert any(k.startswith("transformer_2.") for k in sd) and any(not k.startswith("transformer_2.") for k in sd)
+    pipe = load_pipeline(folders["wan22-a14b"])
+    pipe.load_lora_weights(run_dir / "final", weight_name=LORA_FILE)
+    pipe.load_lora_weights(run_dir / "final", weight_name=LORA_FILE_2, load_into_transformer_2=True)
+    loaded = {k.replace(".default_0", ""): v for k, v in pipe.transformer_2.state_dict().items() if "lora_" in k}
+    assert_same_weights(loaded, {k.removeprefix("transformer_2."): v for k, v in sd.items()
+                                 if k.startswith("transformer_2.")})
