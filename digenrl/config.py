@@ -373,6 +373,10 @@ class ClusterConfig:
     rendezvous: Literal["tcp", "file"] = _f(
         "tcp", "trainer ranks' torch.distributed rendezvous: tcp = a port on cluster.host (trainer "
         "rank 0 must run on that host); file = a file under run_dir/dist/ (shared storage, any hosts)")
+    spawn: Literal["fork", "exec"] = _f(
+        "fork", "how `digenrl launch` starts its node processes: fork = from one server process that "
+        "imported torch and diffusers once (start-up in a fraction of the time); exec = each a fresh "
+        "interpreter (the fallback where fork servers do not exist)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from digenrl.actors import forkserver
 from digenrl.actors.base import COORDINATOR_STOPPED, RunFailed, stop_on_signals, stopped_by_signal
 from digenrl.actors.coordinator import CoordinatorActor
 from digenrl.actors.resume import drain_wait_s
@@ -71,7 +72,9 @@ class Children:
 
     def __init__(self, cfg: Config, run_dir: Path, coordinator: str, max_restarts: int = 10) -> None:
         self.cfg, self.run_dir, self.coordinator = cfg, run_dir, coordinator
-        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.procs: dict[str, asyncio.subprocess.Process | forkserver.ForkedNode] = {}
+        #: nodes are forked from a pre-imported server (actors/forkserver.py), or exec'd
+        self.fork = cfg.cluster.spawn == "fork" and forkserver.available()
         self.restarts: dict[str, int] = {}
         self.ports: dict[str, int] = {}  # reward workers' fixed ports
         self.max_restarts = max_restarts
@@ -98,17 +101,22 @@ class Children:
         index = [n for n, _ in order].index(node_id)
         env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.run.threads), PYTHONUNBUFFERED="1",
                    **child_gpu_env(index))
-        err = open(self.run_dir / "logs" / f"{node_id}.stderr", "ab")  # noqa: SIM115 - child owns it
         bind: list[str] = []
         if role == "reward":  # one address for the worker's life: a restart binds it again
             host = self.cfg.cluster.host
             port = self.ports.setdefault(node_id, free_port(host))
             bind = ["--bind", f"tcp://{host}:{port}"]
-        self.procs[node_id] = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "digenrl.cli", "node", "--role", role, "--coordinator", self.coordinator,
-            "--node-id", node_id, "--run-dir", str(self.run_dir), "--gpu", self.gpu(role), *bind,
-            stdout=err, stderr=err, env=env)
-        err.close()
+        argv = ["node", "--role", role, "--coordinator", self.coordinator, "--node-id", node_id,
+                "--run-dir", str(self.run_dir), "--gpu", self.gpu(role), *bind]
+        log_path = self.run_dir / "logs" / f"{node_id}.stderr"
+        if self.fork:
+            forkserver.start_server({"OMP_NUM_THREADS": str(self.cfg.run.threads)})
+            self.procs[node_id] = await forkserver.fork_node(argv, env, log_path)
+        else:
+            err = open(log_path, "ab")  # noqa: SIM115 - the child owns it
+            self.procs[node_id] = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "digenrl.cli", *argv, stdout=err, stderr=err, env=env)
+            err.close()
         write_json_atomic(self.run_dir / "logs" / "pids.json",
                           {n: p.pid for n, p in self.procs.items() if p.returncode is None})
 
