@@ -67,6 +67,18 @@ def make_scheduler(cfg: ResolvedConfig, prompt_count: int) -> Scheduler:
     return Scheduler(params, plan_timesteps=lambda step: plan_for_step(cfg, step))
 
 
+def forks(cfg: Config) -> bool:
+    """Whether the launcher forks its nodes from a pre-imported server (actors/forkserver.py)."""
+    return cfg.cluster.spawn == "fork" and forkserver.available()
+
+
+def start_fork_server(cfg: Config, run_dir: Path) -> None:
+    """Start the fork server (idempotent): as early as the launch can, so its imports overlap
+    the coordinator's own set-up; its output goes to ``logs/forkserver.stderr``."""
+    forkserver.start_server(run_dir / "logs" / "forkserver.stderr",
+                            {"OMP_NUM_THREADS": str(cfg.run.threads)})
+
+
 class Children:
     """Child node processes of a local cluster, restarted when they die during the run."""
 
@@ -74,7 +86,7 @@ class Children:
         self.cfg, self.run_dir, self.coordinator = cfg, run_dir, coordinator
         self.procs: dict[str, asyncio.subprocess.Process | forkserver.ForkedNode] = {}
         #: nodes are forked from a pre-imported server (actors/forkserver.py), or exec'd
-        self.fork = cfg.cluster.spawn == "fork" and forkserver.available()
+        self.fork = forks(cfg)
         self.restarts: dict[str, int] = {}
         self.ports: dict[str, int] = {}  # reward workers' fixed ports
         self.max_restarts = max_restarts
@@ -110,7 +122,7 @@ class Children:
                 "--run-dir", str(self.run_dir), "--gpu", self.gpu(role), *bind]
         log_path = self.run_dir / "logs" / f"{node_id}.stderr"
         if self.fork:
-            forkserver.start_server({"OMP_NUM_THREADS": str(self.cfg.run.threads)})
+            start_fork_server(self.cfg, self.run_dir)
             self.procs[node_id] = await forkserver.fork_node(argv, env, log_path)
         else:
             err = open(log_path, "ab")  # noqa: SIM115 - the child owns it
@@ -237,6 +249,8 @@ async def serve_coordinator(cfg: ResolvedConfig, run_dir: Path, *, bind: str | N
     run_dir.mkdir(parents=True, exist_ok=True)
     for sub in ("trace", "samples", "logs"):
         (run_dir / sub).mkdir(exist_ok=True)
+    if spawn and forks(cfg):
+        start_fork_server(cfg, run_dir)
     log = get_logger("coordinator", "coordinator")
     ctx = node_context()
     host = cfg.cluster.host

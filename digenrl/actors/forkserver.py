@@ -29,6 +29,8 @@ import multiprocessing
 import multiprocessing.context
 import os
 import sys
+import threading
+import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -43,6 +45,7 @@ PRELOAD = (
     "digenrl.models.families",
     "digenrl.rl.learner",
     "peft",
+    "digenrl.actors.preloaded",  # last: freezes what the imports left alive
 )
 
 
@@ -57,22 +60,36 @@ def _context() -> multiprocessing.context.ForkServerContext:
     return ctx
 
 
-def start_server(env: Mapping[str, str] | None = None) -> None:
+def start_server(log_path: Path, env: Mapping[str, str] | None = None) -> None:
     """Start this process's fork server if it is not running, with :data:`PRELOAD` and, for
     its import-time reads, ``env`` on top of this process's environment. Idempotent; the
-    server lives until this process exits. Blocks until the server is up (not until its
-    imports are done: the first fork waits for those)."""
+    server lives until this process exits. Returns once the server is started, not once its
+    imports are done (the first fork waits for those).
+
+    The server's stdout and stderr (and those of multiprocessing's resource tracker, started
+    with it) go to ``log_path``: a process that reads this one's output to its end (a shell
+    pipe, a test's ``communicate``) then does not also wait for the server's exit."""
     from multiprocessing import forkserver
 
     ctx = _context()
     ctx.set_forkserver_preload(list(PRELOAD))
-    saved = dict(os.environ)
+    saved_env = dict(os.environ)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fds = os.dup(1), os.dup(2)
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.environ.update(env or {})
+        os.dup2(log, 1)
+        os.dup2(log, 2)
         forkserver.ensure_running()
     finally:
+        os.dup2(saved_fds[0], 1)
+        os.dup2(saved_fds[1], 2)
+        for fd in (log, *saved_fds):
+            os.close(fd)
         os.environ.clear()
-        os.environ.update(saved)
+        os.environ.update(saved_env)
 
 
 def _node_entry(argv: list[str], env: dict[str, str], log_path: str) -> None:
@@ -138,5 +155,25 @@ async def fork_node(argv: Sequence[str], env: Mapping[str, str], log_path: Path)
     server's imports, off the event loop."""
     proc = _context().Process(target=_node_entry, args=(list(argv), dict(env), str(log_path)),
                               name=f"digenrl-{log_path.stem}")
-    await asyncio.to_thread(proc.start)
+    await asyncio.to_thread(_start, proc)
     return ForkedNode(proc)
+
+
+def _start(proc: multiprocessing.process.BaseProcess) -> None:
+    """``proc.start()`` without multiprocessing's main-module fix-up: by default a forked child
+    first re-runs this process's ``__main__`` (the script or ``-m`` module that started it, as
+    ``__mp_main__``), which a node does not need and a script that launches at import time
+    must not see. The fix-up is derived from ``sys.modules["__main__"]``'s spec and file, so a
+    bare stand-in takes its place while the request is made."""
+    main = sys.modules["__main__"]
+    bare = types.ModuleType("__main__")
+    bare.__spec__ = None
+    with _START_LOCK:
+        sys.modules["__main__"] = bare
+        try:
+            proc.start()
+        finally:
+            sys.modules["__main__"] = main
+
+
+_START_LOCK = threading.Lock()
