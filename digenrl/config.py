@@ -323,6 +323,10 @@ class EvalConfig:
     policy: Literal["auto", "ema", "policy", "both"] = _f(
         "auto", "which weights evaluation scores: the EMA (train.ema_decay > 0; metrics eval_ema/), "
         "the trained policy (eval/), or both; auto: ema when train.ema_decay > 0, else policy")
+    diversity: str = _f(
+        "auto", "within-prompt diversity (eval/diversity: mean pairwise feature distance between "
+        "one prompt's samples, rl/diversity.py): judge = the shapes eval judge's features; a path = a "
+        "local CLIP folder's image embedding; auto = judge when a shapes term is evaluated; off")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -220,6 +220,12 @@ def check_before_start(cfg: Config) -> None:
             check_reward(eval_terms(cfg))
         except RewardError as e:
             raise ConfigError(f"eval.terms: {e}") from None
+    if cfg.run.eval_every:
+        from digenrl.rl.diversity import check_diversity
+        try:
+            check_diversity(cfg)
+        except RewardError as e:
+            raise ConfigError(str(e)) from None
     from digenrl.telemetry.tracking import check_trackers
     try:
         check_trackers(cfg.tracking)
