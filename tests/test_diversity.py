@@ -105,3 +105,19 @@ def test_an_evaluation_with_several_samples_a_prompt_reports_its_diversity(tmp_p
     assert diversity_features(one) is None  # no pairs to compare
     default = load_config(None, [])  # the shipped default evaluates with the shapes judge
     assert default.eval.diversity == "auto" and diversity_features(default) is not None
+
+
+def test_the_spread_term_pays_each_sample_for_differing_from_the_rest_of_its_prompts_group():
+    from digenrl.config import RewardTerm
+    from digenrl.rl.rewards import build_reward
+
+    reward = build_reward([RewardTerm(name="shapes_spread", weight=1.0)])
+    same = _shapes(1, seed=4)
+    other = _shapes(1, seed=9)
+    images = torch.cat([same, same, same, other, same])
+    prompts = ["a red circle on a blue background"] * 4 + ["a blue square on a red background"]
+    r, parts = reward(images, prompts)
+    assert r.shape == (5,) and torch.equal(parts["shapes_spread"], r)
+    assert r[3] > r[0] > 0  # the odd one out is the farthest from its group
+    assert r[0] == r[1] == r[2]  # same pixels, same group: the same arithmetic
+    assert r[4] == 0  # alone with its prompt

@@ -17,17 +17,17 @@ prompts (0: identical samples; at most 2). Features come from:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from digenrl.config import Config
 from digenrl.rl.rewards import RewardError
-from digenrl.rl.rewards.judge import load_judge, to_input
+from digenrl.rl.rewards.judge import conv_features, load_judge, spread_per_sample
 from digenrl.rl.rewards.local import clip_pixels
 
 Features = Callable[[torch.Tensor], torch.Tensor]
@@ -40,30 +40,17 @@ _BATCH = 64
 def within_prompt_diversity(features_NF: torch.Tensor, prompt_index: Sequence[int]) -> float:
     """Mean over prompts of the mean pairwise distance between that prompt's L2-normalised
     feature rows; prompts with one sample do not count. NaN when no prompt has two."""
-    f = F.normalize(features_NF.double(), dim=1)
-    index = torch.as_tensor(list(prompt_index))
-    per_prompt = []
-    for p in torch.unique(index):
-        rows = f[index == p]
-        n = rows.shape[0]
-        if n < 2:
-            continue
-        d = torch.cdist(rows, rows)
-        per_prompt.append(float(d.sum() / (n * (n - 1))))  # the diagonal is 0: the mean over pairs
+    index = list(prompt_index)
+    spread = spread_per_sample(features_NF, index)  # each sample's mean distance to the others
+    per_prompt = [float(spread[[i for i, k in enumerate(index) if k == p]].mean())
+                  for p in dict.fromkeys(index) if index.count(p) > 1]
     return sum(per_prompt) / len(per_prompt) if per_prompt else float("nan")
 
 
 def judge_features(which: str = "eval") -> Features:
     """The shapes judge's last convolution map, flattened (see the module docstring)."""
-    judge = load_judge(which)
-
-    @torch.no_grad()
-    def features(images: torch.Tensor) -> torch.Tensor:
-        judge.eval()
-        out = [judge.features(to_input(images[i:i + _BATCH].cpu())).flatten(1)
-               for i in range(0, images.shape[0], _BATCH)]
-        return torch.cat(out).float()
-    return features
+    load_judge(which)  # a missing judge file fails here, not at the first evaluation
+    return functools.partial(conv_features, which=which)
 
 
 def _clip_arch(folder: str | Path) -> str:
