@@ -166,6 +166,10 @@ class ModelConfig:
         "module names LoRA adapts (peft target_modules; flow_grpo's set: the image and text "
         "attention projections)")
     gradient_checkpointing: bool = _f(False, "activation checkpointing in the trainer")
+    train_experts: Literal["both", "high", "low"] = _f(
+        "both", "two-expert folders (Wan2.2 A14B: transformer for the high-noise steps, transformer_2 "
+        "for the low-noise ones, switched at the folder's boundary_ratio): which the run trains "
+        "(LoRA or full weights); the other stays the base's and is never synced or saved")
     fsdp: bool = _f(False, "shard parameters/grads/optimizer state over trainer ranks (FSDP2)")
     emulate: EmulateConfig = field(default_factory=EmulateConfig,
                                    metadata={"help": "knobs of model.path = 'emulated'"})

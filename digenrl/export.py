@@ -173,19 +173,24 @@ def export_run(run_dir: Path, out: Path, *, merge: bool = False, ema: bool = Fal
     aside.mkdir(parents=True)
     transformer_dir = aside / "transformer" if pipeline else aside
     if pipeline:
-        for item in base.iterdir():  # every component as it is; the transformer is written below
-            if item.name in ("transformer", "README.md") and (merge or not lora):
+        for item in base.iterdir():  # every component as it is; the transformers are written below
+            if item.name in ("transformer", "transformer_2", "README.md") and (merge or not lora):
                 continue
             (shutil.copytree if item.is_dir() else shutil.copy2)(item, aside / item.name)
     if lora and not merge:
-        model.save(aside)  # pytorch_lora_weights.safetensors beside the base pipeline
+        # pytorch_lora_weights.safetensors beside the base pipeline (two experts: the low-noise
+        # expert's in transformer_2/, beside its base weights)
+        model.save(aside)
     else:
-        transformer = model.transformer
-        if lora:
-            with torch.no_grad():
-                transformer.fuse_lora(lora_scale=1.0)
-            transformer.unload_lora()
-        transformer.save_pretrained(transformer_dir, safe_serialization=True)
+        # one transformer, or Wan2.2's two experts (models/video.py WanExperts), each merged
+        experts = getattr(model.transformer, "experts", lambda: {"transformer": model.transformer})()
+        for name, transformer in experts.items():
+            if lora and getattr(transformer, "peft_config", None):
+                with torch.no_grad():
+                    transformer.fuse_lora(lora_scale=1.0)
+                transformer.unload_lora()
+            target = transformer_dir if name == "transformer" else (aside / name)
+            transformer.save_pretrained(target, safe_serialization=True)
     kind = "pipeline" if pipeline else "transformer"
     (aside / "README.md").write_text(_model_card(cfg, run_dir, version, kind, lora and merge, ema))
     if out.exists():  # an empty folder the user made for it

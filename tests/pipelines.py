@@ -323,6 +323,22 @@ def _wan(folder: Path):
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0))
 
 
+def _wan22(folder: Path):
+    """Wan2.2 T2V-A14B's layout: two experts of one architecture (different weights), switched
+    at boundary_ratio 0.875 as the released folder does."""
+    import diffusers
+
+    def expert():
+        return diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+            text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+
+    return diffusers.WanPipeline(
+        transformer=expert(), transformer_2=expert(), boundary_ratio=0.875,
+        vae=wan_vae(4), text_encoder=umt5_encoder(32), tokenizer=t5_tokenizer(),
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0))
+
+
 def _qwenimage(folder: Path):
     import diffusers
 
@@ -392,7 +408,7 @@ def _zimage(folder: Path):
         tokenizer=tok, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
 
 
-_BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "qwenimage": _qwenimage, "hunyuanvideo": _hunyuanvideo,
+_BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "wan22": _wan22, "qwenimage": _qwenimage, "hunyuanvideo": _hunyuanvideo,
              "flux2": _flux2, "flux2-dev": _flux2_dev, "zimage": _zimage}
 
 

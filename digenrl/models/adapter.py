@@ -139,15 +139,26 @@ class DiffusersFlowModel:
         finally:
             self.transformer.enable_adapters()
 
-    def sync_state_dict(self) -> dict[str, torch.Tensor]:
-        """What a rollout needs to match the trainer: LoRA weights, or all parameters (detached)."""
-        if self.lora_rank:
-            from peft.utils import get_peft_model_state_dict
+    def parts(self) -> dict[str, torch.nn.Module]:
+        """Sync-key prefix -> transformer module, for each one this model trains, syncs and
+        saves: the transformer (no prefix), or the trained experts of a two-expert model
+        (``transformer.``, ``transformer_2.``: :class:`~digenrl.models.video.WanExperts`)."""
+        parts = getattr(self.transformer, "trained_parts", None)
+        return dict(parts) if parts is not None else {"": self.transformer}
 
-            sd = get_peft_model_state_dict(self.transformer)
-        else:
-            sd = self.transformer.state_dict()
-        return {k: v.detach() for k, v in sd.items()}
+    def sync_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a rollout needs to match the trainer: LoRA weights, or all parameters (detached),
+        of every trained part (an expert that is not trained is never sent)."""
+        sd: dict[str, torch.Tensor] = {}
+        for prefix, module in self.parts().items():
+            if self.lora_rank:
+                from peft.utils import get_peft_model_state_dict
+
+                part = get_peft_model_state_dict(module)
+            else:
+                part = module.state_dict()
+            sd.update({prefix + k: v.detach() for k, v in part.items()})
+        return sd
 
     def load_sync_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Apply a :meth:`sync_state_dict` from a peer; raises :class:`SyncStateError` on key
@@ -159,10 +170,12 @@ class DiffusersFlowModel:
             from peft.utils import set_peft_model_state_dict
 
             with torch.no_grad():
-                set_peft_model_state_dict(self.transformer, sd)
+                for prefix, module in self.parts().items():
+                    set_peft_model_state_dict(module, _strip(sd, prefix))
             return
         if self._sync_targets is None:
-            self._sync_targets = self.transformer.state_dict(keep_vars=True)
+            self._sync_targets = {prefix + k: t for prefix, module in self.parts().items()
+                                  for k, t in module.state_dict(keep_vars=True).items()}
         targets = self._sync_targets
         self._check_sync_keys(set(sd), set(targets))
         for k, dst in targets.items():
@@ -195,17 +208,29 @@ class DiffusersFlowModel:
         ``state`` (a full fine-tune's sync keys are the transformer's own), hard-linked
         instead of written again.
         """
-        from safetensors.torch import save_file
-
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         sd = dict(self.sync_state_dict() if state is None else state)
         sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().to("cpu").contiguous()
               for k, v in sd.items()}
+        parts = self.parts()
+        if len(parts) > 1 or "" not in parts:  # a two-expert model: each trained expert in its place
+            subfolder = getattr(self.transformer, "SUBFOLDER", {})
+            written = [self._save_part(module, folder / subfolder[prefix.rstrip(".")], _strip(sd, prefix))
+                       for prefix, module in parts.items()]
+            return written[0]
+        return self._save_part(self.transformer, folder, sd, same_as=same_as if dtype is None else None)
+
+    def _save_part(self, module: torch.nn.Module, folder: Path, sd: dict[str, torch.Tensor], *,
+                   same_as: str | Path | None = None) -> Path:
+        """One transformer's weights or LoRA in ``folder`` (see :meth:`save`)."""
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
         if not self.lora_rank:
-            self.transformer.save_config(folder)
+            module.save_config(folder)  # type: ignore[operator]
             target = folder / BASE_WEIGHTS
-            if same_as is not None and dtype is None:
+            if same_as is not None:
                 try:
                     os.link(same_as, target)
                     return target
@@ -224,3 +249,8 @@ class DiffusersFlowModel:
         """The peft LoraConfig of the adapter as a dict (what diffusers stores with a LoRA)."""
         cfg = self.transformer.peft_config["default"].to_dict()
         return {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.items()}
+
+
+def _strip(sd: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries of ``sd`` under ``prefix``, without it (all of them for ``""``)."""
+    return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}

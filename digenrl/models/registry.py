@@ -86,6 +86,7 @@ def check_model_path(model_cfg: ModelConfig) -> None:
         if model_cfg.text_encoder == "pipeline":
             raise ModelFolderError("model.text_encoder = 'pipeline' needs a pipeline folder; model.path = 'random' "
                                    "has no text encoders")
+        _one_expert(model_cfg, "model.path = 'random'")
         return
     folder = _folder(model_cfg)
     if is_pipeline_folder(folder):
@@ -95,6 +96,14 @@ def check_model_path(model_cfg: ModelConfig) -> None:
                     "vae": f"the {pf.pipeline_class}'s VAE ({catalog.VAE_CLASS[pf.family]})"})
         if model_cfg.text_encoder != "hash":
             pf.require(TEXT_COMPONENTS[pf.family])
+        if pf.entry("transformer_2") is not None:
+            pf.require({"transformer_2": f"the {pf.pipeline_class}'s low-noise expert"})
+            ratio = pf.index.get("boundary_ratio")
+            if not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+                raise ModelFolderError(f"{folder / 'model_index.json'}: transformer_2 with boundary_ratio = "
+                                       f"{ratio!r}; expected a number in (0, 1), where the experts switch")
+            return
+        _one_expert(model_cfg, str(folder))
         return
     if (folder / "transformer").is_dir():
         raise ModelFolderError(f"model.path {str(folder)!r} has transformer/ but no model_index.json: "
@@ -105,6 +114,14 @@ def check_model_path(model_cfg: ModelConfig) -> None:
     if model_cfg.text_encoder == "pipeline":
         raise ModelFolderError(f"model.text_encoder = 'pipeline': {str(folder)!r} is a transformer folder, "
                                "it has no text encoders; point model.path at the pipeline folder")
+    _one_expert(model_cfg, str(folder))
+
+
+def _one_expert(model_cfg: ModelConfig, what: str) -> None:
+    """``model.train_experts`` chooses among two experts: a one-transformer model has one."""
+    if model_cfg.train_experts != "both":
+        raise ModelFolderError(f"model.train_experts = {model_cfg.train_experts!r}: {what} has one "
+                               "transformer (no transformer_2); leave it at 'both'")
 
 
 def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu",
@@ -140,6 +157,8 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
             if is_pipeline_folder(folder):
                 pf = PipelineFolder(folder)
                 transformer = pf.load("transformer", dtype=dtype, frozen=False)
+                if pf.entry("transformer_2") is not None:
+                    transformer = _two_experts(pf, transformer, dtype, model_cfg.train_experts)
             else:
                 transformer = spec.cls.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
         module: torch.nn.Module = transformer  # (diffusers wraps .to, which hides its signature)
@@ -169,6 +188,31 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
         if pf is not None:  # a family of several pipelines (FLUX.2-dev, -klein): the folder's own
             model.pipeline_class = pf.pipeline_class
     return model
+
+
+#: model.train_experts -> the experts a two-expert model trains
+TRAINED_EXPERTS = {"both": ("transformer", "transformer_2"), "high": ("transformer",), "low": ("transformer_2",)}
+
+
+def _two_experts(pf: PipelineFolder, transformer: Any, dtype: torch.dtype, train: str) -> Any:
+    """Wan2.2 A14B's experts as one module (:class:`~digenrl.models.video.WanExperts`); the
+    expert that is not trained is frozen. Experts of different shapes are refused, naming both."""
+    from digenrl.models.video import WanExperts
+
+    transformer_2 = pf.load("transformer_2", dtype=dtype, frozen=False)
+    a, b = transformer.state_dict(), transformer_2.state_dict()
+    differ = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or a[k].shape != b[k].shape)
+    if differ:
+        k = differ[0]
+        raise ModelFolderError(
+            f"{pf.root}: transformer/ and transformer_2/ disagree in shape ({len(differ)} tensors, e.g. "
+            f"{k}: {tuple(a[k].shape) if k in a else 'absent'} vs {tuple(b[k].shape) if k in b else 'absent'}); "
+            "the two experts of a Wan2.2 folder have one architecture")
+    trained = TRAINED_EXPERTS[train]
+    for name, expert in (("transformer", transformer), ("transformer_2", transformer_2)):
+        if name not in trained:
+            expert.requires_grad_(False)
+    return WanExperts(transformer, transformer_2, float(pf.index["boundary_ratio"]), trained=trained)
 
 
 def _cast(transformer: torch.nn.Module, dtype: torch.dtype) -> None:
