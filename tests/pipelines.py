@@ -339,6 +339,30 @@ def _wan22(folder: Path):
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0))
 
 
+def wan22_vae():
+    """Wan2.2's VAE layout (``is_residual``, 2x2 patchify into 12 channels, 48 latent channels)
+    at a tiny width: 4x spatial, 2x temporal compression."""
+    from diffusers import AutoencoderKLWan
+
+    mean, std = _mean_std(48)
+    return AutoencoderKLWan(base_dim=8, decoder_base_dim=8, in_channels=12, out_channels=12, z_dim=48,
+                            dim_mult=[1, 1], num_res_blocks=1, temperal_downsample=[True], is_residual=True,
+                            patch_size=2, latents_mean=mean, latents_std=std, scale_factor_temporal=2,
+                            scale_factor_spatial=4)
+
+
+def _wan22_ti2v(folder: Path):
+    """Wan2.2 TI2V-5B's layout: one transformer on the 48-channel VAE, expand_timesteps."""
+    import diffusers
+
+    return diffusers.WanPipeline(
+        transformer=diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=48, out_channels=48,
+            text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32),
+        vae=wan22_vae(), text_encoder=umt5_encoder(32), tokenizer=t5_tokenizer(), expand_timesteps=True,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0))
+
+
 def _qwenimage(folder: Path):
     import diffusers
 
@@ -408,7 +432,7 @@ def _zimage(folder: Path):
         tokenizer=tok, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
 
 
-_BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "wan22": _wan22, "qwenimage": _qwenimage, "hunyuanvideo": _hunyuanvideo,
+_BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "wan22": _wan22, "wan22-ti2v": _wan22_ti2v, "qwenimage": _qwenimage, "hunyuanvideo": _hunyuanvideo,
              "flux2": _flux2, "flux2-dev": _flux2_dev, "zimage": _zimage}
 
 

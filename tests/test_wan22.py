@@ -183,3 +183,62 @@ def test_two_tsp_trainer_ranks_report_every_trained_timesteps_expert(folder: Pat
     for r in rows:
         assert {k: v for k, v in r.items() if k.startswith("expert/t")} == \
             {"expert/t0": 0, "expert/t1": 0, "expert/t2": 1, "expert/t3": 1}
+
+
+@pytest.fixture(scope="module")
+def ti2v(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_pipeline_folder("wan22-ti2v", tmp_path_factory.mktemp("ti2v") / "pipe")
+
+
+@pytest.mark.parametrize("layout", ["a14b", "ti2v"])
+def test_a_wan22_folder_generates_what_wan_pipeline_generates(layout: str, folder: Path, ti2v: Path) -> None:
+    """Our steps against WanPipeline's own call on the same prompts and noise: A14B's switch of
+    experts mid-trajectory (3 steps at shift 5 cross 0.875), TI2V's per-token timesteps and its
+    48-channel VAE."""
+    import itertools
+
+    from tests.test_model_folders import PROMPTS, diffusers_call
+
+    path = folder if layout == "a14b" else ti2v
+    model = _model(path)
+    if layout == "ti2v":
+        assert model.expand_timesteps and model.latent_shape == (48, 3, 8, 12)  # 4x spatial, 2x temporal
+    x0 = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(3))
+    pipe = load_pipeline(path)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        expected = diffusers_call("wan", pipe, x0)
+        sigmas = pipe.scheduler.sigmas.tolist()
+        if layout == "a14b":
+            assert sigmas[0] >= BOUNDARY > sigmas[2]  # the trajectory uses both experts
+        cond = model.encode_prompts(PROMPTS)
+        x = x0
+        for s, s_next in itertools.pairwise(sigmas):
+            x = x + (s_next - s) * model.velocity(x, s, cond)
+        images = model.decode(x)
+    assert images.shape == expected.shape
+    # one uint8 level: the two uint8 roundings differ only at a .5 boundary
+    assert (images.int() - expected.int()).abs().max() <= 1
+
+
+def test_a_ti2v_folder_trains_a_lora_at_k0_with_a_first_ratio_of_one(ti2v: Path, tmp_path: Path) -> None:
+    run_dir = _run(tmp_path / "run", ti2v, "model.lora_rank=4")
+    rows = read_metrics(run_dir)
+    assert len(rows) == 2 and all(r["ratio_max_dev"] == 0.0 for r in rows)  # same instance recomputes
+    assert not any(k.startswith("expert/") for r in rows for k in r)  # one expert
+    assert (run_dir / "final" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_the_planner_prices_a14b_as_two_experts_and_ti2v_as_the_5b(folder: Path, ti2v: Path, tmp_path: Path) -> None:
+    from digenrl.core.costmodel import MODELS
+    from digenrl.models.meta import cost_model_name
+
+    def name(path: Path) -> str:
+        return cost_model_name(ModelConfig(family="wan", path=str(path)))
+
+    assert name(folder) == "wan22_a14b" and name(ti2v) == "wan22_ti2v_5b"
+    assert name(write_pipeline_folder("wan", tmp_path / "wan21")) == "wan"
+    a14b, wan21 = MODELS["wan22_a14b"], MODELS["wan"]
+    # one expert runs per step: Wan2.1-14B's forward, twice its weights
+    assert a14b.fwd_tflop == wan21.fwd_tflop and a14b.params_b == 2 * wan21.params_b
+    assert MODELS["wan22_ti2v_5b"].latent_shape[0] == 48

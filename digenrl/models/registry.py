@@ -187,6 +187,8 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
         model.guidance = embedded_guidance or spec.guidance
         if pf is not None:  # a family of several pipelines (FLUX.2-dev, -klein): the folder's own
             model.pipeline_class = pf.pipeline_class
+            if pf.index.get("expand_timesteps"):  # Wan2.2 TI2V: per-token timesteps
+                model.expand_timesteps = True  # type: ignore[attr-defined]
     return model
 
 

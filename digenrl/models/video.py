@@ -39,6 +39,10 @@ class WanModel(DiffusersFlowModel):
 
     family = "wan"
     pipeline_class = "WanPipeline"
+    expand_timesteps = False
+    """Wan2.2 TI2V-5B (the folder's ``expand_timesteps``): the timestep goes to the transformer
+    per token, ``(B, tokens)``, as WanPipeline passes it (every token at the step's timestep
+    when no image is given)"""
 
     def expert_of(self, sigma: float) -> str | None:
         """The expert that denoises at ``sigma`` (two-expert folders), else None."""
@@ -47,7 +51,12 @@ class WanModel(DiffusersFlowModel):
         return None
 
     def _forward(self, x: torch.Tensor, sigma_B: torch.Tensor, cond: Cond) -> torch.Tensor:
-        return self.transformer(hidden_states=x, timestep=sigma_B * 1000,
+        t = sigma_B * 1000
+        if self.expand_timesteps:
+            p_t, p_h, p_w = self.transformer.config.patch_size
+            f, h, w = x.shape[-3:]
+            t = t[:, None].expand(x.shape[0], (f // p_t) * (h // p_h) * (w // p_w))
+        return self.transformer(hidden_states=x, timestep=t,
                                 encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
 
 
