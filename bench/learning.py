@@ -1,4 +1,4 @@
-"""Learning evidence: does the default config learn, on every seed, within 5 minutes?
+"""Learning evidence: does the default config learn, on every seed, within 5 minutes, and keep its diversity?
 
     python bench/learning.py [--mode digenrl] [--seeds 0 1 2] [--steps N] [--out docs/learning.png] [--json]
 
@@ -16,7 +16,9 @@ criteria:
   Two SEs are reported: ``unpaired`` treats the two evaluations as independent binomial samples
   (conservative), ``paired`` is the SE of the per-sample differences (same prompt and noise, so
   it removes the between-sample variance); the criterion uses the unpaired one. And no
-  collapse: ``pixel_std`` (when evaluated) at the end is >= 0.5x its value at the start, per seed.
+  collapse: ``pixel_std`` (when evaluated) at the end is >= 0.5x its value at the start, per seed;
+* **diversity kept** (when the evaluation reports ``eval/diversity``, rl/diversity.py): the
+  within-prompt diversity of the last evaluation is >= 0.8x that of the first, per seed.
 
 Prints a table (``--json``: one object), saves the training-reward curves as a PNG, exits
 non-zero if any criterion fails.
@@ -92,6 +94,19 @@ def eval_change(run_dir: Path) -> dict | None:
     return out
 
 
+def diversity_change(run_dir: Path) -> dict | None:
+    """``eval/diversity`` (or ``eval_ema/diversity``) at the first and the last evaluation of a
+    run, from its metrics.jsonl, and their ratio; None if the run did not measure it."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    for key in ("eval/diversity", "eval_ema/diversity"):
+        pts = sorted((r["policy_version"], r[key]) for r in rows if key in r)
+        if len(pts) >= 2:
+            (v0, d0), (v1, d1) = pts[0], pts[-1]
+            return {"key": key, "start_version": v0, "end_version": v1, "start": d0, "end": d1,
+                    "ratio": d1 / d0 if d0 else float("nan")}
+    return None
+
+
 def pooled_change(per_seed: list[dict], name: str) -> dict:
     """The seeds' mean change of rate ``name`` with its pooled SEs and the gap in (unpaired) SEs."""
     rates = [e["rates"][name] for e in per_seed]
@@ -129,6 +144,14 @@ def score_run(seed: int, run_dir: Path, batch: int, wall: float) -> tuple[dict, 
             passed &= not collapsed
             print(f"        eval {name} {r['start']:.4f} -> {r['end']:.4f}  ratio {r['ratio']:.2f}  "
                   f"{'COLLAPSED' if collapsed else 'kept'}", flush=True)
+    div = diversity_change(run_dir)
+    if div is not None:
+        entry["diversity"] = div
+        kept = div["ratio"] >= 0.8
+        passed &= kept
+        print(f"        {div['key']} v{div['start_version']} {div['start']:.4f} -> "
+              f"v{div['end_version']} {div['end']:.4f}  ratio {div['ratio']:.2f}  "
+              f"{'kept' if kept else 'LOST (< 0.8)'}", flush=True)
     return entry, passed
 
 

@@ -165,10 +165,11 @@ class ModelConfig:
         ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
         "module names LoRA adapts (peft target_modules; flow_grpo's set: the image and text "
         "attention projections)")
-    train_experts: Literal["both", "high", "low"] = _f(
-        "both", "two-expert models (Wan2.2 A14B): which expert trains, 'high' (transformer, the "
-        "high-noise steps), 'low' (transformer_2) or 'both'; a one-transformer model takes only 'both'")
     gradient_checkpointing: bool = _f(False, "activation checkpointing in the trainer")
+    train_experts: Literal["both", "high", "low"] = _f(
+        "both", "two-expert folders (Wan2.2 A14B: transformer for the high-noise steps, transformer_2 "
+        "for the low-noise ones, switched at the folder's boundary_ratio): which the run trains "
+        "(LoRA or full weights); the other stays the base's and is never synced or saved")
     fsdp: bool = _f(False, "shard parameters/grads/optimizer state over trainer ranks (FSDP2)")
     emulate: EmulateConfig = field(default_factory=EmulateConfig,
                                    metadata={"help": "knobs of model.path = 'emulated'"})
@@ -326,6 +327,10 @@ class EvalConfig:
     policy: Literal["auto", "ema", "policy", "both"] = _f(
         "auto", "which weights evaluation scores: the EMA (train.ema_decay > 0; metrics eval_ema/), "
         "the trained policy (eval/), or both; auto: ema when train.ema_decay > 0, else policy")
+    diversity: str = _f(
+        "auto", "within-prompt diversity (eval/diversity: mean pairwise feature distance between "
+        "one prompt's samples, rl/diversity.py): judge = the shapes eval judge's features; a path = a "
+        "local CLIP folder's image embedding; auto = judge when a shapes term is evaluated; off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -376,6 +381,10 @@ class ClusterConfig:
     rendezvous: Literal["tcp", "file"] = _f(
         "tcp", "trainer ranks' torch.distributed rendezvous: tcp = a port on cluster.host (trainer "
         "rank 0 must run on that host); file = a file under run_dir/dist/ (shared storage, any hosts)")
+    spawn: Literal["fork", "exec"] = _f(
+        "fork", "how `digenrl launch` starts its node processes: fork = from one server process that "
+        "imported torch and diffusers once (start-up in a fraction of the time); exec = each a fresh "
+        "interpreter (the fallback where fork servers do not exist)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -647,10 +656,6 @@ def _check_consistency(cfg: Config) -> None:
         if cfg.model.fsdp:
             raise ConfigError(f"model.fsdp = true with train.algorithm = {t.algorithm!r}: sharded "
                               "training of the forward-process losses is not implemented")
-        if cfg.model.train_experts != "both":
-            raise ConfigError(f"model.train_experts = {cfg.model.train_experts!r} with train.algorithm = "
-                              f"{t.algorithm!r}: one trained expert is implemented for the GRPO loss only "
-                              "(the forward-process losses draw timesteps of either expert)")
     if len(set(cfg.tracking.backends)) < len(cfg.tracking.backends):
         raise ConfigError(f"tracking.backends = {cfg.tracking.backends!r}: a tracker is listed twice")
     if t.ema_decay > 0 and cfg.model.fsdp:

@@ -5,12 +5,10 @@ newest checkpoint that verifies):
 
 * a **pipeline folder** when the run trained a diffusers pipeline folder (``model.path``): every
   component of the base folder, copied as it is, with ``transformer/`` replaced by the trained
-  one (Wan2.2 A14B: ``transformer_2/`` too, for each trained expert). ``--merge`` folds a LoRA into the transformer's weights (``W + (alpha / r) B A``, in
+  one. ``--merge`` folds a LoRA into the transformer's weights (``W + (alpha / r) B A``, in
   float32), so ``DiffusionPipeline.from_pretrained(DIR)`` loads it with plain diffusers, no
   peft. Without ``--merge`` a LoRA run keeps the base transformer and puts the adapter beside
-  it (``pytorch_lora_weights.safetensors``, for the pipeline's ``load_lora_weights``; a
-  trained ``transformer_2``'s is ``pytorch_lora_weights_transformer_2.safetensors``, loaded with
-  ``load_into_transformer_2=True``). A full
+  it (``pytorch_lora_weights.safetensors``, for the pipeline's ``load_lora_weights``). A full
   fine-tune always replaces the transformer.
 * a **transformer folder** (``config.json`` + ``diffusion_pytorch_model.safetensors``) when the
   base is the shipped tiny model (``model.path = "builtin"`` or ``"random"``): it has no VAE or
@@ -173,23 +171,26 @@ def export_run(run_dir: Path, out: Path, *, merge: bool = False, ema: bool = Fal
     aside = out.with_name(out.name + ".tmp")
     shutil.rmtree(aside, ignore_errors=True)
     aside.mkdir(parents=True)
-    # the trained experts: transformer (and Wan2.2 A14B's transformer_2), each written below
-    trained = {(prefix.rstrip(".") or "transformer"): t for prefix, t in getattr(model, "trained", [])} \
-        or {"transformer": model.transformer}
+    transformer_dir = aside / "transformer" if pipeline else aside
     if pipeline:
-        for item in base.iterdir():  # every component as it is; the trained ones are written below
-            if (item.name in trained or item.name == "README.md") and (merge or not lora):
+        for item in base.iterdir():  # every component as it is; the transformers are written below
+            if item.name in ("transformer", "transformer_2", "README.md") and (merge or not lora):
                 continue
             (shutil.copytree if item.is_dir() else shutil.copy2)(item, aside / item.name)
     if lora and not merge:
-        model.save(aside)  # pytorch_lora_weights*.safetensors beside the base pipeline
+        # pytorch_lora_weights.safetensors beside the base pipeline (two experts: the low-noise
+        # expert's in transformer_2/, beside its base weights)
+        model.save(aside)
     else:
-        for name, transformer in trained.items():
-            if lora:
+        # one transformer, or Wan2.2's two experts (models/video.py WanExperts), each merged
+        experts = getattr(model.transformer, "experts", lambda: {"transformer": model.transformer})()
+        for name, transformer in experts.items():
+            if lora and getattr(transformer, "peft_config", None):
                 with torch.no_grad():
                     transformer.fuse_lora(lora_scale=1.0)
                 transformer.unload_lora()
-            transformer.save_pretrained(aside / name if pipeline else aside, safe_serialization=True)
+            target = transformer_dir if name == "transformer" else (aside / name)
+            transformer.save_pretrained(target, safe_serialization=True)
     kind = "pipeline" if pipeline else "transformer"
     (aside / "README.md").write_text(_model_card(cfg, run_dir, version, kind, lora and merge, ema))
     if out.exists():  # an empty folder the user made for it

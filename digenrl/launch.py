@@ -186,6 +186,9 @@ def check_runtime_support(cfg: Config) -> None:
     if cfg.cluster.rewards and cfg.run.mode == "colocated":
         raise ConfigError(f"cluster.rewards = {cfg.cluster.rewards}: reward workers serve rollout "
                           "nodes; colocated mode has none (use digenrl or disagg-sync, or 0)")
+    if cfg.model.fsdp and _two_experts(cfg):
+        raise ConfigError(f"model.fsdp = true with {cfg.model.path}: a two-expert (Wan2.2 A14B) folder is "
+                          "not sharded yet; train it unsharded (model.fsdp = false)")
     if cfg.model.fsdp and cfg.runtime.tag == "always" and cfg.run.mode != "colocated":
         raise ConfigError("model.fsdp = true with runtime.tag = 'always': a sharded trainer rank "
                           "cannot generate alone (its passes are collectives over all ranks); "
@@ -220,11 +223,53 @@ def check_before_start(cfg: Config) -> None:
             check_reward(eval_terms(cfg))
         except RewardError as e:
             raise ConfigError(f"eval.terms: {e}") from None
+    check_expert_timesteps(cfg)
+    if cfg.run.eval_every:
+        from digenrl.rl.diversity import check_diversity
+        try:
+            check_diversity(cfg)
+        except RewardError as e:
+            raise ConfigError(str(e)) from None
     from digenrl.telemetry.tracking import check_trackers
     try:
         check_trackers(cfg.tracking)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _two_experts(cfg: Config) -> bool:
+    from digenrl.models.folder import PipelineFolder, is_pipeline_folder
+    path = Path(cfg.model.path)
+    return is_pipeline_folder(path) and PipelineFolder(path).entry("transformer_2") is not None
+
+
+def check_expert_timesteps(cfg: Config) -> None:
+    """A two-expert folder trained on one expert (``model.train_experts``): every step index the
+    run may train must be one that expert denoises (the other's weights are frozen, so its steps
+    would train nothing). Refused before any process starts, naming the indices that fit."""
+    from digenrl.models.folder import PipelineFolder, is_pipeline_folder
+    from digenrl.rl.sde import sigma_schedule
+
+    if cfg.model.train_experts == "both" or not is_pipeline_folder(Path(cfg.model.path)):
+        return
+    ratio = PipelineFolder(Path(cfg.model.path)).index.get("boundary_ratio")
+    if not isinstance(ratio, (int, float)):
+        return  # a one-expert folder: check_model_path refuses train_experts there
+    sc, tc = cfg.sampler, cfg.train
+    sigmas = sigma_schedule(sc.num_steps, sc.shift).tolist()[:-1]
+    high = [i for i, s in enumerate(sigmas) if s * 1000 >= ratio * 1000]
+    ours = high if cfg.model.train_experts == "high" else [i for i in range(sc.num_steps) if i not in high]
+    if tc.timesteps in ("window", "mix"):
+        may = set(range(tc.window_lo, tc.window_hi or max(sc.num_steps // 2, 1)))
+    else:
+        may = set(range(sc.num_steps))
+    if not may <= set(ours):
+        span = f"{ours[0]}..{ours[-1]}" if ours else "none"
+        raise ConfigError(
+            f"model.train_experts = {cfg.model.train_experts!r}: train.timesteps = {tc.timesteps!r} may "
+            f"train step indices {sorted(may - set(ours))}, which the other expert denoises (boundary_ratio "
+            f"{ratio}, {sc.num_steps} steps, shift {sc.shift}); this expert's indices are {span}: use "
+            "train.timesteps = 'window' with train.window_lo / window_hi inside them")
 
 
 def launch(cfg: ResolvedConfig, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:

@@ -25,9 +25,6 @@ flux2         2x, then 2x2 patchify  32 x 48 px (latent 16 x 8 x 12)
 zimage        2x                     32 x 48 px (latent 4 x 16 x 24, patch 2)
 ============  =====================  =============================================
 
-``wan22-ti2v`` is a Wan2.2 TI2V-5B folder (48-channel residual VAE, 4x in space: 5 frames of
-32 x 48 px are latent 48 x 3 x 8 x 12; ``expand_timesteps``), ``wan22-a14b`` a Wan2.2 T2V-A14B
-one (``transformer`` + ``transformer_2``, ``boundary_ratio``), both ``WanPipeline``.
 ``flux2`` is a FLUX.2-klein folder (``Flux2KleinPipeline``, Qwen3 text encoder);
 ``flux2-dev`` a FLUX.2-dev one (``Flux2Pipeline``, Mistral3 text encoder, PixtralProcessor).
 """
@@ -326,49 +323,44 @@ def _wan(folder: Path):
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0))
 
 
+def _wan22(folder: Path):
+    """Wan2.2 T2V-A14B's layout: two experts of one architecture (different weights), switched
+    at boundary_ratio 0.875 as the released folder does."""
+    import diffusers
+
+    def expert():
+        return diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+            text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+
+    return diffusers.WanPipeline(
+        transformer=expert(), transformer_2=expert(), boundary_ratio=0.875,
+        vae=wan_vae(4), text_encoder=umt5_encoder(32), tokenizer=t5_tokenizer(),
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0))
+
+
 def wan22_vae():
-    """Wan2.2's residual VAE (``is_residual``, 2x2 patchify, 48 latent channels) at a tiny width:
-    4x in space (patchify, one downsampling), 2x in time."""
+    """Wan2.2's VAE layout (``is_residual``, 2x2 patchify into 12 channels, 48 latent channels)
+    at a tiny width: 4x spatial, 2x temporal compression."""
     from diffusers import AutoencoderKLWan
 
     mean, std = _mean_std(48)
-    return AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 1], num_res_blocks=1,
-                            temperal_downsample=[True], is_residual=True, patch_size=2, in_channels=12,
-                            out_channels=12, latents_mean=mean, latents_std=std, scale_factor_temporal=2,
+    return AutoencoderKLWan(base_dim=8, decoder_base_dim=8, in_channels=12, out_channels=12, z_dim=48,
+                            dim_mult=[1, 1], num_res_blocks=1, temperal_downsample=[True], is_residual=True,
+                            patch_size=2, latents_mean=mean, latents_std=std, scale_factor_temporal=2,
                             scale_factor_spatial=4)
 
 
-def _wan_transformer(channels: int):
-    import diffusers
-
-    return diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=channels,
-        out_channels=channels, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32)
-
-
 def _wan22_ti2v(folder: Path):
-    """Wan2.2 TI2V-5B's layout: one transformer on the 48-channel VAE, per-token timesteps."""
+    """Wan2.2 TI2V-5B's layout: one transformer on the 48-channel VAE, expand_timesteps."""
     import diffusers
 
     return diffusers.WanPipeline(
-        transformer=_wan_transformer(48), vae=wan22_vae(), text_encoder=umt5_encoder(32), tokenizer=t5_tokenizer(),
-        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0), expand_timesteps=True)
-
-
-def _wan22_a14b(folder: Path, boundary_ratio: float = 0.875, mismatch: bool = False):
-    """Wan2.2 T2V-A14B's layout: ``transformer`` (high noise) and ``transformer_2`` (low noise),
-    switched at ``boundary_ratio``; ``mismatch`` gives the second expert another width."""
-    import diffusers
-
-    low = _wan_transformer(4)
-    if mismatch:
-        low = diffusers.WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-            text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32)
-    return diffusers.WanPipeline(
-        transformer=_wan_transformer(4), transformer_2=low, vae=wan_vae(4), text_encoder=umt5_encoder(32),
-        tokenizer=t5_tokenizer(), scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0),
-        boundary_ratio=boundary_ratio)
+        transformer=diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=48, out_channels=48,
+            text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32),
+        vae=wan22_vae(), text_encoder=umt5_encoder(32), tokenizer=t5_tokenizer(), expand_timesteps=True,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0))
 
 
 def _qwenimage(folder: Path):
@@ -440,9 +432,8 @@ def _zimage(folder: Path):
         tokenizer=tok, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
 
 
-_BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "qwenimage": _qwenimage, "hunyuanvideo": _hunyuanvideo,
-             "flux2": _flux2, "flux2-dev": _flux2_dev, "zimage": _zimage,
-             "wan22-ti2v": _wan22_ti2v, "wan22-a14b": _wan22_a14b}
+_BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "wan22": _wan22, "wan22-ti2v": _wan22_ti2v, "qwenimage": _qwenimage, "hunyuanvideo": _hunyuanvideo,
+             "flux2": _flux2, "flux2-dev": _flux2_dev, "zimage": _zimage}
 
 
 def build_pipeline(family: str, folder: Path, *, seed: int = 0, **kw):

@@ -112,3 +112,16 @@ def test_nft_runtime_update_equals_the_colocated_loops_at_staleness_zero(tmp_pat
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], rtol=0, atol=1e-6, msg=k)
 
+
+
+def test_nodes_forked_from_the_server_train_the_weights_exec_started_nodes_train(tmp_path: Path) -> None:
+    """``cluster.spawn``: a node forked from the pre-imported server (actors/forkserver.py) runs
+    the code an exec'd interpreter runs, on its own environment and thread count."""
+    fork_dir, fork_summary = _launch(tmp_path / "fork", "disagg-sync", ['cluster.spawn="fork"'])
+    exec_dir, exec_summary = _launch(tmp_path / "exec", "disagg-sync", ['cluster.spawn="exec"'])
+    assert fork_summary["accounting"] == exec_summary["accounting"]
+    a, b = final_weights(fork_dir), final_weights(exec_dir)
+    assert a.keys() == b.keys()
+    # exact on purpose: a K = 0 run replays the same arithmetic on the same machine and thread
+    # count whichever way its processes started
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -92,10 +92,11 @@ def make_run_dir(run_dir: Path, steps: int = 6, seed: int = 0) -> Path:
             v = 0 if s == 0 else steps
             writer.write_eval(v, (window[1] - EPOCH) / 1e9, {
                 "eval/shapes_attributes/all": 0.35 + 0.01 * v, "eval/shapes_attributes/shape": 0.4,
-                "eval/shapes_judge": -2.0 + 0.1 * v, "eval/samples": 96, "eval/seconds": 1.5,
+                "eval/shapes_judge": -2.0 + 0.1 * v, "eval/diversity": 0.6 - 0.01 * v,
+                "eval/samples": 96, "eval/seconds": 1.5,
                 # and its EMA's (eval.policy = "both")
                 "eval_ema/shapes_attributes/all": 0.34 + 0.01 * v, "eval_ema/shapes_judge": -2.1 + 0.1 * v,
-                "eval_ema/samples": 96, "eval_ema/seconds": 1.5})
+                "eval_ema/diversity": 0.59 - 0.01 * v, "eval_ema/samples": 96, "eval_ema/seconds": 1.5})
     writer.close()
     for rec in rollouts + trainers:
         rec.dump(run_dir / "trace" / f"{rec.node_id}.jsonl")
@@ -244,4 +245,5 @@ def test_sample_grids_upscale_small_images_and_never_exceed_the_cap():
 def test_summary_table_shows_the_emas_evaluation_beside_the_policys(report):
     table = report[1]["table"]
     assert "eval/shapes_judge" in table and "eval_ema/shapes_judge" in table
+    assert "eval/diversity" in table and "eval_ema/diversity" in table  # beside the fidelity terms
     assert "eval_ema/samples" not in table  # bookkeeping, not a score

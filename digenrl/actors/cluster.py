@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from digenrl.actors import forkserver
 from digenrl.actors.base import COORDINATOR_STOPPED, RunFailed, stop_on_signals, stopped_by_signal
 from digenrl.actors.coordinator import CoordinatorActor
 from digenrl.actors.resume import drain_wait_s
@@ -66,12 +67,26 @@ def make_scheduler(cfg: ResolvedConfig, prompt_count: int) -> Scheduler:
     return Scheduler(params, plan_timesteps=lambda step: plan_for_step(cfg, step))
 
 
+def forks(cfg: Config) -> bool:
+    """Whether the launcher forks its nodes from a pre-imported server (actors/forkserver.py)."""
+    return cfg.cluster.spawn == "fork" and forkserver.available()
+
+
+def start_fork_server(cfg: Config, run_dir: Path) -> None:
+    """Start the fork server (idempotent): as early as the launch can, so its imports overlap
+    the coordinator's own set-up; its output goes to ``logs/forkserver.stderr``."""
+    forkserver.start_server(run_dir / "logs" / "forkserver.stderr",
+                            {"OMP_NUM_THREADS": str(cfg.run.threads)})
+
+
 class Children:
     """Child node processes of a local cluster, restarted when they die during the run."""
 
     def __init__(self, cfg: Config, run_dir: Path, coordinator: str, max_restarts: int = 10) -> None:
         self.cfg, self.run_dir, self.coordinator = cfg, run_dir, coordinator
-        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.procs: dict[str, asyncio.subprocess.Process | forkserver.ForkedNode] = {}
+        #: nodes are forked from a pre-imported server (actors/forkserver.py), or exec'd
+        self.fork = forks(cfg)
         self.restarts: dict[str, int] = {}
         self.ports: dict[str, int] = {}  # reward workers' fixed ports
         self.max_restarts = max_restarts
@@ -98,17 +113,22 @@ class Children:
         index = [n for n, _ in order].index(node_id)
         env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.run.threads), PYTHONUNBUFFERED="1",
                    **child_gpu_env(index))
-        err = open(self.run_dir / "logs" / f"{node_id}.stderr", "ab")  # noqa: SIM115 - child owns it
         bind: list[str] = []
         if role == "reward":  # one address for the worker's life: a restart binds it again
             host = self.cfg.cluster.host
             port = self.ports.setdefault(node_id, free_port(host))
             bind = ["--bind", f"tcp://{host}:{port}"]
-        self.procs[node_id] = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "digenrl.cli", "node", "--role", role, "--coordinator", self.coordinator,
-            "--node-id", node_id, "--run-dir", str(self.run_dir), "--gpu", self.gpu(role), *bind,
-            stdout=err, stderr=err, env=env)
-        err.close()
+        argv = ["node", "--role", role, "--coordinator", self.coordinator, "--node-id", node_id,
+                "--run-dir", str(self.run_dir), "--gpu", self.gpu(role), *bind]
+        log_path = self.run_dir / "logs" / f"{node_id}.stderr"
+        if self.fork:
+            start_fork_server(self.cfg, self.run_dir)
+            self.procs[node_id] = await forkserver.fork_node(argv, env, log_path)
+        else:
+            err = open(log_path, "ab")  # noqa: SIM115 - the child owns it
+            self.procs[node_id] = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "digenrl.cli", *argv, stdout=err, stderr=err, env=env)
+            err.close()
         write_json_atomic(self.run_dir / "logs" / "pids.json",
                           {n: p.pid for n, p in self.procs.items() if p.returncode is None})
 
@@ -229,6 +249,8 @@ async def serve_coordinator(cfg: ResolvedConfig, run_dir: Path, *, bind: str | N
     run_dir.mkdir(parents=True, exist_ok=True)
     for sub in ("trace", "samples", "logs"):
         (run_dir / sub).mkdir(exist_ok=True)
+    if spawn and forks(cfg):
+        start_fork_server(cfg, run_dir)
     log = get_logger("coordinator", "coordinator")
     ctx = node_context()
     host = cfg.cluster.host

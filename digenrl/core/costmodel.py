@@ -137,20 +137,15 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     # (assumption).
     ModelSpec(name="wan", fwd_tflop=1680.0, params_b=14.0, latent_bytes=4_193_280,
               latent_shape=(16, 21, 60, 104), reward_tflop=8.0, reward_fixed_s=0.5),
-    # Wan2.2 T2V-A14B 480p 81f: two experts of Wan2.1-14B's shape (d 5120, 40 layers, 40 heads,
-    # ffn 13824; Wan2.2 model card: "27B total, 14B active per step"), so a forward is Wan2.1-14B's
-    # 1.68 PF and the latent is the same (16-channel VAE, 8x space, 4x time). Both experts trained
-    # and synced: 27 B parameters; one expert trained (model.train_experts = "high" / "low"):
-    # 14 B (wan22_a14b_expert). A rollout holds both (54 GB bf16). Reward as Wan.
-    ModelSpec(name="wan22_a14b", fwd_tflop=1680.0, params_b=27.0, latent_bytes=4_193_280,
+    # Wan2.2 T2V-A14B 480p 81f: two experts of Wan2.1-14B's shape (sp 2.2), one per denoising
+    # step, so a forward costs Wan2.1-14B's 1.68 PF (cm 2) and the latent is the same (cm 1);
+    # the weights are both experts', 2 x 14.0 B (a node holds both to sample a trajectory).
+    ModelSpec(name="wan22_a14b", fwd_tflop=1680.0, params_b=28.0, latent_bytes=4_193_280,
               latent_shape=(16, 21, 60, 104), reward_tflop=8.0, reward_fixed_s=0.5),
-    ModelSpec(name="wan22_a14b_expert", fwd_tflop=1680.0, params_b=14.0, latent_bytes=4_193_280,
-              latent_shape=(16, 21, 60, 104), reward_tflop=8.0, reward_fixed_s=0.5),
-    # Wan2.2 TI2V-5B 704x1280 px 121f (its default, 24 fps): 5.0 B (model card), d 3072, 30
-    # layers, 24 heads, ffn 14336; the 48-channel VAE compresses 16x in space (patchify 2 x 8x)
-    # and 4x in time: latent (48, 31, 44, 80), 10,475,520 B bf16; 31 x 22 x 40 = 27,280 tokens.
-    # Forward 2 x 5.0 B x 27,280 + 4 x 30 x 3072 x 27,280^2 = 273 + 274 = 547 TF (derived, cm 0's
-    # formula). Reward as Wan.
+    # Wan2.2 TI2V-5B 704x1280 121f (its default): the 48-channel VAE compresses 16 x 16 x 4, so
+    # the latent is (48, 31, 44, 80), 10,475,520 B bf16, and with patch (1, 2, 2) 27,280 tokens
+    # (derived). 5 B params, d 3072, 30 layers (sp 2.2): 2 x 5 B x 27,280 + 4 x 30 x 3072 x
+    # 27,280^2 = 547 TF/fwd (derived with cm 0's formula). Reward as Wan.
     ModelSpec(name="wan22_ti2v_5b", fwd_tflop=547.0, params_b=5.0, latent_bytes=10_475_520,
               latent_shape=(48, 31, 44, 80), reward_tflop=8.0, reward_fixed_s=0.5),
     # HunyuanVideo 480x480x53f (DanceGRPO open-source setting): 0.297 PF/fwd (cm 2), 12.8 B

@@ -31,11 +31,6 @@ from digenrl.models.base import Cond, DiffusersTransformer
 #: flow_grpo's LoRA targets (train_sd3.py / train_flux.py): image and text attention projections.
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 LORA_FILE = "pytorch_lora_weights.safetensors"
-#: The second expert's LoRA (Wan2.2 A14B's ``transformer_2``), in the same ``transformer.``-keyed
-#: format: ``WanPipeline.load_lora_weights(folder, weight_name=LORA_FILE_2, load_into_transformer_2=True)``.
-LORA_FILE_2 = "pytorch_lora_weights_transformer_2.safetensors"
-#: Sync-state key prefix of the second expert's tensors (the first expert's keys carry none).
-EXPERT_2 = "transformer_2."
 BASE_WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
@@ -65,22 +60,8 @@ class DiffusersFlowModel:
     def __init__(self, transformer: DiffusersTransformer, *, encoder: Callable[[Sequence[str]], Cond],
                  decoder: Callable[[torch.Tensor], torch.Tensor], latent_shape: tuple[int, ...],
                  lora_rank: int = 0, lora_alpha: float = 0.0, lora_targets: Sequence[str] = LORA_TARGETS,
-                 gradient_checkpointing: bool = False, dtype: torch.dtype | None = None,
-                 transformer_2: DiffusersTransformer | None = None, train_experts: str = "both") -> None:
+                 gradient_checkpointing: bool = False, dtype: torch.dtype | None = None) -> None:
         self.transformer = transformer
-        #: Wan2.2 A14B's low-noise expert (None: a one-transformer model)
-        self.transformer_2 = transformer_2
-        if transformer_2 is None and train_experts != "both":
-            raise ConfigError(f"model.train_experts = {train_experts!r}: this {type(self).__name__} has one "
-                              "transformer; only 'both' (the default) applies")
-        #: (sync-key prefix, module) of each trained expert
-        self.trained: list[tuple[str, DiffusersTransformer]] = [
-            (prefix, t) for prefix, t, name in (("", transformer, "high"), (EXPERT_2, transformer_2, "low"))
-            if t is not None and train_experts in ("both", name)]
-        if transformer_2 is not None:
-            for frozen in (transformer, transformer_2):
-                if all(frozen is not m for _, m in self.trained):
-                    frozen.requires_grad_(False)
         self.encoder, self.decoder = encoder, decoder
         self.latent_shape = tuple(latent_shape)
         self.lora_rank = lora_rank
@@ -93,22 +74,20 @@ class DiffusersFlowModel:
             # imports this module too, and peft brings transformers (~2 s a process)
             from peft import LoraConfig
 
-            for _, expert in self.trained:  # an untrained expert carries no adapter
-                expert.requires_grad_(False)
-                try:
-                    # peft annotates lora_alpha as int but scales by lora_alpha / r, a float
-                    expert.add_adapter(LoraConfig(r=lora_rank, lora_alpha=self.lora_alpha,  # type: ignore[arg-type]
-                                                  init_lora_weights="gaussian", target_modules=list(lora_targets)))
-                except ValueError as e:  # peft: no module matched
-                    raise ConfigError(f"model.lora_targets = {list(lora_targets)}: no module of this "
-                                      f"{type(expert).__name__} matches ({str(e).splitlines()[0]})") from None
-                for name, p in expert.named_parameters():
-                    p.requires_grad_("lora_" in name)
-                    if "lora_" in name and p.dtype != self.compute_dtype:
-                        p.data = p.data.to(self.compute_dtype)  # peft makes them float32
+            transformer.requires_grad_(False)
+            try:
+                # peft annotates lora_alpha as int but scales by lora_alpha / r, a float
+                transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=self.lora_alpha,  # type: ignore[arg-type]
+                                                   init_lora_weights="gaussian", target_modules=list(lora_targets)))
+            except ValueError as e:  # peft: no module matched
+                raise ConfigError(f"model.lora_targets = {list(lora_targets)}: no module of this "
+                                  f"{type(transformer).__name__} matches ({str(e).splitlines()[0]})") from None
+            for name, p in transformer.named_parameters():
+                p.requires_grad_("lora_" in name)
+                if "lora_" in name and p.dtype != self.compute_dtype:
+                    p.data = p.data.to(self.compute_dtype)  # peft makes them float32
         if gradient_checkpointing:
-            for _, expert in self.trained:
-                expert.enable_gradient_checkpointing()
+            transformer.enable_gradient_checkpointing()
 
     # -- the FlowModel interface ---------------------------------------------------------------
     @property
@@ -143,21 +122,9 @@ class DiffusersFlowModel:
         """uint8 RGB ``(B, 3, H, W)``; videos have their frames tiled side by side."""
         return self.decoder(x)
 
-    @property
-    def trained_experts(self) -> tuple[str, ...]:
-        """The trained experts' names: "high" (``transformer``), "low" (``transformer_2``)."""
-        return tuple("low" if prefix else "high" for prefix, _ in self.trained)
-
     def trainable_parameters(self) -> Iterator[torch.nn.Parameter]:
-        """Parameters the optimizer updates: LoRA weights only, or everything (of each trained expert)."""
-        return (p for _, t in self.trained for p in t.parameters() if p.requires_grad)
-
-    def named_sync_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """Each trainable parameter under its :meth:`sync_state_dict` key."""
-        for prefix, t in self.trained:
-            for k, p in t.named_parameters():
-                if p.requires_grad:
-                    yield prefix + (k.replace(".default", "") if self.lora_rank else k), p
+        """Parameters the optimizer updates: LoRA weights only, or everything."""
+        return (p for p in self.transformer.parameters() if p.requires_grad)
 
     # -- reference model and weight sync -------------------------------------------------------
     @contextlib.contextmanager
@@ -166,28 +133,32 @@ class DiffusersFlowModel:
         if self.lora_rank == 0:
             raise NoAdapterError(f"{self.family}: lora_rank=0, so there is no adapter to disable; "
                                  "a full fine-tune needs a separate reference copy")
-        for _, t in self.trained:
-            t.disable_adapters()
+        self.transformer.disable_adapters()
         try:
             yield
         finally:
-            for _, t in self.trained:
-                t.enable_adapters()
+            self.transformer.enable_adapters()
+
+    def parts(self) -> dict[str, torch.nn.Module]:
+        """Sync-key prefix -> transformer module, for each one this model trains, syncs and
+        saves: the transformer (no prefix), or the trained experts of a two-expert model
+        (``transformer.``, ``transformer_2.``: :class:`~digenrl.models.video.WanExperts`)."""
+        parts = getattr(self.transformer, "trained_parts", None)
+        return dict(parts) if parts is not None else {"": self.transformer}
 
     def sync_state_dict(self) -> dict[str, torch.Tensor]:
         """What a rollout needs to match the trainer: LoRA weights, or all parameters (detached),
-        of the trained experts only (an expert that is not trained never changes, so it is never
-        sent); the second expert's keys carry the prefix :data:`EXPERT_2`."""
-        out: dict[str, torch.Tensor] = {}
-        for prefix, t in self.trained:
+        of every trained part (an expert that is not trained is never sent)."""
+        sd: dict[str, torch.Tensor] = {}
+        for prefix, module in self.parts().items():
             if self.lora_rank:
                 from peft.utils import get_peft_model_state_dict
 
-                sd = get_peft_model_state_dict(t)
+                part = get_peft_model_state_dict(module)
             else:
-                sd = t.state_dict()
-            out.update({prefix + k: v.detach() for k, v in sd.items()})
-        return out
+                part = module.state_dict()
+            sd.update({prefix + k: v.detach() for k, v in part.items()})
+        return sd
 
     def load_sync_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Apply a :meth:`sync_state_dict` from a peer; raises :class:`SyncStateError` on key
@@ -199,12 +170,12 @@ class DiffusersFlowModel:
             from peft.utils import set_peft_model_state_dict
 
             with torch.no_grad():
-                for prefix, expert in self.trained:
-                    set_peft_model_state_dict(expert, _expert_part(sd, prefix))
+                for prefix, module in self.parts().items():
+                    set_peft_model_state_dict(module, _strip(sd, prefix))
             return
         if self._sync_targets is None:
-            self._sync_targets = {prefix + k: v for prefix, t in self.trained
-                                  for k, v in t.state_dict(keep_vars=True).items()}
+            self._sync_targets = {prefix + k: t for prefix, module in self.parts().items()
+                                  for k, t in module.state_dict(keep_vars=True).items()}
         targets = self._sync_targets
         self._check_sync_keys(set(sd), set(targets))
         for k, dst in targets.items():
@@ -237,19 +208,29 @@ class DiffusersFlowModel:
         ``state`` (a full fine-tune's sync keys are the transformer's own), hard-linked
         instead of written again.
         """
-        from safetensors.torch import save_file
-
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         sd = dict(self.sync_state_dict() if state is None else state)
         sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().to("cpu").contiguous()
               for k, v in sd.items()}
-        if self.transformer_2 is not None:
-            return self._save_experts(folder, sd)
+        parts = self.parts()
+        if len(parts) > 1 or "" not in parts:  # a two-expert model: each trained expert in its place
+            subfolder = getattr(self.transformer, "SUBFOLDER", {})
+            written = [self._save_part(module, folder / subfolder[prefix.rstrip(".")], _strip(sd, prefix))
+                       for prefix, module in parts.items()]
+            return written[0]
+        return self._save_part(self.transformer, folder, sd, same_as=same_as if dtype is None else None)
+
+    def _save_part(self, module: torch.nn.Module, folder: Path, sd: dict[str, torch.Tensor], *,
+                   same_as: str | Path | None = None) -> Path:
+        """One transformer's weights or LoRA in ``folder`` (see :meth:`save`)."""
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
         if not self.lora_rank:
-            self.transformer.save_config(folder)
+            module.save_config(folder)  # type: ignore[operator]
             target = folder / BASE_WEIGHTS
-            if same_as is not None and dtype is None:
+            if same_as is not None:
                 try:
                     os.link(same_as, target)
                     return target
@@ -264,40 +245,12 @@ class DiffusersFlowModel:
                                    transformer_lora_adapter_metadata=self.lora_config())
         return folder / LORA_FILE
 
-    def _save_experts(self, folder: Path, sd: dict[str, torch.Tensor]) -> Path:
-        """A two-expert model's files, one set per trained expert: LoRA ``LORA_FILE`` (the
-        high-noise ``transformer``) and ``LORA_FILE_2`` (``transformer_2``, loaded with
-        ``load_into_transformer_2=True``); full weights ``transformer/`` and ``transformer_2/``
-        (transformer folders). Returns the first file written."""
-        from safetensors.torch import save_file
-
-        written: list[Path] = []
-        for prefix, t in self.trained:
-            part = _expert_part(sd, prefix)
-            if self.lora_rank:
-                import diffusers
-
-                name = LORA_FILE_2 if prefix else LORA_FILE
-                getattr(diffusers, self.pipeline_class).save_lora_weights(
-                    folder, transformer_lora_layers=part, weight_name=name,
-                    transformer_lora_adapter_metadata=self.lora_config(t))
-                written.append(folder / name)
-            else:
-                sub = folder / (prefix.rstrip(".") or "transformer")
-                sub.mkdir(parents=True, exist_ok=True)
-                t.save_config(sub)
-                save_file(part, str(sub / BASE_WEIGHTS), metadata={"format": "pt"})
-                written.append(sub / BASE_WEIGHTS)
-        return written[0]
-
-    def lora_config(self, transformer: DiffusersTransformer | None = None) -> dict:
+    def lora_config(self) -> dict:
         """The peft LoraConfig of the adapter as a dict (what diffusers stores with a LoRA)."""
-        cfg = (transformer or self.trained[0][1]).peft_config["default"].to_dict()
+        cfg = self.transformer.peft_config["default"].to_dict()
         return {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.items()}
 
 
-def _expert_part(sd: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """The tensors of one expert's sync keys, unprefixed (prefix ``""``: the first expert's)."""
-    if prefix:
-        return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
-    return {k: v for k, v in sd.items() if not k.startswith(EXPERT_2)}
+def _strip(sd: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries of ``sd`` under ``prefix``, without it (all of them for ``""``)."""
+    return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}

@@ -102,19 +102,21 @@ FLUX2_WIDTHS = {6144: "flux2", 3072: "flux2_klein_4b", 4096: "flux2_klein_9b"}
 def cost_model_name(model_cfg: ModelConfig) -> str:
     """The cost model's entry for ``model_cfg``: its family, except FLUX.2, whose folder's
     transformer width tells dev (32 B, also what a folderless plan prices) from klein 4B and 9B,
-    and Wan, whose folder tells Wan2.2 A14B (``transformer_2`` in model_index.json; one expert
-    trained: ``wan22_a14b_expert``) and TI2V-5B (48 latent channels) from Wan2.1-14B."""
-    if model_cfg.family not in ("flux2", "wan") or model_cfg.path in ("random", "emulated", "builtin"):
+    and Wan2.2, whose folder's model_index.json tells A14B (two experts) and TI2V-5B
+    (``expand_timesteps``) from Wan2.1."""
+    if model_cfg.path in ("random", "emulated"):
         return model_cfg.family
     if model_cfg.family == "wan":
-        import json
-
-        folder, pipeline = _folder(model_cfg)
-        index = json.loads((folder / "model_index.json").read_text()) if pipeline else {}
-        if isinstance(index.get("transformer_2"), list) and None not in index["transformer_2"]:
-            return "wan22_a14b" if model_cfg.train_experts == "both" else "wan22_a14b_expert"
-        config, _ = transformer_config(model_cfg)
-        return "wan22_ti2v_5b" if int(config.get("in_channels", 16)) == 48 else "wan"
+        index = Path(model_cfg.path) / "model_index.json"
+        try:
+            meta = json.loads(index.read_text()) if index.is_file() else {}
+        except (OSError, ValueError):
+            meta = {}
+        if isinstance(meta.get("transformer_2"), list) and None not in meta["transformer_2"]:
+            return "wan22_a14b"
+        return "wan22_ti2v_5b" if meta.get("expand_timesteps") else "wan"
+    if model_cfg.family != "flux2":
+        return model_cfg.family
     config, _ = transformer_config(model_cfg)
     width = int(config.get("num_attention_heads", 48)) * int(config.get("attention_head_dim", 128))
     return FLUX2_WIDTHS.get(width, "flux2")

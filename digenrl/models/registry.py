@@ -82,17 +82,13 @@ def check_model_path(model_cfg: ModelConfig) -> None:
         return
     if model_cfg.family not in catalog.FAMILIES:
         raise ModelFolderError(f"model.family = {model_cfg.family!r}: expected one of {sorted(catalog.FAMILIES)}")
-    if model_cfg.path == "random" and model_cfg.text_encoder == "pipeline":
-        raise ModelFolderError("model.text_encoder = 'pipeline' needs a pipeline folder; model.path = 'random' "
-                               "has no text encoders")
-    folder = _folder(model_cfg) if model_cfg.path != "random" else None
-    two_experts = folder is not None and is_pipeline_folder(folder) and \
-        PipelineFolder(folder).entry("transformer_2") is not None
-    if model_cfg.train_experts != "both" and not two_experts:
-        raise ModelFolderError(f"model.train_experts = {model_cfg.train_experts!r}: model.path "
-                               f"{model_cfg.path!r} has one transformer (no transformer_2); only 'both' applies")
-    if folder is None:
+    if model_cfg.path == "random":
+        if model_cfg.text_encoder == "pipeline":
+            raise ModelFolderError("model.text_encoder = 'pipeline' needs a pipeline folder; model.path = 'random' "
+                                   "has no text encoders")
+        _one_expert(model_cfg, "model.path = 'random'")
         return
+    folder = _folder(model_cfg)
     if is_pipeline_folder(folder):
         pf = PipelineFolder(folder)
         pf.check_family(model_cfg.family)
@@ -100,6 +96,14 @@ def check_model_path(model_cfg: ModelConfig) -> None:
                     "vae": f"the {pf.pipeline_class}'s VAE ({catalog.VAE_CLASS[pf.family]})"})
         if model_cfg.text_encoder != "hash":
             pf.require(TEXT_COMPONENTS[pf.family])
+        if pf.entry("transformer_2") is not None:
+            pf.require({"transformer_2": f"the {pf.pipeline_class}'s low-noise expert"})
+            ratio = pf.index.get("boundary_ratio")
+            if not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+                raise ModelFolderError(f"{folder / 'model_index.json'}: transformer_2 with boundary_ratio = "
+                                       f"{ratio!r}; expected a number in (0, 1), where the experts switch")
+            return
+        _one_expert(model_cfg, str(folder))
         return
     if (folder / "transformer").is_dir():
         raise ModelFolderError(f"model.path {str(folder)!r} has transformer/ but no model_index.json: "
@@ -110,6 +114,14 @@ def check_model_path(model_cfg: ModelConfig) -> None:
     if model_cfg.text_encoder == "pipeline":
         raise ModelFolderError(f"model.text_encoder = 'pipeline': {str(folder)!r} is a transformer folder, "
                                "it has no text encoders; point model.path at the pipeline folder")
+    _one_expert(model_cfg, str(folder))
+
+
+def _one_expert(model_cfg: ModelConfig, what: str) -> None:
+    """``model.train_experts`` chooses among two experts: a one-transformer model has one."""
+    if model_cfg.train_experts != "both":
+        raise ModelFolderError(f"model.train_experts = {model_cfg.train_experts!r}: {what} has one "
+                               "transformer (no transformer_2); leave it at 'both'")
 
 
 def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu",
@@ -136,7 +148,6 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
     dtype = DTYPES[model_cfg.dtype]
     device = torch.device(device)
     pf: PipelineFolder | None = None
-    transformer_2 = None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if model_cfg.path == "random":
@@ -146,10 +157,8 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
             if is_pipeline_folder(folder):
                 pf = PipelineFolder(folder)
                 transformer = pf.load("transformer", dtype=dtype, frozen=False)
-                if pf.entry("transformer_2") is not None:  # Wan2.2 A14B's low-noise expert
-                    transformer_2 = pf.load("transformer_2", dtype=dtype, frozen=False)
-                    _check_experts(pf, transformer, transformer_2)
-                    transformer_2.to(device=device)
+                if pf.entry("transformer_2") is not None:
+                    transformer = _two_experts(pf, transformer, dtype, model_cfg.train_experts)
             else:
                 transformer = spec.cls.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
         module: torch.nn.Module = transformer  # (diffusers wraps .to, which hides its signature)
@@ -171,49 +180,41 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
                     "with no VAE or text encoders: point model.path at its pipeline folder, or set "
                     "model.text_encoder = 'hash' to train it on the toy encoder and a random linear decoder")
             decoder = PixelDecoder(latent_shape[0])
-        if pf is not None and pf.entry("transformer_2") is not None and pf.index.get("boundary_ratio") is None:
-            raise ModelFolderError(f"{pf.root / 'model_index.json'} lists transformer_2 but no boundary_ratio: "
-                                   "the two experts need the timestep ratio where transformer_2 takes over")
         model = spec.adapter(transformer, encoder=encoder, decoder=decoder, latent_shape=latent_shape,
                              lora_rank=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha,
                              lora_targets=model_cfg.lora_targets,
-                             gradient_checkpointing=model_cfg.gradient_checkpointing, dtype=dtype,
-                             transformer_2=transformer_2, train_experts=model_cfg.train_experts)
-        if pf is not None and family == "wan":  # Wan2.2's pipeline config (model_index.json)
-            _wan22(model, pf)
+                             gradient_checkpointing=model_cfg.gradient_checkpointing, dtype=dtype)
         model.guidance = embedded_guidance or spec.guidance
         if pf is not None:  # a family of several pipelines (FLUX.2-dev, -klein): the folder's own
             model.pipeline_class = pf.pipeline_class
+            if pf.index.get("expand_timesteps"):  # Wan2.2 TI2V: per-token timesteps
+                model.expand_timesteps = True  # type: ignore[attr-defined]
     return model
 
 
-class ExpertMismatchError(ModelFolderError):
-    """A two-expert folder whose ``transformer`` and ``transformer_2`` differ in shape."""
+#: model.train_experts -> the experts a two-expert model trains
+TRAINED_EXPERTS = {"both": ("transformer", "transformer_2"), "high": ("transformer",), "low": ("transformer_2",)}
 
 
-def _check_experts(pf: PipelineFolder, high: torch.nn.Module, low: torch.nn.Module) -> None:
-    shapes_high = {k: tuple(v.shape) for k, v in high.state_dict().items()}
-    shapes_low = {k: tuple(v.shape) for k, v in low.state_dict().items()}
-    if shapes_high != shapes_low:
-        diff = sorted(k for k in shapes_high.keys() | shapes_low.keys() if shapes_high.get(k) != shapes_low.get(k))
-        k = diff[0]
-        raise ExpertMismatchError(
-            f"{pf.root}: transformer/ and transformer_2/ differ in shape ({len(diff)} tensors, e.g. {k}: "
-            f"{shapes_high.get(k)} vs {shapes_low.get(k)}); the two experts must be the same architecture")
+def _two_experts(pf: PipelineFolder, transformer: Any, dtype: torch.dtype, train: str) -> Any:
+    """Wan2.2 A14B's experts as one module (:class:`~digenrl.models.video.WanExperts`); the
+    expert that is not trained is frozen. Experts of different shapes are refused, naming both."""
+    from digenrl.models.video import WanExperts
 
-
-def _wan22(model: DiffusersFlowModel, pf: PipelineFolder) -> None:
-    """Wan2.2's pipeline config onto the Wan adapter: per-token timesteps (TI2V-5B) and the
-    expert boundary (A14B), with the scheduler's ``num_train_timesteps``."""
-    import json
-
-    model.expand_timesteps = bool(pf.index.get("expand_timesteps", False))  # type: ignore[attr-defined]
-    ratio = pf.index.get("boundary_ratio")
-    model.boundary_ratio = None if ratio is None else float(ratio)  # type: ignore[attr-defined]
-    sched = pf.root / "scheduler" / "scheduler_config.json"
-    if sched.is_file():
-        model.num_train_timesteps = int(json.loads(sched.read_text()).get(  # type: ignore[attr-defined]
-            "num_train_timesteps", 1000))
+    transformer_2 = pf.load("transformer_2", dtype=dtype, frozen=False)
+    a, b = transformer.state_dict(), transformer_2.state_dict()
+    differ = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or a[k].shape != b[k].shape)
+    if differ:
+        k = differ[0]
+        raise ModelFolderError(
+            f"{pf.root}: transformer/ and transformer_2/ disagree in shape ({len(differ)} tensors, e.g. "
+            f"{k}: {tuple(a[k].shape) if k in a else 'absent'} vs {tuple(b[k].shape) if k in b else 'absent'}); "
+            "the two experts of a Wan2.2 folder have one architecture")
+    trained = TRAINED_EXPERTS[train]
+    for name, expert in (("transformer", transformer), ("transformer_2", transformer_2)):
+        if name not in trained:
+            expert.requires_grad_(False)
+    return WanExperts(transformer, transformer_2, float(pf.index["boundary_ratio"]), trained=trained)
 
 
 def _cast(transformer: torch.nn.Module, dtype: torch.dtype) -> None:

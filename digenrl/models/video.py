@@ -1,5 +1,6 @@
-"""Video families: Wan2.1 / Wan2.2 (``WanTransformer3DModel``) and HunyuanVideo
-(``HunyuanVideoTransformer3DModel``). Latents are ``(C, F, H, W)``.
+"""Video families: Wan2.1 and Wan2.2 (``WanTransformer3DModel``; A14B's two experts,
+:class:`WanExperts`) and HunyuanVideo (``HunyuanVideoTransformer3DModel``). Latents are
+``(C, F, H, W)``.
 
 Wan (``pipeline_wan.py``): timestep ``sigma * 1000``, text ``encoder_hidden_states`` (umT5,
 zero-padded, no mask, no pooled vector); output is the velocity.
@@ -10,6 +11,8 @@ HunyuanVideo (``pipeline_hunyuan_video.py``): timestep ``sigma * 1000``, text
 """
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
 
 import torch
 
@@ -31,53 +34,30 @@ TINY_HUNYUANVIDEO = dict(
 
 
 class WanModel(DiffusersFlowModel):
-    """Wan2.1 / Wan2.2 text-to-video adapter.
-
-    Wan2.2 TI2V-5B (``expand_timesteps`` in the pipeline config): the timestep goes in per
-    token, ``(B, F * H/2 * W/2)``, as ``WanPipeline`` builds it (its mask is all ones for
-    text-to-video, so every token carries ``sigma * 1000``). Wan2.2 A14B (``transformer_2``
-    and ``boundary_ratio``): a sample whose timestep ``sigma * num_train_timesteps`` is at
-    least ``boundary_ratio * num_train_timesteps`` goes through ``transformer`` (the
-    high-noise expert), the others through ``transformer_2``, the pipeline's own rule.
-    """
+    """Wan text-to-video adapter: Wan2.1, and Wan2.2 A14B's two experts (``transformer`` a
+    :class:`WanExperts`)."""
 
     family = "wan"
     pipeline_class = "WanPipeline"
     expand_timesteps = False
-    """per-token timesteps (Wan2.2 TI2V-5B's pipeline config)"""
-    boundary_ratio: float | None = None
-    """Wan2.2 A14B: where ``transformer_2`` takes over, a fraction of ``num_train_timesteps``"""
-    num_train_timesteps = 1000
+    """Wan2.2 TI2V-5B (the folder's ``expand_timesteps``): the timestep goes to the transformer
+    per token, ``(B, tokens)``, as WanPipeline passes it (every token at the step's timestep
+    when no image is given)"""
 
-    def expert_of(self, sigma: float) -> str:
-        """Which expert denoises at ``sigma``: "high" (``transformer``) or "low" (``transformer_2``)."""
-        if self.transformer_2 is None or self.boundary_ratio is None:
-            return "high"
-        t = torch.tensor(sigma, dtype=torch.float32) * self.num_train_timesteps
-        return "high" if bool(t >= self.boundary_ratio * self.num_train_timesteps) else "low"
+    def expert_of(self, sigma: float) -> str | None:
+        """The expert that denoises at ``sigma`` (two-expert folders), else None."""
+        if isinstance(self.transformer, WanExperts):
+            return self.transformer.expert_of(float(sigma) * 1000)
+        return None
 
     def _forward(self, x: torch.Tensor, sigma_B: torch.Tensor, cond: Cond) -> torch.Tensor:
-        if self.transformer_2 is None or self.boundary_ratio is None:
-            return self._expert(self.transformer, x, sigma_B, cond["prompt_embeds"])
-        # the pipeline compares its float32 scheduler timestep with the boundary
-        high = sigma_B.float() * self.num_train_timesteps >= self.boundary_ratio * self.num_train_timesteps
-        if bool(high.all()):
-            return self._expert(self.transformer, x, sigma_B, cond["prompt_embeds"])
-        if not bool(high.any()):
-            return self._expert(self.transformer_2, x, sigma_B, cond["prompt_embeds"])
-        out = torch.empty_like(x)
-        for mask, expert in ((high, self.transformer), (~high, self.transformer_2)):
-            out[mask] = self._expert(expert, x[mask], sigma_B[mask], cond["prompt_embeds"][mask])
-        return out
-
-    def _expert(self, transformer: torch.nn.Module, x: torch.Tensor, sigma_B: torch.Tensor,
-                text: torch.Tensor) -> torch.Tensor:
-        timestep = sigma_B * 1000
-        if self.expand_timesteps:  # pipeline_wan.py: (mask[0][0][:, ::2, ::2] * t).flatten(), per sample
-            f, h, w = x.shape[2], x.shape[3], x.shape[4]
-            tokens = f * len(range(0, h, 2)) * len(range(0, w, 2))
-            timestep = timestep[:, None].expand(-1, tokens)
-        return transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+        t = sigma_B * 1000
+        if self.expand_timesteps:
+            p_t, p_h, p_w = self.transformer.config.patch_size
+            f, h, w = x.shape[-3:]
+            t = t[:, None].expand(x.shape[0], (f // p_t) * (h // p_h) * (w // p_w))
+        return self.transformer(hidden_states=x, timestep=t,
+                                encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
 
 
 class HunyuanVideoModel(DiffusersFlowModel):
@@ -100,3 +80,80 @@ class HunyuanVideoModel(DiffusersFlowModel):
             encoder_attention_mask=mask, pooled_projections=cond["pooled_embeds"], guidance=guidance,
             return_dict=False,
         )[0]
+
+
+class WanExperts(torch.nn.Module):
+    """Wan2.2 A14B's two experts as one module: ``transformer`` denoises the high-noise steps
+    and ``transformer_2`` the low-noise ones, switching where ``WanPipeline`` does: a row whose
+    timestep (``sigma * 1000``) is at least ``boundary_ratio * 1000`` goes to ``transformer``.
+
+    ``trained`` names the experts this run trains (``model.train_experts``): only they get a
+    LoRA (or have trainable weights), only their weights are synced to rollouts and saved.
+    Their parameters are named ``transformer.*`` and ``transformer_2.*``, as the pipeline's
+    components are, so optimizers, checkpoints and EMAs see one module.
+    """
+
+    SUBFOLDER: ClassVar[dict[str, str]] = {"transformer": "", "transformer_2": "transformer_2"}
+    """Where each expert's weights go in a saved folder (final/): the high-noise expert at the
+    root, as a one-expert model's, the low-noise one in ``transformer_2/`` (diffusers' LoRA
+    loader: ``load_lora_weights(final/transformer_2, load_into_transformer_2=True)``)."""
+
+    def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module, boundary_ratio: float,
+                 trained: tuple[str, ...] = ("transformer", "transformer_2")) -> None:
+        super().__init__()
+        if not 0.0 < boundary_ratio < 1.0:
+            raise ValueError(f"boundary_ratio = {boundary_ratio}: expected a value in (0, 1)")
+        self.transformer: Any = transformer
+        self.transformer_2: Any = transformer_2
+        self.boundary = float(boundary_ratio) * 1000.0
+        self.trained = tuple(trained)
+
+    @property
+    def config(self) -> Any:
+        return self.transformer.config
+
+    def experts(self) -> dict[str, Any]:
+        return {"transformer": self.transformer, "transformer_2": self.transformer_2}
+
+    @property
+    def trained_parts(self) -> dict[str, Any]:
+        """Sync-key prefix -> expert, for the trained experts (models/adapter.py)."""
+        return {f"{name}.": m for name, m in self.experts().items() if name in self.trained}
+
+    def expert_of(self, timestep: float) -> str:
+        """Which expert denoises at ``timestep`` (``sigma * 1000``)."""
+        return "transformer" if timestep >= self.boundary else "transformer_2"
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, **kw: Any) -> tuple[torch.Tensor]:
+        high = timestep.reshape(timestep.shape[0], -1)[:, 0] >= self.boundary
+        if bool(high.all()) or not bool(high.any()):  # one expert for the whole batch
+            expert = self.transformer if bool(high.all()) else self.transformer_2
+            return expert(hidden_states=hidden_states, timestep=timestep, **kw)
+        out = torch.empty_like(hidden_states)
+        pairs: tuple[tuple[torch.Tensor, Any], ...] = ((high, self.transformer), (~high, self.transformer_2))
+        for rows, expert in pairs:
+            sub = {k: v[rows] if torch.is_tensor(v) and v.shape[:1] == rows.shape else v for k, v in kw.items()}
+            out[rows] = expert(hidden_states=hidden_states[rows], timestep=timestep[rows], **sub)[0]
+        return (out,)
+
+    # the part of diffusers' ModelMixin / PeftAdapterMixin the adapter uses, over the experts
+    def add_adapter(self, config: Any) -> None:
+        for name, m in self.experts().items():
+            if name in self.trained:
+                m.add_adapter(config)
+
+    def disable_adapters(self) -> None:
+        for m in self.trained_parts.values():
+            m.disable_adapters()
+
+    def enable_adapters(self) -> None:
+        for m in self.trained_parts.values():
+            m.enable_adapters()
+
+    @property
+    def peft_config(self) -> Any:
+        return next(iter(self.trained_parts.values())).peft_config
+
+    def enable_gradient_checkpointing(self) -> None:
+        for m in self.experts().values():
+            m.enable_gradient_checkpointing()

@@ -10,7 +10,9 @@ other seeds -- sees the same noise for the same prompt. The scores are every val
 :func:`evaluate` returns the metrics row's ``eval/`` entries (the mean of each value, keys in
 docs/metrics.md) and writes, when given a run dir, ``samples/eval_v<version>.png`` (a grid of
 the first :data:`GRID_MAX` samples) and ``eval/v<version>.jsonl`` (one line per sample: prompt
-index, seed, every value), from which per-seed rates and standard errors are computed.
+index, seed, every value), from which per-seed rates and standard errors are computed. With
+several samples per prompt it also reports ``eval/diversity``, how different one prompt's
+samples are from each other (:mod:`digenrl.rl.diversity`).
 
 With an EMA of the weights (``train.ema_decay > 0``), :func:`evaluate_policy` scores the EMA
 (``eval_ema/`` keys, ``samples/eval_ema_v<version>.png``, ``eval_ema/v<version>.jsonl``), the
@@ -33,6 +35,7 @@ from digenrl.core.plan import stable_int
 from digenrl.data.prompts import PromptSet
 from digenrl.fileio import write_text_atomic
 from digenrl.models.base import FlowModel
+from digenrl.rl.diversity import diversity_features, within_prompt_diversity
 from digenrl.rl.rewards import Reward, build_reward
 from digenrl.rl.rewards.video import video_frames
 from digenrl.rl.sampler import rollout, seeded_generators
@@ -108,6 +111,9 @@ def evaluate(model: FlowModel, cfg: Config, test: PromptSet, reward: Reward | No
     prompts = [test.prompts[i] for i, _ in plan]
     values = reward.evaluate(images, prompts, [test.metadata[i] for i, _ in plan])
     metrics: dict[str, Any] = {f"{prefix}/{k}": float(v.double().mean()) for k, v in values.items()}
+    features = diversity_features(cfg, images.device)
+    if features is not None:
+        metrics[f"{prefix}/diversity"] = within_prompt_diversity(features(images), [i for i, _ in plan])
     metrics[f"{prefix}/samples"] = len(plan)
     metrics[f"{prefix}/seconds"] = time.perf_counter() - t0
     k = cfg.eval.samples_per_prompt

@@ -68,7 +68,7 @@ class StepStats:
     passes: int = 0  # forward/backward passes run (sharded ranks keep these equal)
     fragments: list[str] = field(default_factory=list)  # each trained fragment's source label
     nonfinite_loss: list[str] = field(default_factory=list)  # those whose loss was not finite
-    experts: dict[str, int] = field(default_factory=dict)  # two-expert models: expert -> trained passes
+    experts: dict[int, str] = field(default_factory=dict)  # trained step index -> expert (two-expert models)
 
 
 class Learner:
@@ -81,6 +81,8 @@ class Learner:
         self.weights = {t.label or t.name: t.weight for t in cfg.reward.terms}
         """Each reward term's weight, by its name in a commit's ``reward_terms``."""
         self.stats = StepStats()
+        #: a two-expert model (Wan2.2 A14B): each trained timestep's expert goes in the metrics
+        self._two_experts = getattr(policy.model, "expert_of", lambda _s: None)(0.5) is not None
         self.last_discarded: dict[str, int] = {}
         self.skipped_steps = 0
         """Optimizer steps skipped for a non-finite loss or gradient (weights left untouched)."""
@@ -163,6 +165,9 @@ class Learner:
                                          seeds=None if seeds is None else list(seeds)),
                 cond, adv, keep, gen_version=gen_version, batch_size_total=self.cfg.batch_size,
                 n_trained_total=n_trained_total, sigma_max=sigma_max)
+        if n_keep and records and self._two_experts:
+            for t, rec in records.items():
+                st.experts[t] = self.policy.model.expert_of(rec.sigma)  # type: ignore[attr-defined]
         if out:
             if not math.isfinite(float(out.get("loss", 0.0))):
                 st.nonfinite_loss.append(source)
@@ -171,9 +176,6 @@ class Learner:
             st.clipfrac_num += float(out.get("clipfrac", 0.0)) * len(records)
             st.ratio_max_dev = max(st.ratio_max_dev, float(out.get("ratio_max_dev", 0.0)))
             st.n_loss += len(records)
-            for key, passes_of in out.items():
-                if key.startswith("expert/"):
-                    st.experts[key] = st.experts.get(key, 0) + int(passes_of)
             st.passes += len(records)
         ran = len(records) if n_keep and records else 0
         owed = len(records) if passes is None else passes
@@ -218,16 +220,35 @@ class Learner:
         params = self.policy.params  # the float32 masters where the model computes in bf16
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         vote = grads[0].new_full((1,), 1.0 if stop else 0.0)
-        flat = torch.cat([*(g_.reshape(-1) for g_ in grads), vote])
+        experts = self._expert_counts(grads[0])  # two experts: which one each rank's timesteps used
+        flat = torch.cat([*(g_.reshape(-1) for g_ in grads), experts, vote])
         all_reduce(flat)
         if float(flat[-1]) > 0:
             return False
+        if experts.numel():
+            self._set_experts(flat[-1 - experts.numel():-1])
         offset = 0
         for p in params:
             numel = p.numel()
             p.grad = flat[offset:offset + numel].view_as(p).clone()
             offset += numel
         return True
+
+    def _expert_counts(self, like: torch.Tensor) -> torch.Tensor:
+        """(2 T,) this rank's trained timesteps per expert (high-noise, low-noise; T = the
+        sampler's steps), summed over ranks with the gradients; empty for a one-expert model."""
+        if not self._two_experts:
+            return like.new_zeros(0)
+        steps = self.cfg.sampler.num_steps
+        counts = like.new_zeros(2 * steps)
+        for t, name in self.stats.experts.items():
+            counts[t + (0 if name == "transformer" else steps)] += 1
+        return counts
+
+    def _set_experts(self, summed: torch.Tensor) -> None:
+        steps = self.cfg.sampler.num_steps
+        self.stats.experts = {t: "transformer" if float(summed[t]) > 0 else "transformer_2"
+                              for t in range(steps) if float(summed[t]) + float(summed[steps + t]) > 0}
 
     def _spread_nonfinite_loss(self) -> None:
         """A rank whose step loss is not finite makes its gradient so too. The gradient's
@@ -280,7 +301,6 @@ class Learner:
             "max_staleness": max(st.staleness, default=0),
             "mean_staleness": sum(st.staleness) / max(len(st.staleness), 1),
             **{f"staleness/{k}": v for k, v in sorted(st.trained_staleness.items())},
-            **dict(sorted(st.experts.items())),
             "zero_adv_groups": st.zero_adv_groups,
             "trained": st.trained,
             "discarded": sum(st.discarded.values()),
@@ -288,6 +308,8 @@ class Learner:
             "train_seconds": st.train_seconds + time.perf_counter() - t0,
             "skipped_steps": self.skipped_steps,
         }
+        for t, name in sorted(st.experts.items()):  # 0: transformer (high noise), 1: transformer_2
+            metrics[f"expert/t{t}"] = 0 if name == "transformer" else 1
         for k, v in st.reward_terms.items():
             metrics[f"reward/{k}"] = sum(v) / max(len(v), 1)
         for k, v in st.adv_terms.items():

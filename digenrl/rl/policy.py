@@ -91,15 +91,10 @@ class Policy:
             self._ref = copy.copy(model)
             # the copy's own attribute (FlowModel exposes ``transformer`` read-only)
             self._ref.__dict__["transformer"] = copy.deepcopy(model.transformer).requires_grad_(False)
-            if getattr(model, "transformer_2", None) is not None:  # Wan2.2 A14B's second expert
-                low = model.transformer_2  # type: ignore[attr-defined]
-                self._ref.__dict__["transformer_2"] = copy.deepcopy(low).requires_grad_(False)
         #: FSDP2: parameters, gradients and optimizer state are DTensor shards over the trainer
         #: ranks (see digenrl.rl.sharding); every pass must then run in lockstep on all ranks
         self.sharded = shard
         compute = getattr(model, "dtype", torch.float32)
-        if shard and getattr(model, "transformer_2", None) is not None:
-            raise ValueError("model.fsdp with a two-expert model (Wan2.2 A14B): not implemented (docs/limits.md)")
         if shard:
             from digenrl.rl.sharding import shard_transformer
             with torch.no_grad():  # the sharded trained parameters are the float32 masters
@@ -244,16 +239,8 @@ class Policy:
                                                  noise_level=sc.noise_level, eta=sc.eta,
                                                  sigma_max=sigma_max, x_next=x_next).mean
 
-        two_experts = getattr(self.model, "transformer_2", None) is not None  # Wan2.2 A14B
-        expert_of = getattr(self.model, "expert_of", None) if two_experts else None
-        trained_experts = getattr(self.model, "trained_experts", ("high",))
         for t in sorted(records):
             rec = records[t]
-            if expert_of is not None:
-                expert = expert_of(rec.sigma)
-                if expert not in trained_experts:  # model.train_experts leaves this expert frozen
-                    continue
-                totals[f"expert/{expert}"] = totals.get(f"expert/{expert}", 0) + 1
             x_t, x_next, logp_old = tensors(t, rec)
             step: dict[str, Any] = dict(noise_level=sc.noise_level, eta=sc.eta, sigma_max=sigma_max,
                                         x_next=x_next)
@@ -383,9 +370,6 @@ class Policy:
         if not self.has_masters:
             return {}
         index = {id(p): i for i, p in enumerate(self.model_params)}
-        named = getattr(self.model, "named_sync_parameters", None)
-        if named is not None:  # a diffusers adapter: every trained expert's, under its sync key
-            return {k: index[id(p)] for k, p in named() if id(p) in index}
         lora = getattr(self.model, "lora_rank", 0)
         return {(k.replace(".default", "") if lora else k): index[id(p)]
                 for k, p in self.model.transformer.named_parameters() if id(p) in index}

@@ -98,10 +98,9 @@ class SimResult:
 
 def workload_from_config(cfg: Config) -> Workload:
     """The cost-relevant shape of ``cfg`` (trained timesteps from the config; no torch, except
-    that a FLUX.2 folder's transformer config is read to tell dev from klein, a Wan folder's to
-    tell Wan2.2 A14B and TI2V-5B from Wan2.1)."""
+    that a FLUX.2 folder's transformer config is read to tell dev from klein)."""
     model: str = cfg.model.family
-    if model in ("flux2", "wan") and cfg.model.path not in ("random", "emulated", "builtin"):
+    if model == "flux2" and cfg.model.path not in ("random", "emulated"):
         from digenrl.models.meta import cost_model_name
 
         model = cost_model_name(cfg.model)

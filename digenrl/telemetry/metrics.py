@@ -35,7 +35,7 @@ __all__ = ["DOCS_PATH", "MetricsWriter", "MissingExtraError", "StepMetrics", "do
 DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 # Dict-valued fields -> the key prefix of their entries: busy={"trainer-0": .9} -> "busy/trainer-0".
 _DICT_PREFIX = {"reward_terms": "reward", "adv_terms": "adv", "busy": "busy", "gpu_util": "gpu_util",
-                "gpu_mem_used_mb": "gpu_mem_used_mb", "staleness_hist": "staleness", "experts": "expert"}
+                "gpu_mem_used_mb": "gpu_mem_used_mb", "staleness_hist": "staleness"}
 _warned: set[str] = set()  # extra keys already logged (once per process is enough)
 
 _log = structlog.get_logger(__name__)
@@ -84,7 +84,6 @@ class StepMetrics:
     gpu_util: dict[str, float] = field(default_factory=dict)
     gpu_mem_used_mb: dict[str, float] = field(default_factory=dict)
     staleness_hist: dict[str, int] = field(default_factory=dict)
-    experts: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_record(self) -> dict[str, Any]:

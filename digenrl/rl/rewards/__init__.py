@@ -42,6 +42,9 @@ Shapes judges (tiny learned classifiers shipped as package data; :mod:`digenrl.r
                           grammar is a RewardError
 ``shapes_attributes``     the independent eval judge's per-image correctness: a mapping
                           ``shape``, ``colour``, ``background``, ``all`` of 0/1 (for ``[eval]``)
+``shapes_spread``         each sample's mean feature distance to the other samples of its
+                          prompt in the same scoring call (the reward judge's last convolution
+                          map), in [0, 2]: a diversity term
 ========================  ==================================================================
 
 Video (:mod:`digenrl.rl.rewards.video`; any image term also scores each frame with
@@ -116,6 +119,7 @@ for _name, _target in {
     "vlm_judge": "digenrl.rl.rewards.vlm:VLMJudge",
     "shapes_judge": "digenrl.rl.rewards.judge:ShapesJudgeReward",
     "shapes_attributes": "digenrl.rl.rewards.judge:ShapesAttributes",
+    "shapes_spread": "digenrl.rl.rewards.judge:ShapesSpread",
     "temporal_consistency": "digenrl.rl.rewards.video:temporal_consistency",
 }.items():
     register(_name, _target)  # imported when a config names it

@@ -231,3 +231,44 @@ class ShapesAttributes:
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         return attribute_correct(images, prompts, which=self.judge)
+
+
+def spread_per_sample(features_NF: torch.Tensor, groups: Sequence[object]) -> torch.Tensor:
+    """Per row, the mean Euclidean distance between its L2-normalised features and those of the
+    other rows of its group (float64 (N,)); 0 for a row alone in its group."""
+    f = nn.functional.normalize(features_NF.double(), dim=1)
+    keys = list(groups)
+    out = torch.zeros(f.shape[0], dtype=torch.float64)
+    for g in dict.fromkeys(keys):
+        idx = torch.tensor([i for i, k in enumerate(keys) if k == g])
+        if len(idx) > 1:
+            d = torch.cdist(f[idx], f[idx])
+            out[idx] = d.sum(1) / (len(idx) - 1)  # the zero diagonal left out of the mean
+    return out
+
+
+@torch.no_grad()
+def conv_features(images: torch.Tensor, *, which: str) -> torch.Tensor:
+    """A judge's last convolution map of uint8 images, flattened: float32 (B, C * h * w). It
+    keeps where the shape is and how large, which the judge's pooled heads discard."""
+    judge = load_judge(which).eval()
+    parts = [judge.features(to_input(images[i:i + _BATCH].cpu())).flatten(1)
+             for i in range(0, images.shape[0], _BATCH)]
+    return torch.cat(parts).float()
+
+
+class ShapesSpread:
+    """Built-in term ``shapes_spread``: how different each sample is from the other samples of
+    its prompt in the same scoring call (a rollout scores whole groups together): the mean
+    distance of its features to theirs in a judge's last convolution map (``args.judge``,
+    ``"reward"`` by default, so that the evaluation's judge stays independent). In [0, 2]; 0
+    for a sample alone with its prompt. Added to the reward with a small weight it pays a group
+    for spreading its samples' placement and size instead of collapsing on one."""
+
+    def __init__(self, *, judge: str = "reward") -> None:
+        self.judge = judge
+        load_judge(judge)
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        check_images(images, prompts)
+        return spread_per_sample(conv_features(images, which=self.judge), prompts).float()
