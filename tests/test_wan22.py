@@ -221,12 +221,36 @@ def test_a_wan22_folder_generates_what_wan_pipeline_generates(layout: str, folde
     assert (images.int() - expected.int()).abs().max() <= 1
 
 
-def test_a_ti2v_folder_trains_a_lora_at_k0_with_a_first_ratio_of_one(ti2v: Path, tmp_path: Path) -> None:
-    run_dir = _run(tmp_path / "run", ti2v, "model.lora_rank=4")
+def _ti2v_transformer_output(transformer: torch.nn.Module) -> torch.Tensor:
+    """One call of a TI2V transformer as WanPipeline makes it: a per-token timestep (B, tokens)."""
+    x = torch.randn(1, 48, 3, 8, 12, generator=torch.Generator().manual_seed(1))
+    tokens = 3 * (8 // 2) * (12 // 2)  # frames x (H / patch) x (W / patch), patch 1x2x2
+    text = torch.randn(1, MAX_TEXT_TOKENS, transformer.config.text_dim, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        return transformer(hidden_states=x, timestep=torch.full((1, tokens), 500.0), encoder_hidden_states=text,
+                           return_dict=False)[0]
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
+def test_a_ti2v_folder_trains_at_k0_with_a_first_ratio_of_one_and_final_loads(
+        lora_rank: int, ti2v: Path, tmp_path: Path) -> None:
+    from diffusers import WanTransformer3DModel
+
+    run_dir = _run(tmp_path / "run", ti2v, f"model.lora_rank={lora_rank}")
     rows = read_metrics(run_dir)
     assert len(rows) == 2 and all(r["ratio_max_dev"] == 0.0 for r in rows)  # same instance recomputes
     assert not any(k.startswith("expert/") for r in rows for k in r)  # one expert
-    assert (run_dir / "final" / "pytorch_lora_weights.safetensors").is_file()
+    final = run_dir / "final"
+    pipe = load_pipeline(ti2v)
+    before = _ti2v_transformer_output(pipe.transformer)
+    if lora_rank:
+        pipe.load_lora_weights(final)
+        after = _ti2v_transformer_output(pipe.transformer)
+    else:
+        assert not (final / "pytorch_lora_weights.safetensors").exists()
+        after = _ti2v_transformer_output(WanTransformer3DModel.from_pretrained(final))
+    assert after.shape == before.shape
+    assert not torch.allclose(after, before)  # the trained weights change the pipeline's transformer output
 
 
 def test_the_planner_prices_a14b_as_two_experts_and_ti2v_as_the_5b(folder: Path, ti2v: Path, tmp_path: Path) -> None:
