@@ -170,6 +170,39 @@ def test_a_merged_export_holds_both_trained_experts_and_loads_without_peft(lora_
         torch.testing.assert_close(ours.velocity(x, sigma, cond), want.float(), rtol=1e-4, atol=1e-5)
 
 
+def test_an_unmerged_export_loads_each_experts_lora_into_wan_pipeline(lora_run: Path, tmp_path: Path) -> None:
+    """``digenrl export`` without --merge: the base pipeline with one LoRA file per expert,
+    loaded as diffusers loads Wan2.2 LoRAs, computes what the adapter computes."""
+    from diffusers import WanPipeline
+    from safetensors.torch import load_file
+
+    from digenrl.export import export_run
+
+    out = tmp_path / "export"
+    assert export_run(lora_run, out, merge=False, ema=False)["merged"] is False
+    assert (out / "transformer_2" / "pytorch_lora_weights.safetensors").is_file()
+    pipe = WanPipeline.from_pretrained(out, local_files_only=True)
+    ours = build_model(ModelConfig(family="wan", path=str(load_config(lora_run / "config.toml").model.path),
+                                   lora_rank=4, max_text_tokens=MAX_TEXT_TOKENS, **SMALL))
+    ours.load_sync_state_dict(load_file(lora_run / "final" / "policy.safetensors"))
+    cond = ours.encode_prompts(["a red fox"])
+    x = torch.randn(1, *ours.latent_shape, generator=torch.Generator().manual_seed(4))
+
+    def pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        with torch.no_grad():
+            return [(ours.velocity(x, sigma, cond),
+                     expert(hidden_states=x, timestep=torch.tensor([sigma * 1000]),
+                            encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0].float())
+                    for sigma, expert in ((0.95, pipe.transformer), (0.4, pipe.transformer_2))]
+
+    assert all(not torch.allclose(got, want, rtol=1e-4, atol=1e-5) for got, want in pairs())  # base alone
+    pipe.load_lora_weights(out)
+    pipe.load_lora_weights(out / "transformer_2", load_into_transformer_2=True)
+    for got, want in pairs():
+        # the same LoRA weights in two module instances: a tolerance, not bits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_two_tsp_trainer_ranks_report_every_trained_timesteps_expert(folder: Path, tmp_path: Path) -> None:
     """digenrl mode, real processes: with TSP each rank trains its own step indices; the
