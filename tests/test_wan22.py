@@ -223,6 +223,27 @@ def ti2v(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_pipeline_folder("wan22-ti2v", tmp_path_factory.mktemp("ti2v") / "pipe")
 
 
+def test_a_ti2v_velocity_is_the_pipelines_transformer_call_on_per_token_timesteps(ti2v: Path) -> None:
+    """The timestep as WanPipeline builds it with expand_timesteps (pipeline_wan.py: a ones
+    mask of the latent's shape, ``(mask[0][0][:, ::2, ::2] * t).flatten()`` expanded over the
+    batch) against the adapter's velocity, row by row at two sigmas."""
+    model = _model(ti2v)
+    pipe = load_pipeline(ti2v)
+    cond = model.encode_prompts(["a red fox", "a blue bird"])
+    x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(5))
+    sigmas = torch.tensor([0.9, 0.3])
+    with torch.no_grad():
+        v = model.velocity(x, sigmas, cond)
+        mask = torch.ones(x.shape)
+        for i in range(2):
+            t = sigmas[i] * 1000
+            timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(1, -1)
+            want = pipe.transformer(hidden_states=x[i:i + 1], timestep=timestep,
+                                    encoder_hidden_states=cond["prompt_embeds"][i:i + 1], return_dict=False)[0]
+            # two module instances (ours and the pipeline's): a tolerance, not bits
+            torch.testing.assert_close(v[i:i + 1], want.float(), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["a14b", "ti2v"])
 def test_a_wan22_folder_generates_what_wan_pipeline_generates(layout: str, folder: Path, ti2v: Path) -> None:
     """Our steps against WanPipeline's own call on the same prompts and noise: A14B's switch of
