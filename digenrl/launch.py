@@ -256,6 +256,10 @@ def check_expert_timesteps(cfg: Config) -> None:
     if not isinstance(ratio, (int, float)):
         return  # a one-expert folder: check_model_path refuses train_experts there
     sc, tc = cfg.sampler, cfg.train
+    if tc.algorithm != "grpo":  # nft / awm train at noise levels drawn over the whole range
+        raise ConfigError(f"model.train_experts = {cfg.model.train_experts!r} with train.algorithm = "
+                          f"{tc.algorithm!r}: its noise levels span both experts; train both ('both') "
+                          "or use grpo with a window inside one expert's steps")
     sigmas = sigma_schedule(sc.num_steps, sc.shift).tolist()[:-1]
     high = [i for i, s in enumerate(sigmas) if s * 1000 >= ratio * 1000]
     ours = high if cfg.model.train_experts == "high" else [i for i in range(sc.num_steps) if i not in high]

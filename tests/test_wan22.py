@@ -121,6 +121,8 @@ def test_a_full_run_of_the_low_expert_saves_it_apart_and_leaves_the_high_one(fol
 
     with pytest.raises(ConfigError, match=r"indices \[0, 1\], which the other expert denoises.*2..3"):
         _run(tmp_path / "refused", folder, "model.train_experts=\"low\"", steps=1)  # 'all' steps
+    with pytest.raises(ConfigError, match=r"train.algorithm = 'nft': its noise levels span both experts"):
+        _run(tmp_path / "nft", folder, "model.train_experts=\"low\"", 'train.algorithm="nft"', steps=1)
     run_dir = _run(tmp_path / "run", folder, "model.train_experts=\"low\"", 'train.timesteps="window"',
                    "train.window_lo=2", "train.window_size=2", "train.window_hi=4", steps=1)
     final = run_dir / "final"
