@@ -195,6 +195,11 @@ class StepBatcher:
         self.pending.append(_Trajectories(key=key, x=x, cond=cond, generators=gens,
                                           grid=step_grid(s.num_steps, noisy, s.ode_compress), noisy=noisy))
 
+    def remove(self, key: Hashable) -> None:
+        """Drop a fragment (revoked), in flight or waiting; its rows free at the next step."""
+        self.pending = [t for t in self.pending if t.key != key]
+        self.active = [t for t in self.active if t.key != key]
+
     @property
     def rows_in_flight(self) -> int:
         return sum(t.rows for t in self.active)
