@@ -6,6 +6,7 @@
 One invocation runs, one after another on the same (2-core) machine and the same config:
   digenrl          1 rollout + 1 trainer process, one thread each, TAG off
   digenrl+tag      the same with TAG on (BTS admission)
+  digenrl+batch    digenrl with step-level batching (sampler.max_batch: a step's fragments share forwards)
   disagg-sync      1 rollout + 1 trainer process, one thread each
   colocated-2thr   one process on two threads
   colocated-2rank  two ranks (gloo), one thread each
@@ -124,6 +125,9 @@ def main() -> int:
     plan = {
         "digenrl": ("digenrl", ["runtime.tag=never", "run.threads=1"]),
         "digenrl+tag": ("digenrl", ["runtime.tag=bts", "run.threads=1"]),
+        # step-level batching: every fragment of a step in one forward (rl/batching.py)
+        "digenrl+batch": ("digenrl", ["runtime.tag=never", "run.threads=1", "sampler.max_batch=4096",
+                                      "sampler.cond_cache_mb=256"]),
         "disagg-sync": ("disagg-sync", ["run.threads=1"]),
         "colocated-2thr": ("colocated", ["run.threads=2", "cluster.trainers=1"]),
         "colocated-2rank": ("colocated", ["run.threads=1", "cluster.trainers=2"]),
@@ -170,6 +174,8 @@ def main() -> int:
             print(f"both alone at once (no messages): rollout {a['rollout_beside_trainer_step_s']:.3f} "
                   f"s/step, trainer {a['trainer_beside_rollout_step_s']:.3f} s/step", flush=True)
     ratios = {}
+    if "digenrl" in res and "digenrl+batch" in res:
+        ratios["digenrl+batch / digenrl"] = res["digenrl+batch"]["samples_per_s"] / res["digenrl"]["samples_per_s"]
     if "digenrl" in res and "disagg-sync" in res:
         ratios["digenrl / disagg-sync"] = res["digenrl"]["samples_per_s"] / res["disagg-sync"]["samples_per_s"]
     colo = [res[k]["samples_per_s"] for k in ("colocated-2thr", "colocated-2rank") if k in res]

@@ -77,6 +77,18 @@ class RolloutActor(Actor):
         """The version of the weights in the model (applied at trajectory boundaries)."""
         return self.follower.version
 
+    def heartbeat_stats(self) -> dict[str, float]:
+        """The actor's stats, plus step-batching occupancy when ``sampler.max_batch > 0``:
+        ``batch_forwards``, ``batch_rows_per_forward`` (trajectory rows one denoiser forward
+        carried, mean so far) and ``batch_fragments_in_flight`` (now)."""
+        out = super().heartbeat_stats()
+        engine = self.streamer.engine
+        if engine is not None:
+            out.update(batch_forwards=float(engine.stats.forwards),
+                       batch_rows_per_forward=engine.stats.rows_per_forward,
+                       batch_fragments_in_flight=float(engine.in_flight))
+        return out
+
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Weights the follower fetched and verified, into the model (on the compute thread)."""
         self.model.load_sync_state_dict(sd)
