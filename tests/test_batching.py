@@ -182,3 +182,89 @@ def test_a_launch_with_step_batching_trains_the_same_update_as_one_fragment_at_a
     assert runs["one"].keys() == runs["batched"].keys()
     for k in runs["one"]:
         torch.testing.assert_close(runs["batched"][k], runs["one"][k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_a_compile_failure_falls_back_to_eager_and_logs_the_reason(model):
+    """An unknown backend fails at torch.compile: the batcher runs eager (bit-exact with the
+    uncompiled one: same process, same inputs, same code path) and says why, once."""
+    from digenrl.rl.batching import Denoiser
+
+    told: list[tuple[str, dict]] = []
+    den = Denoiser(model, compile=True, max_rows=8, backend="no-such-backend",
+                   log=lambda event, **kw: told.append((event, kw)))
+    assert den.compiled is None and "no-such-backend" in den.fallback
+    assert len(told) == 1 and told[0][0] == "compile_fallback" and "no-such-backend" in told[0][1]["reason"]
+    cfg = _cfg()
+    b = StepBatcher(model, cfg.sampler, max_batch=8, denoiser=den)
+    e = StepBatcher(model, cfg.sampler, max_batch=8)
+    for bb in (b, e):
+        bb.add(0, bb.encode(FRAGMENTS[0][0], GROUP), FRAGMENTS[0][1], {0, 1})
+    while len(b):
+        (_, r1, _), (_, r2, _) = b.step()[0], e.step()[0]
+        assert torch.equal(r1.x_next, r2.x_next) and torch.equal(r1.log_prob, r2.log_prob)
+
+
+def test_compile_config_needs_the_step_batcher():
+    with pytest.raises(ConfigError, match=r"sampler\.compile = true"):
+        _cfg("sampler.compile=true")
+    assert _cfg("sampler.compile=true", "sampler.max_batch=4").sampler.compile
+
+
+def test_rows_are_padded_to_power_of_two_buckets():
+    from digenrl.rl.batching import bucket
+    assert [bucket(r, 8) for r in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert bucket(6, 6) == 6 and bucket(7, 5) == 7
+
+
+def test_bucketed_rows_compile_once_per_bucket_as_fragments_come_and_go(model):
+    """A counting dynamo backend (graphs traced, run as traced: no inductor, so cheap): with
+    fragments of 2 rows joining every other step and leaving after 4, the forward sees 2 and
+    4 rows, and dynamo traces a graph per shape and adapter state, not per step."""
+    import torch._dynamo
+
+    from digenrl.rl.batching import Denoiser
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(example_inputs[0].shape if example_inputs else None)
+        return gm.forward
+
+    cfg = _cfg()
+    den = Denoiser(model, compile=True, max_rows=6, backend=counting)
+    records = 0
+    b = StepBatcher(model, cfg.sampler, max_batch=6, denoiser=den)
+    waiting = list(enumerate(FRAGMENTS))
+    tick = 0
+    while waiting or len(b):
+        if waiting and tick % 2 == 0:
+            n, (prompts, seeds) = waiting.pop(0)
+            b.add(n, b.encode(prompts, GROUP), seeds, {0, 1})
+        records += len(b.step())
+        tick += 1
+    assert den.fallback == "" and records == len(FRAGMENTS) * STEPS
+    # 13 forwards of 2 or 4 rows (the last step, the base model's tail, apart: adapter off);
+    # graphs: one per (bucket, adapter state) seen: 2 on, 4 on, 2 off
+    assert b.stats.forwards == 13 and sorted(g[0] for g in graphs) == [2, 2, 4]
+
+
+@pytest.mark.slow  # ~75 s on a 2-core CPU: inductor compiles the tiny transformer
+def test_the_compiled_batcher_on_cpu_inductor_matches_eager(model):
+    """torch.compile with the inductor backend on this CPU: fused kernels round differently,
+    so the compiled trajectory agrees with the eager one to 1e-4."""
+    import torch._dynamo
+
+    from digenrl.rl.batching import Denoiser
+
+    torch._dynamo.reset()
+    cfg = _cfg()
+    den = Denoiser(model, compile=True, max_rows=2)
+    b = StepBatcher(model, cfg.sampler, max_batch=2, denoiser=den)
+    e = StepBatcher(model, cfg.sampler, max_batch=2)
+    for bb in (b, e):
+        bb.add(0, bb.encode(FRAGMENTS[0][0], GROUP), FRAGMENTS[0][1], {0, 1})
+    while len(b):
+        (_, r1, _), (_, r2, _) = b.step()[0], e.step()[0]
+        assert den.fallback == ""
+        torch.testing.assert_close(r1.x_next, r2.x_next, atol=1e-4, rtol=0)

@@ -29,7 +29,7 @@ import torch
 from digenrl.config import Config
 from digenrl.faults import poison
 from digenrl.models.base import FlowModel
-from digenrl.rl.batching import BatcherStats, CondCache, StepBatcher
+from digenrl.rl.batching import BatcherStats, CondCache, Denoiser, StepBatcher
 from digenrl.rl.fragment import FragmentJob, FragmentResult
 from digenrl.transport.staging import DeviceToHost
 
@@ -49,14 +49,18 @@ class StepEngine:
     """Fragments in flight on one node, stepped together; see the module doc.
 
     ``submit(name, fn)`` queues ``fn`` on the holder's compute thread; ``stager`` stages a
-    chunk's tensors in pooled host buffers; ``clock`` is the trace's ns clock.
+    chunk's tensors in pooled host buffers; ``clock`` is the trace's ns clock; ``log`` is told
+    of a compile fallback (``sampler.compile``).
     """
 
     def __init__(self, *, model: FlowModel, cfg: Config, submit: Callable[..., asyncio.Future[Any]],
-                 stager: DeviceToHost, clock: Callable[[], int], span: str) -> None:
+                 stager: DeviceToHost, clock: Callable[[], int], span: str,
+                 log: Callable[..., Any] | None = None) -> None:
         s = cfg.sampler
         cache = CondCache(s.cond_cache_mb << 20) if s.cond_cache_mb else None
-        self.batcher = StepBatcher(model, s, max_batch=s.max_batch, cond_cache=cache)
+        rows = s.max_batch * (2 if s.guidance_scale != 1.0 else 1)
+        self.batcher = StepBatcher(model, s, max_batch=s.max_batch, cond_cache=cache,
+                                   denoiser=Denoiser(model, compile=s.compile, max_rows=rows, log=log))
         self.cfg = cfg
         self.submit = submit
         self.stager = stager

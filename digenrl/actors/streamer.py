@@ -101,7 +101,8 @@ class FragmentStreamer:
         """The step-level batcher of ``model`` (``sampler.max_batch > 0``; actors/stepengine.py)."""
         if self.engine is None or self.engine.model is not model:
             self.engine = StepEngine(model=model, cfg=self.cfg, submit=self.submit,
-                                     stager=self._stager(model), clock=self.recorder.now_ns, span=self.span)
+                                     stager=self._stager(model), clock=self.recorder.now_ns, span=self.span,
+                                     log=self.log.warning)
         return self.engine
 
     async def generate_and_stream(self, task: Assign, model: FlowModel, version: int) -> bool:

@@ -18,6 +18,11 @@ yields them.
 and steps, least recently used first out, bounded by bytes. Text encoders are frozen (only
 the transformer trains), so a cached row stays valid across policy versions.
 
+``sampler.compile``: the forward goes through ``torch.compile`` (:class:`Denoiser`), rows padded
+to power-of-two buckets so a changing number of fragments in flight does not recompile every
+step; any failure to compile is logged (``compile_fallback`` with the reason) and the batcher
+runs eager.
+
 Sans threads: the caller (a rollout's compute thread, a benchmark) drives :meth:`step`.
 """
 
@@ -25,9 +30,11 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import structlog
 import torch
 
 from digenrl.config import SamplerConfig
@@ -101,6 +108,67 @@ class CondCache:
                 "misses": self.misses, "evictions": self.evictions}
 
 
+def bucket(rows: int, cap: int) -> int:
+    """The compiled forward's row count for ``rows``: the next power of two, at most ``cap``
+    (and never below ``rows``), so a compiled forward sees at most log2(cap) + 2 shapes."""
+    return max(rows, min(cap, 1 << (rows - 1).bit_length()))
+
+
+def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t if t.shape[0] == n else torch.cat([t, t[:1].expand(n - t.shape[0], *t.shape[1:])])
+
+
+class Denoiser:
+    """``model.velocity``, through ``torch.compile`` when ``compile`` (see the module doc).
+
+    Compiled, each call's rows are padded (repeating the first row) to :func:`bucket` of
+    ``max_rows`` and the padding's outputs dropped, so shapes repeat; on CUDA the forward runs
+    under ``sdpa_kernel`` preferring flash, then cuDNN attention. A failure to compile (at
+    ``torch.compile`` or at the first compiled call) leaves it eager for good: ``fallback``
+    holds the reason, and ``log(event, reason=...)`` is told once.
+    """
+
+    def __init__(self, model: FlowModel, *, compile: bool, max_rows: int,
+                 backend: str | Callable[..., Any] = "inductor",
+                 log: Callable[..., Any] | None = None) -> None:
+        self.model = model
+        self.max_rows = max_rows
+        self.log = log or structlog.get_logger("digenrl.rl.batching").warning
+        self.fallback = ""
+        self.compiled: Callable[..., torch.Tensor] | None = None
+        if compile:
+            try:
+                self.compiled = torch.compile(model.velocity, backend=backend, dynamic=False)
+            except Exception as err:  # an unknown backend, a torch without dynamo: run eager
+                self._fall_back(err)
+
+    def _fall_back(self, err: BaseException) -> None:
+        self.compiled = None
+        self.fallback = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        self.log("compile_fallback", reason=self.fallback, to="eager")
+
+    def _kernels(self, x: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+        if x.device.type != "cuda":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                            SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], set_priority=True)
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
+        if self.compiled is None:
+            return self.model.velocity(x, sigma, cond)
+        b = x.shape[0]
+        n = bucket(b, max(self.max_rows, b))
+        try:
+            with self._kernels(x):
+                v = self.compiled(_pad_rows(x, n), _pad_rows(sigma, n),
+                                  {k: _pad_rows(c, n) for k, c in cond.items()})
+        except Exception as err:  # the compile happens at the first call: fall back to eager
+            self._fall_back(err)
+            return self.model.velocity(x, sigma, cond)
+        return v[:b]
+
+
 @dataclass
 class _Trajectories:
     """One fragment's rows in the batcher: where they are on the step grid."""
@@ -142,7 +210,7 @@ class StepBatcher:
     """
 
     def __init__(self, model: FlowModel, sampler_cfg: SamplerConfig, *, max_batch: int,
-                 cond_cache: CondCache | None = None) -> None:
+                 cond_cache: CondCache | None = None, denoiser: Denoiser | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch = {max_batch}: expected at least 1 row")
         s = sampler_cfg
@@ -153,6 +221,8 @@ class StepBatcher:
         self.cfg = s
         self.max_batch = max_batch
         self.cond_cache = cond_cache
+        rows = max_batch * (2 if s.guidance_scale != 1.0 else 1)  # CFG: [uncond; cond]
+        self.denoiser = denoiser or Denoiser(model, compile=s.compile, max_rows=rows)
         self.wire = resolve_wire_dtype(s.wire_dtype)
         self.sigmas = sigma_schedule(s.num_steps, s.shift).tolist()
         self.tail_from = s.num_steps - s.base_tail
@@ -237,7 +307,7 @@ class StepBatcher:
             with torch.no_grad(), (self.model.adapter_disabled() if tail  # type: ignore[attr-defined]
                                    else contextlib.nullcontext()):
                 v_all = guided_velocity(self.model, x, sig, cond, guidance_scale=s.guidance_scale,
-                                        uncond=self.uncond)
+                                        uncond=self.uncond, velocity=self.denoiser)
             self.stats.forwards += 1
             self.stats.rows += x.shape[0]
             for t, v in zip(trajs, v_all.split([t.rows for t in trajs]), strict=True):
