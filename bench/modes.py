@@ -1,7 +1,7 @@
 """Modes side by side on this machine: digenrl vs disagg-sync vs colocated, plus each role alone.
 
     python bench/modes.py [--steps 12] [--repeats 3] [--config PATH] [--set key=value ...]
-                          [--only NAME ...]
+                          [--only NAME ...] [--max-batch ROWS]
 
 One invocation runs, one after another on the same (2-core) machine and the same config:
   digenrl          1 rollout + 1 trainer process, one thread each, TAG off
@@ -118,6 +118,8 @@ def main() -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-batch", type=int, default=4096,
+                    help="sampler.max_batch of the digenrl+batch variant (trajectory rows per forward)")
     args = ap.parse_args()
     # no held-out evaluation (the default evaluates 640 samples at version 0, inside the
     # measured window, on trainer rank 0 in one mode and the only process in another)
@@ -126,7 +128,7 @@ def main() -> int:
         "digenrl": ("digenrl", ["runtime.tag=never", "run.threads=1"]),
         "digenrl+tag": ("digenrl", ["runtime.tag=bts", "run.threads=1"]),
         # step-level batching: every fragment of a step in one forward (rl/batching.py)
-        "digenrl+batch": ("digenrl", ["runtime.tag=never", "run.threads=1", "sampler.max_batch=4096",
+        "digenrl+batch": ("digenrl", ["runtime.tag=never", "run.threads=1", f"sampler.max_batch={args.max_batch}",
                                       "sampler.cond_cache_mb=256"]),
         "disagg-sync": ("disagg-sync", ["run.threads=1"]),
         "colocated-2thr": ("colocated", ["run.threads=2", "cluster.trainers=1"]),
