@@ -17,8 +17,9 @@ contenders run interleaved (A B C A B C ...), each figure is the median over ``-
   batch, steps and size; ``output_type="pt"``). The shipped SD3 base is a transformer folder
   only (no pipeline to call), so only the FLUX case has this one.
 
-Keys: ``rollout_over_pipeline`` = fragment samples/s / pipeline samples/s (target >= 1.0),
-``batched_over_fragment`` = batched / fragment (target >= 1.3), per case.
+``--json``: per case (``sd3``, ``flux256``) ``rollout_over_pipeline`` = fragment samples/s /
+pipeline samples/s (target >= 1.0), ``batched_over_fragment`` = batched / fragment (target
+>= 1.3), and each contender's samples/s.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def run_pipeline(pipe, cfg, frags, h: int, w: int) -> int:
     return sum(len(s) for _, s in frags)
 
 
-def case(name: str, folder: Path, family: str, size: int | None, args) -> dict[str, float]:
+def case(folder: Path, size: int | None, args) -> dict[str, float]:
     from tests.pipelines import load_pipeline
 
     sets = [f"sampler.num_steps={args.steps}", "train.prompts_per_step=4",
@@ -111,11 +112,11 @@ def case(name: str, folder: Path, family: str, size: int | None, args) -> dict[s
             n = fn()
             times[key].append(n / (time.perf_counter() - t0))
     sps = {k: statistics.median(v) for k, v in times.items() if v}
-    out = {f"{name}_{k}_samples_per_s": v for k, v in sps.items()}
+    out: dict[str, float] = {f"{k}_samples_per_s": v for k, v in sps.items()}
     if pipe is not None:
-        out[f"{name}_rollout_over_pipeline"] = sps["fragment"] / sps["pipeline"]
-    out[f"{name}_batched_over_fragment"] = sps["batched"] / sps["fragment"]
-    out[f"{name}_pixels"] = h * w
+        out["rollout_over_pipeline"] = sps["fragment"] / sps["pipeline"]
+    out["batched_over_fragment"] = sps["batched"] / sps["fragment"]
+    out["pixels"] = float(h * w)
     return out
 
 
@@ -131,18 +132,19 @@ def main() -> None:
     from digenrl.models.registry import builtin_folder
     from tests.pipelines import write_pipeline_folder
 
-    res: dict[str, float] = {}
+    res: dict[str, dict[str, float]] = {}
     if args.only in (None, "sd3"):
-        res.update(case("sd3", builtin_folder("sd3"), "sd3", None, args))
+        res["sd3"] = case(builtin_folder("sd3"), None, args)
     if args.only in (None, "flux"):
         with tempfile.TemporaryDirectory() as tmp:
             folder = write_pipeline_folder("flux", Path(tmp) / "flux")
-            res.update(case("flux256", folder, "flux", 256, args))
+            res["flux256"] = case(folder, 256, args)
     if args.json:
         print(json.dumps(res, indent=1))
     else:
-        for k, v in res.items():
-            print(f"{k:40s} {v:10.3f}")
+        for name, figures in res.items():
+            for k, v in figures.items():
+                print(f"{name:8s} {k:32s} {v:10.3f}")
 
 
 if __name__ == "__main__":
