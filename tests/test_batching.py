@@ -268,3 +268,72 @@ def test_the_compiled_batcher_on_cpu_inductor_matches_eager(model):
         (_, r1, _), (_, r2, _) = b.step()[0], e.step()[0]
         assert den.fallback == ""
         torch.testing.assert_close(r1.x_next, r2.x_next, atol=1e-4, rtol=0)
+
+
+def test_the_step_engine_streams_each_fragment_in_order_and_a_halted_one_stops_alone(model):
+    """The rollout's StepEngine on a real compute thread: three fragments join (the third two
+    steps late), fragment 1 is halted after its first chunk; 0 and 2 get every trained step's
+    chunk in order, equal to the unbatched records, and a result; 1 gets None and stops."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from digenrl.actors.stepengine import StepEngine
+    from digenrl.rl.fragment import FragmentJob
+    from digenrl.transport.staging import DeviceToHost
+
+    cfg = _cfg("sampler.max_batch=8")
+    pool = ThreadPoolExecutor(max_workers=1)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        engine = StepEngine(model=model, cfg=cfg, submit=lambda name, fn: loop.run_in_executor(pool, fn),
+                            stager=DeviceToHost("cpu"), clock=lambda: 0, span="denoise_step")
+        queues = {n: asyncio.Queue() for n in range(3)}
+        halts = {n: threading.Event() for n in range(3)}
+        futs = {}
+
+        def join(n):
+            prompts, seeds = FRAGMENTS[n]
+            job = FragmentJob(model=model, cfg=cfg, prompts=prompts, seeds=seeds, sde_steps=[0, 1],
+                              trained_steps=[0, 1], reward_fn=None)
+            def hand(item, q=queues[n]):
+                if n == 1 and item is not None and item[3] is not None:
+                    halts[1].set()  # as a Revoke would, deterministically right after its first chunk
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            futs[n] = engine.join(n, job, nan=False, halt=halts[n], finish=lambda j: j.finish(), hand=hand)
+        join(0)
+        join(1)
+        chunks: dict[int, list] = {0: [], 1: [], 2: []}
+
+        async def drain(n):
+            while (item := await queues[n].get()) is not None:
+                if item[3] is not None:
+                    index, _, _, staged = item[3]
+                    await staged.wait_ready()
+                    chunks[n].append((index, [t.clone() for t in staged.tensors]))
+                    staged.release()
+                    if n == 0 and index == 1 and 2 not in futs:
+                        join(2)  # two steps late: it joins the batch at the next step
+                        joined.set()
+        joined = asyncio.Event()
+        drains = [asyncio.create_task(drain(n)) for n in (0, 1)]
+        await joined.wait()
+        drains.append(asyncio.create_task(drain(2)))
+        await asyncio.gather(*drains)
+        results = {n: await f for n, f in futs.items()}
+        await engine.wait_idle()
+        return chunks, results, engine
+
+    chunks, results, engine = asyncio.run(go())
+    pool.shutdown()
+    assert results[1] is None and len(chunks[1]) == 1
+    assert engine.in_flight == 0 and len(engine.batcher) == 0
+    ref = {n: _unbatched(model, cfg, *FRAGMENTS[n], {0, 1}) for n in (0, 2)}
+    for n in (0, 2):
+        assert results[n] is not None and results[n].images.shape[0] == GROUP
+        assert [i for i, _ in chunks[n]] == [0, 1]
+        for (i, (_, x_next, lp)), rec in zip(chunks[n], ref[n][:2], strict=True):
+            assert i == rec.index
+            torch.testing.assert_close(x_next, rec.x_next, atol=ATOL, rtol=0)
+            torch.testing.assert_close(lp, rec.log_prob, atol=LP_ATOL, rtol=0)
