@@ -1,11 +1,12 @@
 """Modes side by side on this machine: digenrl vs disagg-sync vs colocated, plus each role alone.
 
     python bench/modes.py [--steps 12] [--repeats 3] [--config PATH] [--set key=value ...]
-                          [--only NAME ...]
+                          [--only NAME ...] [--max-batch ROWS]
 
 One invocation runs, one after another on the same (2-core) machine and the same config:
   digenrl          1 rollout + 1 trainer process, one thread each, TAG off
   digenrl+tag      the same with TAG on (BTS admission)
+  digenrl+batch    digenrl with step-level batching (sampler.max_batch: a step's fragments share forwards)
   disagg-sync      1 rollout + 1 trainer process, one thread each
   colocated-2thr   one process on two threads
   colocated-2rank  two ranks (gloo), one thread each
@@ -117,6 +118,8 @@ def main() -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-batch", type=int, default=4096,
+                    help="sampler.max_batch of the digenrl+batch variant (trajectory rows per forward)")
     args = ap.parse_args()
     # no held-out evaluation (the default evaluates 640 samples at version 0, inside the
     # measured window, on trainer rank 0 in one mode and the only process in another)
@@ -124,6 +127,9 @@ def main() -> int:
     plan = {
         "digenrl": ("digenrl", ["runtime.tag=never", "run.threads=1"]),
         "digenrl+tag": ("digenrl", ["runtime.tag=bts", "run.threads=1"]),
+        # step-level batching: every fragment of a step in one forward (rl/batching.py)
+        "digenrl+batch": ("digenrl", ["runtime.tag=never", "run.threads=1", f"sampler.max_batch={args.max_batch}",
+                                      "sampler.cond_cache_mb=256"]),
         "disagg-sync": ("disagg-sync", ["run.threads=1"]),
         "colocated-2thr": ("colocated", ["run.threads=2", "cluster.trainers=1"]),
         "colocated-2rank": ("colocated", ["run.threads=1", "cluster.trainers=2"]),
@@ -170,6 +176,8 @@ def main() -> int:
             print(f"both alone at once (no messages): rollout {a['rollout_beside_trainer_step_s']:.3f} "
                   f"s/step, trainer {a['trainer_beside_rollout_step_s']:.3f} s/step", flush=True)
     ratios = {}
+    if "digenrl" in res and "digenrl+batch" in res:
+        ratios["digenrl+batch / digenrl"] = res["digenrl+batch"]["samples_per_s"] / res["digenrl"]["samples_per_s"]
     if "digenrl" in res and "disagg-sync" in res:
         ratios["digenrl / disagg-sync"] = res["digenrl"]["samples_per_s"] / res["disagg-sync"]["samples_per_s"]
     colo = [res[k]["samples_per_s"] for k in ("colocated-2thr", "colocated-2rank") if k in res]

@@ -211,6 +211,19 @@ class SamplerConfig:
         "training rollouts and in evaluation alike: the fine detail the untrained last steps draw "
         "stays the base's instead of drifting (docs/judge.md). LoRA only; no trained step "
         "may fall in the tail", ge=0)
+    max_batch: int = _f(
+        0, "step-level batching (rl/batching.py StepBatcher): trajectories of several fragments, "
+        "each at its own timestep, share one denoiser forward of up to this many rows; fragments "
+        "join whole, so at least one fragment's rows (prompts per fragment x group_size). "
+        "0 = off (one fragment at a time)", ge=0, le=1 << 20)
+    compile: bool = _f(
+        False, "the step batcher's denoiser forward through torch.compile (rows padded to power-of-two "
+        "buckets so it compiles once per bucket; on a GPU the flash/cuDNN SDPA kernels are "
+        "preferred); a compile failure falls back to eager with a logged reason. Needs "
+        "sampler.max_batch > 0")
+    cond_cache_mb: int = _f(
+        0, "the step batcher's per-prompt text-conditioning cache (LRU by bytes), in MiB; "
+        "0 = no cache (each fragment encodes its prompts)", ge=0, le=1 << 20)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -678,6 +691,14 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError(
             f"runtime.fragments_per_step = {cfg.runtime.fragments_per_step}: expected a divisor "
             f"of train.prompts_per_step = {t.prompts_per_step}")
+    if s.compile and not s.max_batch:
+        raise ConfigError("sampler.compile = true: expected sampler.max_batch > 0 (the step "
+                          "batcher's forward is what is compiled)")
+    frag_rows = t.prompts_per_step // cfg.runtime.fragments_per_step * t.group_size
+    if 0 < s.max_batch < frag_rows:
+        raise ConfigError(
+            f"sampler.max_batch = {s.max_batch}: expected 0 (off) or at least one fragment's rows, "
+            f"{frag_rows} (train.prompts_per_step / runtime.fragments_per_step x train.group_size)")
     if t.adv_std == "global" and cfg.runtime.fragments_per_step > 1 and cfg.run.mode == "digenrl":
         raise ConfigError(
             "train.adv_std = 'global': a step-wide std is unknown until the last fragment's "

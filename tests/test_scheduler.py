@@ -221,6 +221,34 @@ def test_a_queued_fragments_lease_starts_when_the_one_ahead_of_it_leaves():
     assert d.task_id in [x.task_id for x in s.tick(10.6) if isinstance(x, RevokeCmd)]
 
 
+def test_a_batching_rollout_runs_several_fragments_whose_leases_count_together():
+    # running_per_node = 2 (sampler.max_batch of two fragments): the node holds three, the
+    # first two run at once and hold leases from their assignment, the third waits for room
+    s = make(lease_s=5.0, heartbeat_timeout=100.0, fragments_per_step=4, byte_window=10**9,
+             running_per_node=2, max_outstanding=3)
+    a, b, c = assigns(s.node_joined("r0", "rollout", "H100", 0.0))
+    revoked = [x.task_id for x in s.tick(5.5) if isinstance(x, RevokeCmd)]
+    assert sorted(revoked) == sorted([a.task_id, b.task_id])  # c never started: no lease yet
+    s = make(lease_s=5.0, heartbeat_timeout=100.0, fragments_per_step=4, byte_window=10**9,
+             running_per_node=2, max_outstanding=3)
+    a, b, c = assigns(s.node_joined("r0", "rollout", "H100", 0.0))
+    finish(s, a, 3.0)  # room: c starts at 3.0
+    assert [x.task_id for x in s.tick(5.5) if isinstance(x, RevokeCmd)] == [b.task_id]
+    assert c.task_id in [x.task_id for x in s.tick(8.5) if isinstance(x, RevokeCmd)]
+    with pytest.raises(SchedulerError, match="running_per_node = 3"):
+        make(running_per_node=3, max_outstanding=2)
+
+
+def test_scheduler_params_run_as_many_fragments_as_max_batch_holds():
+    from tests.factories import tiny_config
+    cfg = tiny_config(mode="digenrl")  # fragments of 1 prompt x 2 trajectories
+    assert (SchedulerParams.from_config(cfg, prompt_count=4, bytes_per_trajectory=1).running_per_node,
+            SchedulerParams.from_config(cfg, prompt_count=4, bytes_per_trajectory=1).max_outstanding) == (1, 2)
+    cfg = tiny_config("sampler.max_batch=5", mode="digenrl")
+    p = SchedulerParams.from_config(cfg, prompt_count=4, bytes_per_trajectory=1)
+    assert (p.running_per_node, p.max_outstanding) == (2, 3)
+
+
 def test_silent_node_is_lost_on_tick_and_its_late_commit_is_a_counted_zombie():
     s = make(heartbeat_timeout=3.0)
     (a, *_) = assigns(s.node_joined("r0", "rollout", "H100", 0.0))
@@ -458,11 +486,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(k=st.integers(0, 2), fragments=st.sampled_from([1, 2, 4]),
                 ranks=st.integers(1, 2), tsp=st.booleans(),
                 tag=st.sampled_from(["never", "always", "bts"]), window=st.integers(1, 40),
-                fault_limit=st.integers(1, 3), fault_action=st.sampled_from(["drop", "stop"]))
-    def setup(self, k, fragments, ranks, tsp, tag, window, fault_limit, fault_action):
+                fault_limit=st.integers(1, 3), fault_action=st.sampled_from(["drop", "stop"]),
+                running=st.sampled_from([1, 1, 2, 3]))
+    def setup(self, k, fragments, ranks, tsp, tag, window, fault_limit, fault_action, running):
+        # running > 1: step-level batching (sampler.max_batch), several fragments in flight
+        # on one node; the credit rule, the byte window and the one-step bound must not move
         self.s = make(steps=3, staleness=k, fragments_per_step=fragments, trainer_ranks=ranks,
                       tsp=tsp, tag=tag, byte_window=window, lease_s=20.0, heartbeat_timeout=8.0,
-                      fault_limit=fault_limit, fault_action=fault_action)
+                      fault_limit=fault_limit, fault_action=fault_action,
+                      running_per_node=running, max_outstanding=running + 1)
         self.now = 0.0
         self.assigned: dict[int, AssignCmd] = {}
         self.revoked: set[int] = set()
@@ -574,6 +606,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for n in self.s._nodes.values():
             cap = self.s.params.max_outstanding if n.role == "rollout" else 1
             assert len(n.outstanding) <= cap
+            # exactly the first running_per_node fragments of a queue run (hold a lease)
+            assert set(n.started) == set(n.outstanding[:self.s.params.running_per_node])
 
     @invariant()
     def only_done_or_a_named_broken_node_shuts_down(self):

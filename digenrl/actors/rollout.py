@@ -77,6 +77,18 @@ class RolloutActor(Actor):
         """The version of the weights in the model (applied at trajectory boundaries)."""
         return self.follower.version
 
+    def heartbeat_stats(self) -> dict[str, float]:
+        """The actor's stats, plus step-batching occupancy when ``sampler.max_batch > 0``:
+        ``batch_forwards``, ``batch_rows_per_forward`` (trajectory rows one denoiser forward
+        carried, mean so far) and ``batch_fragments_in_flight`` (now)."""
+        out = super().heartbeat_stats()
+        engine = self.streamer.engine
+        if engine is not None:
+            out.update(batch_forwards=float(engine.stats.forwards),
+                       batch_rows_per_forward=engine.stats.rows_per_forward,
+                       batch_fragments_in_flight=float(engine.in_flight))
+        return out
+
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """Weights the follower fetched and verified, into the model (on the compute thread)."""
         self.model.load_sync_state_dict(sd)
@@ -87,18 +99,46 @@ class RolloutActor(Actor):
                 *self.streamer.reward_loops()]
 
     async def main(self) -> None:
+        if self.cfg.sampler.max_batch:
+            await self._main_batched()
+            return
         while not self.stopping:
             task = await self.next_unless_stopped(self.tasks)
             if task is None:
                 break
             if task.task_id in self.revoked:
                 continue
-            # trajectory boundary: apply the newest announced version (TCSS)
-            before = self.follower.version
-            await self.follower.catch_up(task.version_floor)
-            if self.follower.version != before:
-                self.log = self.log.bind(policy_version=self.follower.version)
+            await self._boundary(task)
             await self.streamer.generate_and_stream(task, self.model, self.follower.version)
+
+    async def _boundary(self, task: Assign) -> None:
+        """Trajectory boundary: apply the newest announced version (TCSS)."""
+        before = self.follower.version
+        await self.follower.catch_up(task.version_floor)
+        if self.follower.version != before:
+            self.log = self.log.bind(policy_version=self.follower.version)
+
+    async def _main_batched(self) -> None:
+        """``sampler.max_batch > 0``: each task joins the node's step batcher as it comes, so
+        several fragments are in flight at once (the scheduler gives this node up to
+        ``max_batch // fragment rows`` running ones). Weights change only when none is in
+        flight: a task that may join the running batch (its floor is met) joins at once; one
+        that needs newer weights waits for the batch to drain, then the boundary applies them."""
+        engine = self.streamer.engine_for(self.model)
+        async with asyncio.TaskGroup() as tg:
+            while not self.stopping:
+                task = await self.next_unless_stopped(self.tasks)
+                if task is None:
+                    break
+                if task.task_id in self.revoked:
+                    continue
+                if engine.in_flight == 0 or task.version_floor > self.follower.version:
+                    await self.unless_stopped(engine.wait_idle())
+                    if self.stopping:
+                        break
+                    await self._boundary(task)
+                tg.create_task(self.streamer.generate_and_stream(task, self.model, self.follower.version),
+                               name=f"{self.node_id}:fragment-{task.task_id}")
 
     async def _control_loop(self) -> None:
         while True:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from digenrl.actors.base import Log, Loop
+from digenrl.actors.stepengine import StepEngine
 from digenrl.config import Config
 from digenrl.faults import NO_SLOWDOWN, Slowdown, nan_point, poison
 from digenrl.models.base import FlowModel
@@ -82,6 +83,7 @@ class FragmentStreamer:
         self.unexpected = unexpected
         self.slowdown = slowdown  # TEST-ONLY ([faults]): compute spans stretched
         self._d2h: DeviceToHost | None = None  # chunk staging, made for the first model streamed
+        self.engine: StepEngine | None = None  # sampler.max_batch > 0: the node's step batcher
         # reward workers (cluster.rewards > 0): a DEALER each; answers resolve futures by task
         self.scorers = scorers or {}
         self._outstanding = dict.fromkeys(self.scorers, 0)
@@ -95,6 +97,14 @@ class FragmentStreamer:
             self._d2h = DeviceToHost(device)
         return self._d2h
 
+    def engine_for(self, model: FlowModel) -> StepEngine:
+        """The step-level batcher of ``model`` (``sampler.max_batch > 0``; actors/stepengine.py)."""
+        if self.engine is None or self.engine.model is not model:
+            self.engine = StepEngine(model=model, cfg=self.cfg, submit=self.submit,
+                                     stager=self._stager(model), clock=self.recorder.now_ns, span=self.span,
+                                     log=self.log.warning)
+        return self.engine
+
     async def generate_and_stream(self, task: Assign, model: FlowModel, version: int) -> bool:
         """Generate ``task``; each trained step goes to its owner the moment it exists.
 
@@ -106,6 +116,8 @@ class FragmentStreamer:
 
         What streams, and what follows the trajectory before its commit, is the run's
         algorithm's (``rl/algorithm.py``): the GRPO family streams a chunk per trained step;
+        with ``sampler.max_batch > 0`` the fragment instead joins the node's step batcher
+        (:meth:`engine_for`), which streams the same chunks in the same order;
         the forward-process algorithms stream nothing while denoising and send the final
         latents once to each rank that owns one of the task's draw slots.
         """
@@ -155,7 +167,16 @@ class FragmentStreamer:
                 hand(None)
 
         stager = self._stager(model)
-        job_done = self.submit(span, produce)
+        job_done: asyncio.Future[FragmentResult | None]
+        if cfg.sampler.max_batch:  # step-level batching: the fragment joins the node's batch
+            def finish(j: FragmentJob) -> FragmentResult:
+                result = j.finish().to_host()
+                algorithm.finish_on_thread(result, wire)
+                return result
+            job_done = self.engine_for(model).join(task.task_id, job, hand=hand, halt=halt,
+                                                   finish=finish, nan=nan)
+        else:
+            job_done = self.submit(span, produce)
         t_start = time.perf_counter()
         sender = self.recorder.named_lane(self.lane)
         try:

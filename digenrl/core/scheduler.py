@@ -12,9 +12,10 @@ virtual clock, the property tests random programs::
                     every event ends with: dispatch -> AssignCmd ..., maybe ShutdownCmd
 
 Admission is the ledger's (:mod:`digenrl.core.credits`); this module picks the node. A rollout
-node holds up to ``max_outstanding`` uncommitted fragments (one running, one queued, so
-it never idles on a round trip); a fragment's lease (``lease_s``) counts from when it starts
-running, at the head of its node's queue, not from its assignment. Among nodes with room, a fragment goes to the one with
+node holds up to ``max_outstanding`` uncommitted fragments (``running_per_node`` running,
+one for each when step-level batching is on, plus one queued, so it never idles on a round
+trip); a fragment's lease (``lease_s``) counts from when it starts running, among the first
+``running_per_node`` of its node's queue, not from its assignment. Among nodes with room, a fragment goes to the one with
 the earliest predicted completion ``now + (queued + fragment) * spt(node)``, where
 ``spt`` (seconds per trajectory) is the node's measured EWMA, or before its first commit
 ``ref / gpu_speed`` with ``ref`` calibrated on the measured nodes. A slow GPU thus
@@ -90,7 +91,7 @@ class _Node:
     last_seen: float
     spt: float | None = None  # measured seconds per generated trajectory (EWMA)
     outstanding: list[int] = field(default_factory=list)  # uncommitted task ids, oldest first
-    head_since: float = 0.0  # when outstanding[0] started running: its lease counts from here
+    started: dict[int, float] = field(default_factory=dict)  # running task -> when it started: its lease counts from there
     lost: bool = False
     lost_why: str = ""  # "no heartbeat for 5.2 s", "reported lost", ...
     assigned: int = 0
@@ -359,21 +360,22 @@ class Scheduler:
         return max(self.params.lease_s, self.params.lease_factor * node.spt * trajectories)
 
     def _lease_start(self, node_id: str, task_id: int, assigned_at: float) -> float | None:
-        """When the lease of ``task_id`` started: when it began running, the head of its node's
-        queue (a queued fragment waits for the one ahead of it and has no lease yet: None)."""
+        """When the lease of ``task_id`` started: when it began running, among the first
+        ``running_per_node`` of its node's queue (a queued fragment waits for room and has no
+        lease yet: None)."""
         node = self._nodes.get(node_id)
         if node is None or task_id not in node.outstanding:
             return assigned_at
-        if node.outstanding[0] != task_id:
+        if task_id not in node.started:
             return None
-        return max(assigned_at, node.head_since)
+        return max(assigned_at, node.started[task_id])
 
-    @staticmethod
-    def _drop(node: _Node, task_id: int, now: float) -> None:
-        """``task_id`` leaves ``node``'s queue; the next one, if it was behind it, starts now."""
-        if node.outstanding and node.outstanding[0] == task_id:
-            node.head_since = now
+    def _drop(self, node: _Node, task_id: int, now: float) -> None:
+        """``task_id`` leaves ``node``'s queue; the first queued one, if there is room, starts now."""
         node.outstanding.remove(task_id)
+        node.started.pop(task_id, None)
+        for t in node.outstanding[:self.params.running_per_node]:
+            node.started.setdefault(t, now)
 
     def _revoke(self, task_id: int, reason: str, now: float) -> list[Command]:
         attempt = self.ledger.discard(task_id, reason)
@@ -431,9 +433,9 @@ class Scheduler:
                             self.params.fragments_per_step)
         prompts, seeds = self.fragment_content(attempt.step, attempt.fragment)
         self._tasks[attempt.task_id] = _Task(ranks=frozenset(owners) or frozenset({0}), tag=tag)
-        if not node.outstanding:
-            node.head_since = now  # it runs at once
         node.outstanding.append(attempt.task_id)
+        if len(node.outstanding) <= self.params.running_per_node:
+            node.started[attempt.task_id] = now  # it runs at once
         node.assigned += 1
         return AssignCmd(node_id=node.node_id, task_id=attempt.task_id, step=attempt.step,
                          fragment=attempt.fragment, prompt_ids=prompts, seeds=seeds,

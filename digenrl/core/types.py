@@ -38,6 +38,9 @@ class SchedulerParams:
     prompt_count: int
     max_outstanding: int = 2
     """Uncommitted fragments a rollout node may hold (running + queued)."""
+    running_per_node: int = 1
+    """Fragments a rollout node generates at once: 1, or with step-level batching
+    ``sampler.max_batch // fragment rows`` (their leases run together)."""
     speeds: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_GPU_SPEEDS))
     """Relative generation speed per GPU type; unknown types count as 1.0."""
     switch_s: float = 1.0
@@ -54,12 +57,16 @@ class SchedulerParams:
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "fragments_per_step",
-                     "trainer_ranks", "num_steps_T", "prompt_count", "max_outstanding", "fault_limit"):
+                     "trainer_ranks", "num_steps_T", "prompt_count", "max_outstanding", "fault_limit",
+                     "running_per_node"):
             if getattr(self, name) < 1:
                 raise SchedulerError(f"{name} = {getattr(self, name)!r}: expected >= 1")
         for name in ("lease_s", "heartbeat_timeout"):
             if not getattr(self, name) > 0:
                 raise SchedulerError(f"{name} = {getattr(self, name)!r}: expected > 0")
+        if self.running_per_node > self.max_outstanding:
+            raise SchedulerError(f"running_per_node = {self.running_per_node}: expected at most "
+                                 f"max_outstanding = {self.max_outstanding}")
         if self.fault_action not in ("drop", "stop"):
             raise SchedulerError(f"fault_action = {self.fault_action!r}: expected 'drop' or 'stop'")
         if self.tag not in ("bts", "always", "never"):
@@ -75,7 +82,10 @@ class SchedulerParams:
                     bytes_per_trajectory: int) -> SchedulerParams:
         """Params for a resolved config (its mode's K, fragments, TSP and TAG)."""
         rt = cfg.runtime
+        frag_rows = cfg.train.prompts_per_step // rt.fragments_per_step * cfg.train.group_size
+        running = max(1, cfg.sampler.max_batch // frag_rows)  # max_batch = 0: one at a time
         return cls(steps=cfg.run.steps, prompts_per_step=cfg.train.prompts_per_step,
+                   max_outstanding=running + 1, running_per_node=running,
                    group_size=cfg.train.group_size, fragments_per_step=rt.fragments_per_step,
                    staleness=rt.staleness, trainer_ranks=cfg.cluster.trainers, tsp=rt.tsp,
                    tag=rt.tag, lease_s=rt.lease_s, lease_factor=rt.lease_factor,

@@ -70,6 +70,17 @@ class FragmentJob:
             if rec.index in trained:
                 yield rec
 
+    def start_batched(self, cond: Cond) -> None:
+        """Generation by a step batcher (``rl/batching.py``) instead of :meth:`steps`: ``cond``
+        is the fragment's conditioning (each prompt's row repeated ``group_size`` times)."""
+        self._t0 = time.perf_counter()
+        self._cond = cond
+
+    def record_batched(self, rec: StepRecord) -> bool:
+        """One of this fragment's steps from the batcher; True when it is a trained step."""
+        self._final = rec.x_next
+        return rec.index in set(self.trained_steps)
+
     def finish(self) -> FragmentResult:
         """Decode the final latents and score them (after the last step; without a reward_fn
         the rewards are empty and a reward worker scores the images)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +81,7 @@ def guided_velocity(
     *,
     guidance_scale: float = 1.0,
     uncond: Cond | None = None,
+    velocity: Callable[[torch.Tensor, torch.Tensor, Cond], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The model's velocity at ``(x, sigma)``; with CFG ``v_u + w (v_c - v_u)``.
 
@@ -88,20 +89,22 @@ def guided_velocity(
     unconditional and conditional passes run as one forward over ``[uncond; cond]``. The
     trainer calls this too, so the recomputed log-prob is that of the same (guided) policy.
     ``sigma`` is one level for the batch or a ``[B]`` tensor (the forward-process losses draw
-    one per sample).
+    one per sample). ``velocity``: what evaluates the model (default ``model.velocity``; the
+    step batcher passes its compiled one).
     """
+    fn = velocity or model.velocity
     b = x.shape[0]
     if isinstance(sigma, torch.Tensor):
         sig = sigma.to(dtype=torch.float32, device=x.device).reshape(-1).expand(b)
     else:
         sig = torch.full((b,), sigma, dtype=torch.float32, device=x.device)
     if guidance_scale == 1.0:
-        return model.velocity(x, sig, cond)
+        return fn(x, sig, cond)
     if uncond is None:
         raise ValueError(f"guidance_scale = {guidance_scale} needs the unconditional conditioning")
     both = cond_cat([cond_repeat(uncond, b), cond])
     s = torch.cat([sig, sig])
-    v_u, v_c = model.velocity(torch.cat([x, x]), s, both).chunk(2)
+    v_u, v_c = fn(torch.cat([x, x]), s, both).chunk(2)
     return v_u + guidance_scale * (v_c - v_u)
 
 
