@@ -1,12 +1,19 @@
-"""Image editing: edit prompt files (an input image per prompt, checked at load)."""
+"""Image editing: edit prompt files (an input image per prompt, checked at load); FLUX.1 Kontext's
+folder generates what its pipeline does, trains with LoRA and full weights, and its final/ loads."""
 
+import itertools
 import json
 
 import pytest
+import torch
 from PIL import Image
 
-from digenrl.config import PromptConfig
+from digenrl.config import ModelConfig, PromptConfig
 from digenrl.data.prompts import PromptError, load_prompt_set, load_splits
+from digenrl.models import build_model
+from digenrl.models.base import encode_inputs
+from tests.conftest import assert_close_across_instances
+from tests.pipelines import MAX_TEXT_TOKENS, SMALL, load_pipeline, write_pipeline_folder
 
 
 def _png(path, color=(200, 30, 30), size=(8, 8)):
@@ -82,3 +89,106 @@ def test_a_file_mixing_edit_and_text_prompts_is_refused(tmp_path):
     f = _jsonl(tmp_path / "e.jsonl", [{"prompt": "x", "image": "a.png"}, {"prompt": "y"}])
     with pytest.raises(PromptError, match=r"line 2: no 'image' field, but line 1 has one"):
         load_prompt_set(f)
+
+
+# -- FLUX.1 Kontext -------------------------------------------------------------------------------
+PROMPTS = ["make the circle blue", "add a square"]
+
+
+@pytest.fixture(scope="module")
+def kontext(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kontext")
+    folder = write_pipeline_folder("flux_kontext", root / "flux_kontext")
+    gen = torch.Generator().manual_seed(1)
+    paths = []
+    for i in range(2):  # input images of another size than the output: resized to it
+        px = torch.randint(0, 256, (40, 56, 3), generator=gen, dtype=torch.uint8)
+        Image.fromarray(px.numpy()).save(root / f"in{i}.png")
+        paths.append(str(root / f"in{i}.png"))
+    return folder, paths
+
+
+def kontext_cfg(folder, **kw) -> ModelConfig:
+    return ModelConfig(family="flux_kontext", path=str(folder), max_text_tokens=MAX_TEXT_TOKENS,
+                       height=SMALL["height"], width=SMALL["width"], **kw)
+
+
+def test_kontext_folder_family_is_read_from_model_index(kontext):
+    from digenrl.config import detect_family
+
+    assert detect_family(str(kontext[0])) == "flux_kontext"
+
+
+def test_kontext_generates_what_flux_kontext_pipeline_generates(kontext):
+    """Prompts and input images through the folder's encoders, the adapter's Euler steps and the
+    VAE decode give the images FluxKontextPipeline makes from the same folder, prompts, images
+    and noise (its max_area set to the output's, no preferred-resolution snapping)."""
+    from digenrl.models.packing import pack_2x2
+
+    folder, paths = kontext
+    model = build_model(kontext_cfg(folder))
+    x0 = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(3))
+    pipe = load_pipeline(folder)
+    pipe.set_progress_bar_config(disable=True)
+    assert type(pipe).__name__ == model.pipeline_class == "FluxKontextPipeline"
+    h, w = SMALL["height"], SMALL["width"]
+    with torch.no_grad():
+        expected = torch.cat([
+            pipe(prompt=PROMPTS[i], image=Image.open(paths[i]).convert("RGB"), height=h, width=w,
+                 max_area=h * w, _auto_resize=False, latents=pack_2x2(x0[i:i + 1]), num_inference_steps=3,
+                 guidance_scale=3.5, output_type="pt", max_sequence_length=MAX_TEXT_TOKENS).images
+            for i in range(2)])
+        expected = (expected * 255).round().to(torch.uint8)
+        cond = encode_inputs(model, PROMPTS, [[p] for p in paths])
+        assert cond["image_latents"].shape[1] == pack_2x2(x0).shape[1]  # one token per output token
+        x = x0
+        for s, s_next in itertools.pairwise(pipe.scheduler.sigmas.tolist()):
+            x = x + (s_next - s) * model.velocity(x, s, cond)
+        images = model.decode(x)
+        # the input image is in the sequence: without it the velocity differs
+        text_only = {k: v for k, v in cond.items() if k != "image_latents"}
+        assert not torch.allclose(model.velocity(x0, 0.7, cond), model.velocity(x0, 0.7, text_only), atol=1e-4)
+    assert images.shape == expected.shape == (2, 3, h, w)
+    # round((x + 1) * 127.5) against round((x / 2 + 0.5) * 255): one level at most
+    assert (images.int() - expected.int()).abs().max() <= 1
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_kontext_trains_and_final_loads_into_the_pipeline(kontext, lora, tmp_path):
+    """One GRPO step on a rollout of its own edit prompts: at K = 0 the first ratio is 1 within
+    1e-6 (the trainer's forward uses the rollout's conditioning, image tokens included); final/
+    loads into FluxKontextPipeline (LoRA: load_lora_weights; full: the transformer folder) and
+    gives the trained velocity, not the base one."""
+    from digenrl.config import load_config
+    from digenrl.models.families import SPECS
+    from digenrl.rl.learner import save_final
+    from digenrl.rl.policy import Policy
+    from digenrl.rl.sampler import rollout, seeded_generators
+
+    folder, paths = kontext
+    cfg = load_config(None, ["sampler.num_steps=2", "train.timesteps=\"all\"", "train.lr=0.05"])
+    model = build_model(kontext_cfg(folder, lora_rank=2 if lora else 0))
+    policy = Policy(model, cfg.train, cfg.sampler)
+    x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
+    cond = encode_inputs(model, PROMPTS, [[p] for p in paths])
+    with torch.no_grad():
+        v_base = model.velocity(x, 0.6, cond)
+        records = dict(enumerate(rollout(model, cond, generator=seeded_generators([5, 6]), sampler_cfg=cfg.sampler)))
+    stats = policy.fragment_loss_backward(records, cond, torch.tensor([1.0, -1.0]), torch.ones(2, dtype=torch.bool),
+                                          batch_size_total=2, n_trained_total=len(records))
+    assert stats["n"] == 2 * len(records) and stats["ratio_max_dev"] <= 1e-6, stats
+    policy.optimizer_step()
+    save_final(policy, tmp_path)
+    final = tmp_path / "final"
+    pipe = load_pipeline(folder)
+    with torch.no_grad():
+        if lora:
+            pipe.load_lora_weights(final)
+        else:
+            pipe.transformer = SPECS["flux_kontext"].cls.from_pretrained(final, local_files_only=True)
+        loaded = SPECS["flux_kontext"].adapter(pipe.transformer, encoder=model.encoder, decoder=model.decoder,
+                                               latent_shape=model.latent_shape)
+        loaded.guidance = model.guidance
+        v_trained, v_loaded = model.velocity(x, 0.6, cond), loaded.velocity(x, 0.6, cond)
+    assert not torch.allclose(v_trained, v_base, atol=1e-3)  # the training is in the file
+    assert_close_across_instances(v_loaded, v_trained)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,7 @@ class PromptSet:
         return bool(self.metadata) and "image" in self.metadata[0]
 
 
-def prompt_images(record: dict[str, Any]) -> list[str]:
+def prompt_images(record: Mapping[str, Any]) -> list[str]:
     """The input image paths of a loaded prompt's metadata record (empty without ``image``)."""
     image = record.get("image")
     if image is None:
