@@ -107,6 +107,11 @@ PIPELINE_FAMILIES: dict[str, str] = {
 family is not in :data:`FAMILIES` is known but not trained by this version (a one-line error names it)."""
 
 
+EDIT_FAMILIES: dict[str, int] = {"flux_kontext": 1}
+"""Image-editing families -> the most input images one prompt may give (their prompts are
+``.jsonl`` lines with an ``image``; see digenrl/data/prompts.py)."""
+
+
 def detect_family(path: str) -> str:
     """The family of pipeline folder ``path``, read from its ``model_index.json``; "" when
     ``path`` is no pipeline folder. A pipeline DigenRL does not train is a :class:`ConfigError`

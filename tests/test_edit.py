@@ -192,3 +192,109 @@ def test_kontext_trains_and_final_loads_into_the_pipeline(kontext, lora, tmp_pat
         v_trained, v_loaded = model.velocity(x, 0.6, cond), loaded.velocity(x, 0.6, cond)
     assert not torch.allclose(v_trained, v_base, atol=1e-3)  # the training is in the file
     assert_close_across_instances(v_loaded, v_trained)
+
+
+# -- edit rewards ---------------------------------------------------------------------------------
+def _edit_meta(tmp_path, n=2, size=(48, 32)):
+    """n edit-prompt records with real input images (of another size than the outputs)."""
+    gen = torch.Generator().manual_seed(7)
+    meta = []
+    for i in range(n):
+        px = torch.randint(0, 256, (size[1], size[0], 3), generator=gen, dtype=torch.uint8)
+        Image.fromarray(px.numpy()).save(tmp_path / f"r{i}.png")
+        meta.append({"prompt": f"edit {i}", "image": str(tmp_path / f"r{i}.png")})
+    return meta
+
+
+def test_input_ssim_is_one_for_the_unchanged_input_and_falls_with_change(tmp_path):
+    from digenrl.config import RewardTerm
+    from digenrl.rl.rewards import build_reward
+    from digenrl.rl.rewards.base import input_images
+
+    meta = _edit_meta(tmp_path)
+    inputs = input_images("t", meta, 16, 24)  # resized to the outputs' 16 x 24
+    assert inputs.shape == (2, 3, 16, 24) and inputs.dtype == torch.uint8
+    noisy = (inputs.int() + torch.randint(-60, 61, inputs.shape, generator=torch.Generator().manual_seed(0))
+             ).clamp(0, 255).to(torch.uint8)
+    flat = torch.full_like(inputs, 128)
+    reward = build_reward([RewardTerm(name="input_ssim")])
+    same, _ = reward(inputs, ["a", "b"], meta)
+    # exact: SSIM of an image with itself is (2m^2+c1)(2v+c2) / ((2m^2+c1)(2v+c2)) in float64
+    assert torch.allclose(same, torch.ones(2), atol=1e-6), same
+    worse, _ = reward(noisy, ["a", "b"], meta)
+    worst, _ = reward(flat, ["a", "b"], meta)
+    assert (worse < 0.95).all() and (worst < worse).all(), (worse, worst)
+
+
+def test_a_term_that_needs_input_images_on_text_prompts_is_a_reward_error():
+    from digenrl.config import RewardTerm
+    from digenrl.rl.rewards import RewardError, build_reward
+
+    reward = build_reward([RewardTerm(name="input_ssim")])
+    with pytest.raises(RewardError, match="takes input_images, but prompt 'a cat' has no input image"):
+        reward(torch.zeros(1, 3, 8, 8, dtype=torch.uint8), ["a cat"])
+
+
+def test_existing_rewards_and_plugins_without_input_images_work_on_edit_prompts(tmp_path):
+    from digenrl.config import RewardTerm
+    from digenrl.rl.rewards import build_reward
+
+    meta = _edit_meta(tmp_path)
+    images = torch.randint(0, 256, (2, 3, 16, 24), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    reward = build_reward([RewardTerm(name="brightness"), RewardTerm(name="input_ssim", weight=0.5)])
+    total, parts = reward(images, ["a", "b"], meta)
+    assert set(parts) == {"brightness", "input_ssim"}
+    assert torch.allclose(total, parts["brightness"] + 0.5 * parts["input_ssim"])
+
+
+def test_vlm_judge_sees_the_input_image_then_the_output_on_edit_prompts(tmp_path):
+    import base64
+    import io
+
+    from reward_servers import chat_server
+
+    from digenrl.config import RewardTerm
+    from digenrl.rl.rewards import build_reward
+
+    meta = _edit_meta(tmp_path, 1)
+    with chat_server(lambda q: "8" if "edit" in q else "1") as server:
+        reward = build_reward([RewardTerm(name="vlm_judge", args={"url": server.url + "/v1", "model": "m"})])
+        out = torch.zeros(1, 3, 16, 24, dtype=torch.uint8)
+        total, _ = reward(out, ["edit 0"], meta)
+        text_total, _ = reward(out, ["a cat"])  # a text prompt: one image, the text template
+    assert total.tolist() == pytest.approx([0.8]) and text_total.tolist() == pytest.approx([0.1])
+    edit_req, text_req = server.requests
+    shown = [c for c in edit_req["body"]["messages"][0]["content"] if c["type"] == "image_url"]
+    assert len(shown) == 2
+    assert len([c for c in text_req["body"]["messages"][0]["content"] if c["type"] == "image_url"]) == 1
+    first = Image.open(io.BytesIO(base64.b64decode(shown[0]["image_url"]["url"].split(",", 1)[1])))
+    second = Image.open(io.BytesIO(base64.b64decode(shown[1]["image_url"]["url"].split(",", 1)[1])))
+    assert first.size == second.size == (24, 16)
+    # the first image is the input (random pixels), the second the black output
+    def luma(im):
+        return torch.frombuffer(bytearray(im.convert("L").tobytes()), dtype=torch.uint8).float()
+
+    assert luma(first).std() > 10, luma(first).std()
+    assert luma(second).max() < 10
+    q = next(c["text"] for c in edit_req["body"]["messages"][0]["content"] if c["type"] == "text")
+    assert "first image is the input" in q and '"edit 0"' in q
+
+
+def test_edit_family_and_prompt_kind_must_agree_before_anything_starts(tmp_path):
+    from digenrl.config import load_config
+    from digenrl.launch import _check_prompts
+
+    _png(tmp_path / "a.png")
+    _png(tmp_path / "b.png")
+    edits = _jsonl(tmp_path / "e.jsonl", [{"prompt": f"edit {i}", "image": "a.png"} for i in range(4)])
+    two = _jsonl(tmp_path / "two.jsonl", [{"prompt": "x", "image": ["a.png", "b.png"]}])
+    text = tmp_path / "t.txt"
+    text.write_text("a cat\na dog\n")
+    kontext = ["model.family=\"flux_kontext\"", "model.path=\"random\""]
+    _check_prompts(load_config(None, [*kontext, f"prompts.file=\"{edits}\""]))  # agrees: no error
+    with pytest.raises(PromptError, match=r"model.family = 'flux_kontext' edits images; expected a .jsonl"):
+        _check_prompts(load_config(None, [*kontext, f"prompts.file=\"{text}\""]))
+    with pytest.raises(PromptError, match=r"gives 2 input images; model.family = 'flux_kontext' takes at most 1"):
+        _check_prompts(load_config(None, [*kontext, f"prompts.file=\"{two}\""]))
+    with pytest.raises(PromptError, match=r"holds edit prompts \(input images\), but model.family = 'sd3'"):
+        _check_prompts(load_config(None, ["model.family=\"sd3\"", f"prompts.file=\"{edits}\""]))

@@ -38,7 +38,7 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-from digenrl.config import PromptConfig, nesting_depth, show
+from digenrl.config import EDIT_FAMILIES, Config, PromptConfig, nesting_depth, show
 
 MAX_PROMPT_CHARS = 8192
 """Longest prompt accepted (text encoders keep a few hundred tokens; a longer line is a mistake)."""
@@ -276,6 +276,31 @@ def split_off(prompts: PromptSet, fraction: float, seed: int) -> tuple[PromptSet
     test = sorted(order[:k])
     held = set(test)
     return prompts.subset([i for i in range(n) if i not in held]), prompts.subset(test)
+
+
+def check_edit_prompts(cfg: Config, train: PromptSet, test: PromptSet | None) -> None:
+    """An image-editing family needs edit prompts (an input image on each line, no more than it
+    takes), and a text-to-image family text prompts: a PromptError naming the file otherwise."""
+    family = cfg.model.family
+    if cfg.model.path == "emulated" or not family:
+        return
+    most = EDIT_FAMILIES.get(family, 0)
+    for name, ps in (("prompts.file", train), ("prompts.test_file", test)):
+        if ps is None:
+            continue
+        path = (cfg.prompts.test_file if name == "prompts.test_file" and cfg.prompts.test_file
+                else cfg.prompts.file) or "(built-in prompts)"
+        if most and not ps.is_edit:
+            raise PromptError(f"{name} = {path!r}: model.family = {family!r} edits images; expected a "
+                              ".jsonl file with an 'image' (input image path) on every line")
+        if not most and ps.is_edit:
+            raise PromptError(f"{name} = {path!r} holds edit prompts (input images), but model.family = "
+                              f"{family!r} is text-to-image; use an image-editing family "
+                              f"({', '.join(EDIT_FAMILIES)})")
+        for i, images in enumerate(ps.images):
+            if len(images) > most > 0:
+                raise PromptError(f"{name} = {path!r}: prompt {ps.prompts[i]!r} gives {len(images)} input "
+                                  f"images; model.family = {family!r} takes at most {most}")
 
 
 def load_splits(cfg: PromptConfig) -> tuple[PromptSet, PromptSet | None]:
