@@ -140,7 +140,7 @@ def pipeline_family(pipeline_class: str, index: Path) -> str:
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     family: Literal["", "sd3", "flux", "wan", "qwenimage", "hunyuanvideo", "flux2", "zimage", "flux_kontext"] = _f(
-        "", "diffusers transformer family: sd3, flux, wan, qwenimage, hunyuanvideo, flux2, zimage "
+        "", "diffusers transformer family: sd3, flux, wan, qwenimage, hunyuanvideo, flux2, zimage, flux_kontext (image editing) "
         "(docs/models.md); '' (the default) = the one model.path's model_index.json names, sd3 "
         "when model.path is no pipeline folder")
     path: str = _f("builtin", "'builtin' (the shipped tiny base model), 'random' (tiny random "
