@@ -351,3 +351,21 @@ def test_the_edit_demo_config_runs_end_to_end(tmp_path):
     assert [r["policy_version"] for r in evals] == [0, 2]
     assert (run_dir / "eval" / "v0002.jsonl").is_file()
     assert (run_dir / "final" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_the_cost_model_counts_kontexts_input_image_tokens():
+    """flux_kontext's forward is FLUX.1's two-term formula (fitted to the "flux" entry) at
+    4,096 output + 4,096 input-image + 512 text tokens, to the 0.1 TF the entry is written to;
+    without the input tokens it would be about 74 TF."""
+    from digenrl.config import load_config
+    from digenrl.core.costmodel import MODELS
+    from digenrl.models.meta import cost_model_name
+
+    quad = 4 * 57 * 3072  # 4 L d
+    s0 = 2025 + 512  # the flux entry's 720 px sequence
+    lin = (MODELS["flux"].fwd_tflop * 1e12 - quad * s0**2) / s0  # 2 P_tok
+    s = 2 * 4096 + 512
+    assert MODELS["flux_kontext"].fwd_tflop == pytest.approx((lin * s + quad * s**2) / 1e12, abs=0.1)
+    assert MODELS["flux_kontext"].fwd_tflop > 2 * (lin * (s - 4096) + quad * (s - 4096) ** 2) / 1e12
+    cfg = load_config(None, ["model.family=\"flux_kontext\"", "model.path=\"emulated\""])
+    assert cost_model_name(cfg.model) == "flux_kontext"
