@@ -369,3 +369,21 @@ def test_the_cost_model_counts_kontexts_input_image_tokens():
     assert MODELS["flux_kontext"].fwd_tflop > 2 * (lin * (s - 4096) + quad * (s - 4096) ** 2) / 1e12
     cfg = load_config(None, ["model.family=\"flux_kontext\"", "model.path=\"emulated\""])
     assert cost_model_name(cfg.model) == "flux_kontext"
+
+
+def test_cfg_on_edits_keeps_the_input_image_in_the_unconditional_pass(tmp_path):
+    """Kontext's true CFG: the empty prompt's pass still sees the input image."""
+    from digenrl.models.base import cond_repeat
+    from digenrl.rl.sampler import guided_velocity
+
+    _png(tmp_path / "a.png", (220, 30, 30), (32, 32))
+    model = build_model(ModelConfig(family="flux_kontext", path="random", height=32, width=32))
+    cond = encode_inputs(model, ["make it blue"], [[str(tmp_path / "a.png")]])
+    uncond = model.encode_prompts([""])
+    x = torch.randn(1, *model.latent_shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = guided_velocity(model, x, 0.5, cond, guidance_scale=3.0, uncond=uncond)
+        v_c = model.velocity(x, 0.5, cond)
+        v_u = model.velocity(x, 0.5, {**cond_repeat(uncond, 1), "image_latents": cond["image_latents"]})
+    # one batched forward against two: the same math, float32 reductions may order differently
+    torch.testing.assert_close(got, v_u + 3.0 * (v_c - v_u), rtol=1e-5, atol=1e-5)
