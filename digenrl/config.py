@@ -107,6 +107,11 @@ PIPELINE_FAMILIES: dict[str, str] = {
 family is not in :data:`FAMILIES` is known but not trained by this version (a one-line error names it)."""
 
 
+EDIT_FAMILIES: dict[str, int] = {"flux_kontext": 1}
+"""Image-editing families -> the most input images one prompt may give (their prompts are
+``.jsonl`` lines with an ``image``; see digenrl/data/prompts.py)."""
+
+
 def detect_family(path: str) -> str:
     """The family of pipeline folder ``path``, read from its ``model_index.json``; "" when
     ``path`` is no pipeline folder. A pipeline DigenRL does not train is a :class:`ConfigError`
@@ -134,8 +139,8 @@ def pipeline_family(pipeline_class: str, index: Path) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    family: Literal["", "sd3", "flux", "wan", "qwenimage", "hunyuanvideo", "flux2", "zimage"] = _f(
-        "", "diffusers transformer family: sd3, flux, wan, qwenimage, hunyuanvideo, flux2, zimage "
+    family: Literal["", "sd3", "flux", "wan", "qwenimage", "hunyuanvideo", "flux2", "zimage", "flux_kontext"] = _f(
+        "", "diffusers transformer family: sd3, flux, wan, qwenimage, hunyuanvideo, flux2, zimage, flux_kontext (image editing) "
         "(docs/models.md); '' (the default) = the one model.path's model_index.json names, sd3 "
         "when model.path is no pipeline folder")
     path: str = _f("builtin", "'builtin' (the shipped tiny base model), 'random' (tiny random "

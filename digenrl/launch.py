@@ -49,8 +49,9 @@ class LaunchOptions:
 
 def _check_prompts(cfg: Config) -> None:
     """Read the prompt files now: a bad one is a config error before any process starts."""
-    from digenrl.data.prompts import load_splits
-    load_splits(cfg.prompts)
+    from digenrl.data.prompts import check_edit_prompts, load_splits
+    train, test = load_splits(cfg.prompts)
+    check_edit_prompts(cfg, train, test)
 
 
 def make_run_dir(cfg: Config, run_dir: str | None) -> Path:

@@ -23,6 +23,7 @@ wan           2x space, 2x time      5 frames of 32 x 48 px (latent 3 x 16 x 24)
 hunyuanvideo  2x space, 4x time      5 frames of 32 x 48 px (latent 2 x 16 x 24)
 flux2         2x, then 2x2 patchify  32 x 48 px (latent 16 x 8 x 12)
 zimage        2x                     32 x 48 px (latent 4 x 16 x 24, patch 2)
+flux_kontext  2x                     32 x 48 px (as flux; the input image too)
 ============  =====================  =============================================
 
 ``flux2`` is a FLUX.2-klein folder (``Flux2KleinPipeline``, Qwen3 text encoder);
@@ -312,6 +313,15 @@ def _flux(folder: Path, vae_factor: int = 2):
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
 
 
+def _flux_kontext(folder: Path):
+    """FLUX.1 Kontext: FLUX's classes (its transformer takes the input image's tokens too)."""
+    import diffusers
+
+    flux = _flux(folder)
+    return diffusers.FluxKontextPipeline(**{k: v for k, v in flux.components.items()
+                                            if k not in ("image_encoder", "feature_extractor")})
+
+
 def _wan(folder: Path):
     import diffusers
 
@@ -432,8 +442,10 @@ def _zimage(folder: Path):
         tokenizer=tok, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
 
 
-_BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "wan22": _wan22, "wan22-ti2v": _wan22_ti2v, "qwenimage": _qwenimage, "hunyuanvideo": _hunyuanvideo,
-             "flux2": _flux2, "flux2-dev": _flux2_dev, "zimage": _zimage}
+_BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "wan22": _wan22, "wan22-ti2v": _wan22_ti2v,
+             "qwenimage": _qwenimage, "hunyuanvideo": _hunyuanvideo,
+             "flux2": _flux2, "flux2-dev": _flux2_dev, "zimage": _zimage,
+             "flux_kontext": _flux_kontext}
 
 
 def build_pipeline(family: str, folder: Path, *, seed: int = 0, **kw):

@@ -14,7 +14,12 @@ from digenrl.data.prompts import load_splits
 from digenrl.data.shapes import make_batch
 from digenrl.launch import check_before_start
 from digenrl.models import build_model
-from digenrl.rl.diversity import clip_features, diversity_features, judge_features, within_prompt_diversity
+from digenrl.rl.diversity import (
+    clip_features,
+    diversity_features,
+    judge_features,
+    within_prompt_diversity,
+)
 from digenrl.rl.evaluate import build_eval_reward, evaluate
 from digenrl.rl.rewards import RewardError
 from digenrl.telemetry.metrics import documented_keys, is_documented

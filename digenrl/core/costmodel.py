@@ -128,6 +128,15 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     # (cm 3a, SGLang trace).
     ModelSpec(name="flux", fwd_tflop=37.3, params_b=11.8, latent_bytes=259_200,
               latent_shape=(16, 90, 90), reward_tflop=0.38, reward_fixed_s=0.028),
+    # FLUX.1-Kontext-dev (image editing, 12 B: FLUX.1-dev's transformer) at 1024x1024 px, the
+    # pipeline's default max_area, with its input image at the same size: S = 4,096 output +
+    # 4,096 input-image tokens + 512 text tokens = 8,704. Forward FLOPs from the "flux" entry's
+    # two terms, 2 * P_tok * S + 4 * L * d * S^2 (L = 57 blocks, d = 3,072; P_tok = 6.46 B is what
+    # gives back 37.3 TF at S = 2,537): 112.5 + 53.1 = 165.6 TF/fwd (derived). The input-image
+    # tokens are in every forward (rollout and trainer); only the output latent (16, 128, 128)
+    # bf16 travels per step (the input's tokens go once per fragment, with the conditioning).
+    ModelSpec(name="flux_kontext", fwd_tflop=165.6, params_b=11.8, latent_bytes=524_288,
+              latent_shape=(16, 128, 128), reward_tflop=0.38, reward_fixed_s=0.028),
     # Qwen-Image 512x512 (Flow-GRPO / veRL-Omni recipe): 18.6 TF/fwd (cm 2), 20.4 B (cm 0),
     # latent 131,072 B (cm 1). Reward as FLUX (CLIP-class).
     ModelSpec(name="qwenimage", fwd_tflop=18.6, params_b=20.4, latent_bytes=131_072,

@@ -4,7 +4,12 @@ Two file formats, told apart by the name:
 
 * ``*.jsonl``: one JSON object a line with a string ``prompt`` field; every other field is the
   prompt's metadata and reaches the reward functions unchanged (flow_grpo's GenEval
-  ``metadata.jsonl``, with ``tag``, ``include``, ``exclude``, loads as it is).
+  ``metadata.jsonl``, with ``tag``, ``include``, ``exclude``, loads as it is). An edit prompt
+  has an ``image`` field: the path of its input image, or a list of paths (several reference
+  images, as Qwen-Image-Edit-Plus takes), relative to the jsonl file. Each image is opened and
+  checked when the file is loaded (before any process starts): a missing, unreadable or
+  non-image file is one :class:`PromptError` naming it and the prompt's line. The record's
+  ``image`` is rewritten to the resolved absolute path(s), so every node reads the same file.
 * anything else: one prompt a line. Blank lines and lines starting with ``#`` are ignored;
   surrounding whitespace is stripped. A text file whose lines are all JSON objects is refused
   (name it ``.jsonl``): used as text, each JSON line would become a prompt.
@@ -26,11 +31,14 @@ from __future__ import annotations
 import importlib.resources
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from digenrl.config import PromptConfig, nesting_depth, show
+from PIL import Image, UnidentifiedImageError
+
+from digenrl.config import EDIT_FAMILIES, Config, PromptConfig, nesting_depth, show
 
 MAX_PROMPT_CHARS = 8192
 """Longest prompt accepted (text encoders keep a few hundred tokens; a longer line is a mistake)."""
@@ -40,6 +48,12 @@ MAX_LINE_BYTES = 256 << 10
 
 MAX_METADATA_DEPTH = 16
 """Deepest nesting of lists and objects in a .jsonl line."""
+
+MAX_IMAGES_PER_PROMPT = 8
+"""Most input images one edit prompt may name (Qwen-Image-Edit-Plus takes up to three)."""
+
+MAX_IMAGE_PIXELS = 1 << 26
+"""Largest input image accepted, in pixels (64 Mpx; a larger file is a mistake, not an input)."""
 
 
 class PromptError(ValueError):
@@ -65,6 +79,71 @@ class PromptSet:
     def subset(self, indices: list[int]) -> PromptSet:
         return PromptSet([self.prompts[i] for i in indices], [self.metadata[i] for i in indices])
 
+    @property
+    def images(self) -> list[list[str]]:
+        """Each prompt's input image paths (absolute; empty for a text-to-image prompt)."""
+        return [prompt_images(m) for m in self.metadata]
+
+    @property
+    def is_edit(self) -> bool:
+        """Whether the prompts carry input images (every one does; a mix is refused at load)."""
+        return bool(self.metadata) and "image" in self.metadata[0]
+
+
+def prompt_images(record: Mapping[str, Any]) -> list[str]:
+    """The input image paths of a loaded prompt's metadata record (empty without ``image``)."""
+    image = record.get("image")
+    if image is None:
+        return []
+    return [image] if isinstance(image, str) else list(image)
+
+
+def check_image(path: Path, where: str) -> None:
+    """Raise PromptError unless ``path`` is a readable image file; ``where`` names the prompt."""
+    if not path.is_file():
+        raise PromptError(f"{where}: input image {str(path)!r} does not exist")
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+            if w * h > MAX_IMAGE_PIXELS:
+                raise PromptError(f"{where}: input image {str(path)!r} is {w}x{h}, more than "
+                                  f"{MAX_IMAGE_PIXELS} pixels")
+            im.verify()
+    except PromptError:
+        raise
+    except UnidentifiedImageError:
+        raise PromptError(f"{where}: input image {str(path)!r} is not an image "
+                          "(PIL cannot identify it)") from None
+    except OSError as e:
+        raise PromptError(f"{where}: input image {str(path)!r} cannot be read: "
+                          f"{e.strerror or e}") from None
+    except (SyntaxError, ValueError, Image.DecompressionBombError) as e:  # PIL's verify() failures
+        raise PromptError(f"{where}: input image {str(path)!r} is not a valid image: {e}") from None
+
+
+def load_image(path: str) -> Image.Image:
+    """An input image as RGB (checked at load by :func:`check_image`)."""
+    with Image.open(path) as im:
+        return im.convert("RGB")
+
+
+def _resolve_images(value: Any, base: Path | None, where: str) -> str | list[str]:
+    """The ``image`` field of a jsonl record, checked and resolved against ``base``."""
+    many = isinstance(value, list)
+    items = value if many else [value]
+    if not items or len(items) > MAX_IMAGES_PER_PROMPT or not all(
+            isinstance(x, str) and x.strip() for x in items):
+        raise PromptError(f"{where}: expected 'image' to be a path or a list of 1 to "
+                          f"{MAX_IMAGES_PER_PROMPT} paths, got {show(value)}")
+    if base is None:
+        raise PromptError(f"{where}: 'image' needs a prompt file on disk to resolve its path against")
+    paths = []
+    for x in items:
+        path = (base / x).resolve()
+        check_image(path, where)
+        paths.append(str(path))
+    return paths if many else paths[0]
+
 
 def parse_prompts(text: str, origin: str = "<text>") -> list[str]:
     """The prompts in ``text`` (one per line, blank and ``#`` lines skipped)."""
@@ -89,9 +168,11 @@ def parse_prompts(text: str, origin: str = "<text>") -> list[str]:
     return prompts
 
 
-def parse_jsonl(text: str, origin: str = "<jsonl>") -> PromptSet:
-    """Prompts and metadata of JSON lines (blank lines skipped); each needs a string ``prompt``."""
+def parse_jsonl(text: str, origin: str = "<jsonl>", base: Path | None = None) -> PromptSet:
+    """Prompts and metadata of JSON lines (blank lines skipped); each needs a string ``prompt``.
+    ``image`` fields are resolved against the folder ``base`` and checked (module docstring)."""
     prompts: list[str] = []
+    with_image: list[int] = []
     metadata: list[dict[str, Any]] = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -119,10 +200,18 @@ def parse_jsonl(text: str, origin: str = "<jsonl>") -> PromptSet:
         if len(prompt) > MAX_PROMPT_CHARS:
             raise PromptError(f"prompt file {origin} line {n}: a prompt of {len(prompt)} characters, "
                               f"longer than the limit of {MAX_PROMPT_CHARS}")
+        if "image" in record:
+            record["image"] = _resolve_images(record["image"], base, f"prompt file {origin} line {n}")
+            with_image.append(n)
         prompts.append(prompt.strip())
         metadata.append(record)
     if not prompts:
         raise PromptError(f"prompt file {origin}: holds no prompts (no JSON lines)")
+    if with_image and len(with_image) != len(prompts):
+        lines = set(with_image)
+        first = next(n for n, line in enumerate(text.splitlines(), 1) if line.strip() and n not in lines)
+        raise PromptError(f"prompt file {origin} line {first}: no 'image' field, but line "
+                          f"{with_image[0]} has one; an edit prompt file needs an image on every line")
     return PromptSet(prompts, metadata)
 
 
@@ -148,7 +237,8 @@ def load_prompt_set(path: str) -> PromptSet:
             raise PromptError(f"prompt file {path!r}: no such prompt file in the package data")
         text = shipped.read_text(encoding="utf-8")
         if name.endswith(".jsonl"):
-            return parse_jsonl(text, repr(path))
+            with importlib.resources.as_file(shipped) as real:
+                return parse_jsonl(text, repr(path), real.parent)
         return PromptSet(parse_prompts(text, repr(path)))
     p = Path(path)
     if not p.is_file():
@@ -164,7 +254,7 @@ def load_prompt_set(path: str) -> PromptSet:
         raise PromptError(f"prompt file {path!r} cannot be read: not UTF-8 at byte {e.start} "
                           f"(line {line})") from None
     if p.suffix.lower() == ".jsonl":
-        return parse_jsonl(text, repr(path))
+        return parse_jsonl(text, repr(path), p.resolve().parent)
     return PromptSet(parse_prompts(text, repr(path)))
 
 
@@ -186,6 +276,31 @@ def split_off(prompts: PromptSet, fraction: float, seed: int) -> tuple[PromptSet
     test = sorted(order[:k])
     held = set(test)
     return prompts.subset([i for i in range(n) if i not in held]), prompts.subset(test)
+
+
+def check_edit_prompts(cfg: Config, train: PromptSet, test: PromptSet | None) -> None:
+    """An image-editing family needs edit prompts (an input image on each line, no more than it
+    takes), and a text-to-image family text prompts: a PromptError naming the file otherwise."""
+    family = cfg.model.family
+    if cfg.model.path == "emulated" or not family:
+        return
+    most = EDIT_FAMILIES.get(family, 0)
+    for name, ps in (("prompts.file", train), ("prompts.test_file", test)):
+        if ps is None:
+            continue
+        path = (cfg.prompts.test_file if name == "prompts.test_file" and cfg.prompts.test_file
+                else cfg.prompts.file) or "(built-in prompts)"
+        if most and not ps.is_edit:
+            raise PromptError(f"{name} = {path!r}: model.family = {family!r} edits images; expected a "
+                              ".jsonl file with an 'image' (input image path) on every line")
+        if not most and ps.is_edit:
+            raise PromptError(f"{name} = {path!r} holds edit prompts (input images), but model.family = "
+                              f"{family!r} is text-to-image; use an image-editing family "
+                              f"({', '.join(EDIT_FAMILIES)})")
+        for i, images in enumerate(ps.images):
+            if len(images) > most > 0:
+                raise PromptError(f"{name} = {path!r}: prompt {ps.prompts[i]!r} gives {len(images)} input "
+                                  f"images; model.family = {family!r} takes at most {most}")
 
 
 def load_splits(cfg: PromptConfig) -> tuple[PromptSet, PromptSet | None]:

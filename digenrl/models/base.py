@@ -68,6 +68,19 @@ class FlowModel(Protocol):
     def trainable_parameters(self) -> Iterator[torch.nn.Parameter]: ...
 
 
+def encode_inputs(model: FlowModel, prompts: Sequence[str],
+                  images: Sequence[Sequence[str]] | None = None) -> Cond:
+    """Conditioning of ``prompts``, with each prompt's input image paths for an edit model
+    (one whose adapter has ``encode_edits``); ``images`` None or all empty: text only."""
+    if images is not None and any(images):
+        encode_edits = getattr(model, "encode_edits", None)
+        if encode_edits is None:
+            raise ValueError(f"{model.family} is not an image-editing family, but its prompts carry "
+                             "input images")
+        return encode_edits(list(prompts), [list(p) for p in images])
+    return model.encode_prompts(prompts)
+
+
 def cond_select(cond: Cond, index: torch.Tensor | slice | Sequence[int]) -> Cond:
     """Rows ``index`` of every conditioning tensor."""
     if isinstance(index, slice):

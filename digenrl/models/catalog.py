@@ -24,6 +24,7 @@ installed diffusers' signatures and the geometry to reading no other key.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +98,12 @@ def _flux(cfg: Any, vae: Any) -> Geometry:
     return Geometry("flux", c, s, 1, 2, (128 * s,) * 2, 0)  # the pipeline's default_sample_size 128
 
 
+def _flux_kontext(cfg: Any, vae: Any) -> Geometry:
+    """FLUX.1 Kontext: FLUX's latents; the input image's tokens join the sequence (models/flux.py)."""
+    g = _flux(cfg, vae)
+    return dataclasses.replace(g, family="flux_kontext")
+
+
 def _qwenimage(cfg: Any, vae: Any) -> Geometry:
     c = cfg.out_channels or cfg.in_channels // 4
     if vae is None:
@@ -140,7 +147,7 @@ def _zimage(cfg: Any, vae: Any) -> Geometry:
 
 GEOMETRY: dict[str, Callable[[Any, Any], Geometry]] = {
     "sd3": _sd3, "flux": _flux, "qwenimage": _qwenimage, "wan": _wan, "hunyuanvideo": _hunyuanvideo,
-    "flux2": _flux2, "zimage": _zimage,
+    "flux2": _flux2, "zimage": _zimage, "flux_kontext": _flux_kontext,
 }
 """family -> (transformer config, VAE or None) -> :class:`Geometry`"""
 
@@ -149,13 +156,14 @@ FAMILIES: tuple[str, ...] = tuple(GEOMETRY)
 VAE_CLASS: dict[str, str] = {
     "sd3": "AutoencoderKL", "flux": "AutoencoderKL", "qwenimage": "AutoencoderKLQwenImage",
     "wan": "AutoencoderKLWan", "hunyuanvideo": "AutoencoderKLHunyuanVideo",
-    "flux2": "AutoencoderKLFlux2", "zimage": "AutoencoderKL",
+    "flux2": "AutoencoderKLFlux2", "zimage": "AutoencoderKL", "flux_kontext": "AutoencoderKL",
 }
 """family -> the diffusers class of its pipeline's VAE"""
 
 TRANSFORMER_DEFAULTS: dict[str, dict[str, Any]] = {
     "sd3": {"in_channels": 16, "patch_size": 2, "sample_size": 128, "pos_embed_max_size": 96},
     "flux": {"in_channels": 64},
+    "flux_kontext": {"in_channels": 64},
     "qwenimage": {"in_channels": 64, "out_channels": 16},
     "wan": {"in_channels": 16, "patch_size": (1, 2, 2)},
     "hunyuanvideo": {"in_channels": 16, "patch_size": 2},
@@ -177,6 +185,7 @@ VAE_DEFAULTS: dict[str, dict[str, Any]] = {
 TINY_CONFIGS: dict[str, dict] = {
     "sd3": sd3.TINY_SD3,
     "flux": flux.TINY_FLUX,
+    "flux_kontext": flux.TINY_FLUX,
     "qwenimage": qwenimage.TINY_QWENIMAGE,
     "wan": video.TINY_WAN,
     "hunyuanvideo": video.TINY_HUNYUANVIDEO,

@@ -30,6 +30,8 @@ TEXT_COMPONENTS: dict[str, dict[str, str]] = {
             "text_encoder_3": "T5-XXL (T5EncoderModel)", "tokenizer_3": "T5's T5TokenizerFast"},
     "flux": {"text_encoder": "CLIP-L (CLIPTextModel)", "tokenizer": "CLIP-L's CLIPTokenizer",
              "text_encoder_2": "T5-XXL (T5EncoderModel)", "tokenizer_2": "T5's T5TokenizerFast"},
+    "flux_kontext": {"text_encoder": "CLIP-L (CLIPTextModel)", "tokenizer": "CLIP-L's CLIPTokenizer",
+                     "text_encoder_2": "T5-XXL (T5EncoderModel)", "tokenizer_2": "T5's T5TokenizerFast"},
     "wan": {"text_encoder": "umT5-XXL (UMT5EncoderModel)", "tokenizer": "umT5's T5TokenizerFast"},
     "qwenimage": {"text_encoder": "Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration)",
                   "tokenizer": "Qwen2.5-VL's Qwen2Tokenizer"},

@@ -12,7 +12,7 @@ Videos ``(C, F, H, W)`` are decoded frame by frame and the frames tiled left to 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -111,7 +111,7 @@ class VaeDecoder:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.vae.config
         z = x.to(self.vae.dtype)
-        if self.family in ("sd3", "flux", "zimage"):
+        if self.family in ("sd3", "flux", "zimage", "flux_kontext"):
             z = z / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
             return to_uint8(self.vae.decode(z).sample)
         if self.family == "flux2":
@@ -135,3 +135,43 @@ class VaeDecoder:
         if not video:
             return to_uint8(out[:, :, 0])
         return tile_frames(to_uint8(out).permute(0, 2, 1, 3, 4))
+
+
+def image_to_tensor(img: Any, height: int, width: int) -> torch.Tensor:
+    """A PIL image resized to ``height`` x ``width`` (Lanczos, as diffusers' VaeImageProcessor
+    resizes) -> float32 ``(3, H, W)`` in [-1, 1] (its ``preprocess`` normalisation)."""
+    from PIL import Image
+
+    im = img.convert("RGB")
+    if im.size != (width, height):
+        im = im.resize((width, height), resample=Image.Resampling.LANCZOS)
+    t = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).reshape(height, width, 3)
+    return from_uint8(t.permute(2, 0, 1).contiguous())
+
+
+class VaeEncoder:
+    """Input images -> normalised latents, as an edit pipeline encodes its conditioning image:
+    the VAE's mode (``sample_mode="argmax"``), then ``(z - shift_factor) * scaling_factor``
+    (``AutoencoderKL``: FLUX.1 Kontext)."""
+
+    def __init__(self, vae: DiffusersVae) -> None:
+        self.vae = vae.requires_grad_(False).eval()
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        cfg = self.vae.config
+        z = self.vae.encode(images.to(self.vae.device, self.vae.dtype)).latent_dist.mode()
+        return (z - (getattr(cfg, "shift_factor", None) or 0.0)) * cfg.scaling_factor
+
+
+class PixelEncoder:
+    """The tiny models' fixed encoder, the inverse of :class:`PixelDecoder`'s pixel shuffle."""
+
+    def __init__(self, channels: int) -> None:
+        self.r = shuffle_factor(channels)
+        if self.r is None:
+            raise ValueError(f"{channels}-channel latents are no pixel shuffle of RGB: no fixed image encoder")
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        assert self.r is not None
+        return torch.pixel_unshuffle(images.float(), self.r)

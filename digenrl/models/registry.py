@@ -35,7 +35,14 @@ from digenrl.models.folder import (
     PipelineFolder,
     is_pipeline_folder,
 )
-from digenrl.models.pixels import Decoder, PixelDecoder, VaeDecoder, shuffle_factor
+from digenrl.models.pixels import (
+    Decoder,
+    PixelDecoder,
+    PixelEncoder,
+    VaeDecoder,
+    VaeEncoder,
+    shuffle_factor,
+)
 from digenrl.models.text import HashPromptEncoder, PipelinePromptEncoder
 
 if TYPE_CHECKING:
@@ -185,6 +192,10 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
                              lora_targets=model_cfg.lora_targets,
                              gradient_checkpointing=model_cfg.gradient_checkpointing, dtype=dtype)
         model.guidance = embedded_guidance or spec.guidance
+        if hasattr(model, "encode_edits"):  # an image-editing family: its input-image encoder
+            model.pixels_per_latent = geometry.spatial  # type: ignore[attr-defined]
+            model.image_encoder = (VaeEncoder(vae) if vae is not None  # type: ignore[attr-defined]
+                                   else PixelEncoder(latent_shape[0]))
         if pf is not None:  # a family of several pipelines (FLUX.2-dev, -klein): the folder's own
             model.pipeline_class = pf.pipeline_class
             if pf.index.get("expand_timesteps"):  # Wan2.2 TI2V: per-token timesteps

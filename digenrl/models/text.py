@@ -81,7 +81,7 @@ class HashPromptEncoder:
 
 #: The diffusers pipelines' default prompt lengths (``max_sequence_length``).
 DEFAULT_TEXT_TOKENS = {"sd3": 256, "flux": 512, "wan": 226, "qwenimage": 1024, "hunyuanvideo": 256,
-                       "flux2": 512, "zimage": 512}
+                       "flux2": 512, "zimage": 512, "flux_kontext": 512}
 
 
 def template_prefix_tokens(tokenizer: Any, template: str) -> int:
@@ -124,7 +124,7 @@ class PipelinePromptEncoder:
         if self.family == "sd3":
             embeds, _, pooled, _ = pipe.encode_prompt(prompts, prompts, prompts, device=dev,
                                                       do_classifier_free_guidance=False, max_sequence_length=n)
-        elif self.family == "flux":
+        elif self.family in ("flux", "flux_kontext"):
             embeds, pooled, _ = pipe.encode_prompt(prompts, prompts, device=dev, max_sequence_length=n)
         elif self.family == "wan":
             embeds = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=n,

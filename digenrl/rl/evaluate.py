@@ -34,7 +34,7 @@ from digenrl.config import Config, RewardTerm
 from digenrl.core.plan import stable_int
 from digenrl.data.prompts import PromptSet
 from digenrl.fileio import write_text_atomic
-from digenrl.models.base import FlowModel
+from digenrl.models.base import FlowModel, encode_inputs
 from digenrl.rl.diversity import diversity_features, within_prompt_diversity
 from digenrl.rl.rewards import Reward, build_reward
 from digenrl.rl.rewards.video import video_frames
@@ -81,7 +81,8 @@ def generate(model: FlowModel, cfg: Config, test: PromptSet) -> tuple[torch.Tens
     for lo in range(0, len(plan), cfg.eval.batch_size):
         batch = plan[lo:lo + cfg.eval.batch_size]
         with torch.no_grad():
-            cond = model.encode_prompts([test.prompts[i] for i, _ in batch])
+            cond = encode_inputs(model, [test.prompts[i] for i, _ in batch],
+                                 [test.images[i] for i, _ in batch])  # edits: their input images
             x = None
             for rec in rollout(model, cond, generator=seeded_generators([s for _, s in batch]),
                                sampler_cfg=sampler, sde_steps=set()):

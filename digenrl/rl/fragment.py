@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from digenrl.config import Config
-from digenrl.models.base import Cond, FlowModel, cond_repeat
+from digenrl.data.prompts import prompt_images
+from digenrl.models.base import Cond, FlowModel, cond_repeat, encode_inputs
 from digenrl.rl.rewards import Reward
 from digenrl.rl.sampler import StepRecord, rollout, seeded_generators
 
@@ -61,7 +62,8 @@ class FragmentJob:
         """Yield the records of the trained steps, in denoising order, as they are produced."""
         self._t0 = time.perf_counter()
         g = self.cfg.train.group_size
-        cond = cond_repeat(self.model.encode_prompts(list(self.prompts)), g)
+        images = None if self.metadata is None else [prompt_images(m) for m in self.metadata]
+        cond = cond_repeat(encode_inputs(self.model, list(self.prompts), images), g)
         self._cond = cond
         trained = set(self.trained_steps)
         for rec in rollout(self.model, cond, generator=seeded_generators(self.seeds),

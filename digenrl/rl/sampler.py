@@ -102,7 +102,10 @@ def guided_velocity(
         return fn(x, sig, cond)
     if uncond is None:
         raise ValueError(f"guidance_scale = {guidance_scale} needs the unconditional conditioning")
-    both = cond_cat([cond_repeat(uncond, b), cond])
+    u = cond_repeat(uncond, b)
+    # what the prompt does not set (an edit's input image) is the conditional pass's
+    u.update({k: v for k, v in cond.items() if k not in u})
+    both = cond_cat([u, cond])
     s = torch.cat([sig, sig])
     v_u, v_c = fn(torch.cat([x, x]), s, both).chunk(2)
     return v_u + guidance_scale * (v_c - v_u)

@@ -55,6 +55,13 @@ Video (:mod:`digenrl.rl.rewards.video`; any image term also scores each frame wi
                             difference of frames area-averaged to <= 32 px, in [0, 1]
 ==========================  ================================================================
 
+Image editing (:mod:`digenrl.rl.rewards.edit`; the term gets each sample's input image):
+
+==========================  ================================================================
+``input_ssim``              SSIM of the output to its input image (Gaussian window 11 px,
+                            sigma 1.5, on 0-255 RGB), in [-1, 1]: how much the edit preserves
+==========================  ================================================================
+
 Model rewards (weights from a local folder named in ``args.weights``; never a hub):
 
 ========================  ==================================================================
@@ -121,5 +128,6 @@ for _name, _target in {
     "shapes_attributes": "digenrl.rl.rewards.judge:ShapesAttributes",
     "shapes_spread": "digenrl.rl.rewards.judge:ShapesSpread",
     "temporal_consistency": "digenrl.rl.rewards.video:temporal_consistency",
+    "input_ssim": "digenrl.rl.rewards.edit:input_ssim",
 }.items():
     register(_name, _target)  # imported when a config names it

@@ -13,7 +13,12 @@ A ``[reward] terms`` entry is ``{ name, weight, args, label, key }``
 dicts: the prompt's record in the prompt file (a jsonl line as it is; ``{"prompt": text}``
 for a txt line). Metadata is passed, as the keyword ``metadata``, only to callables that
 declare a ``metadata`` parameter or ``**kwargs``, so plain ``(images, prompts)`` functions
-keep working. A term returns a floating tensor ``(B,)`` or a mapping ``name -> (B,)`` (several
+keep working. An image-editing run's terms may also take ``input_images``: declared by name
+(never through ``**kwargs``), it is passed uint8 ``(B, 3, H, W)``, each sample's input image
+(the first of its prompt's ``image`` paths) resized to the output's size (Lanczos), read from
+the paths in the metadata where the reward runs. A parameter without a default on prompts
+without input images is a RewardError; one with a default (``input_images=None``) is simply
+not passed there. A term returns a floating tensor ``(B,)`` or a mapping ``name -> (B,)`` (several
 values, e.g. a judge's per-attribute scores); with a mapping, the term's ``key`` names the
 value that is its reward, and :meth:`Reward.evaluate` reports every value.
 
@@ -157,6 +162,35 @@ def takes_frames(target: Any) -> bool:
     return bool(params) and params[0] == "frames"
 
 
+def _takes_input_images(fn: RewardFn) -> str:
+    """"required", "optional" (the parameter has a default: text prompts pass nothing) or ""."""
+    try:
+        p = inspect.signature(fn).parameters.get("input_images")
+    except (TypeError, ValueError):
+        return ""
+    if p is None:
+        return ""
+    return "required" if p.default is inspect.Parameter.empty else "optional"
+
+
+def input_images(label: str, metadata: Metadata, height: int, width: int) -> torch.Tensor:
+    """uint8 (B, 3, height, width): each record's first input image at the output's size."""
+    from digenrl.data.prompts import load_image, prompt_images
+    from digenrl.models.pixels import image_to_tensor, to_uint8
+
+    out = []
+    for m in metadata:
+        paths = prompt_images(m)
+        if not paths:
+            raise RewardError(f"reward {label!r} takes input_images, but prompt {m.get('prompt')!r} "
+                              "has no input image (an edit prompt file's 'image')")
+        try:
+            out.append(to_uint8(image_to_tensor(load_image(paths[0]), height, width)))
+        except OSError as e:
+            raise RewardError(f"reward {label!r}: input image {paths[0]!r} cannot be read: {e}") from None
+    return torch.stack(out)
+
+
 def _takes_metadata(fn: RewardFn) -> bool:
     try:
         params = inspect.signature(fn).parameters.values()
@@ -177,6 +211,7 @@ class Term:
     key: str = ""
     takes_frames: bool = False  # called with videos (B, T, H, W, 3)
     per_frame: str = ""  # an image term scored per frame: "mean" or "min" over the frames
+    takes_input_images: str = ""  # an edit reward's "required" / "optional" input_images (module doc)
 
     def values(self, images: torch.Tensor, prompts: Sequence[str], metadata: Metadata,
                frames: int = 1) -> dict[str, torch.Tensor]:
@@ -198,6 +233,9 @@ class Term:
         kw = dict(self.kwargs)
         if self.takes_metadata:
             kw["metadata"] = metadata
+        if self.takes_input_images == "required" or (
+                self.takes_input_images and any(m.get("image") for m in metadata)):
+            kw["input_images"] = input_images(self.label, metadata, x.shape[-2], x.shape[-1])
         out = _invoke(self.label, self.scorer, x, prompts, kw)
         if isinstance(out, Mapping):
             if not out:
@@ -239,7 +277,7 @@ class Reward:
     def __init__(self, terms: Sequence[Term | tuple[str, float, RewardFn]], frames: int = 1) -> None:
         self.terms = [t if isinstance(t, Term) else
                       Term(label=t[0], weight=float(t[1]), scorer=t[2], takes_metadata=_takes_metadata(t[2]),
-                           takes_frames=takes_frames(t[2]))
+                           takes_frames=takes_frames(t[2]), takes_input_images=_takes_input_images(t[2]))
                       for t in terms]
         self.frames = frames
 
@@ -302,7 +340,8 @@ def _build_term(spec: RewardTerm) -> Term:
                               "class needs __call__(images, prompts[, metadata]))")
         return Term(label=label, weight=float(spec.weight), scorer=scorer,
                     takes_metadata=_takes_metadata(scorer), key=spec.key,
-                    takes_frames=frames, per_frame=spec.per_frame)
+                    takes_frames=frames, per_frame=spec.per_frame,
+                    takes_input_images=_takes_input_images(scorer))
     if args:
         try:
             inspect.signature(target).bind_partial(None, None, **args)
@@ -312,7 +351,8 @@ def _build_term(spec: RewardTerm) -> Term:
             pass
     return Term(label=label, weight=float(spec.weight), scorer=target, kwargs=args,
                 takes_metadata=_takes_metadata(target), key=spec.key,
-                takes_frames=frames, per_frame=spec.per_frame)
+                takes_frames=frames, per_frame=spec.per_frame,
+                takes_input_images=_takes_input_images(target))
 
 
 def build_reward(terms: Sequence[RewardTerm], device: Any = None, *, frames: int = 1) -> Reward:

@@ -20,6 +20,10 @@ judge that stopped answering in the expected form must not become a silent zero.
 ``timeout_s``, ``retries``, ``backoff_s``   as for ``http`` (:mod:`digenrl.rl.rewards.remote`)
 =================  ===========================================================================
 
+Edit prompts (an input image each): the input image is sent first, then the output, and
+``{prompt}`` is the edit instruction; the default question for edits is ``EDIT_TEMPLATE``
+(``args.edit_template`` replaces it).
+
 Only JSON travels here (no pickle).
 """
 
@@ -42,10 +46,16 @@ DEFAULT_TEMPLATE = ("Does this image show: \"{prompt}\"? Rate how well it matche
                     "all) to 10 (exactly). Answer with the number only.")
 
 
+EDIT_TEMPLATE = ("The first image is the input, the second the result of the edit \"{prompt}\". "
+                 "Rate from 0 (not done, or the rest of the image ruined) to 10 (done exactly, the "
+                 "rest kept). Answer with the number only.")
+
+
 class VLMJudge:
     """Scores each image by asking a VLM (see the module doc for ``args``)."""
 
     def __init__(self, *, url: str, model: str, template: str = DEFAULT_TEMPLATE,
+                 edit_template: str = EDIT_TEMPLATE,
                  pattern: str = r"(-?\d+(?:\.\d+)?)", scale: float = 10.0, api_key_env: str = "",
                  max_tokens: int = 16, concurrency: int = 8, timeout_s: float = 60.0,
                  retries: int = 2, backoff_s: float = 1.0) -> None:
@@ -64,12 +74,13 @@ class VLMJudge:
             if not token:
                 raise RewardError(f"vlm_judge: args.api_key_env = {api_key_env!r}, but that variable is not set")
             self.headers["Authorization"] = f"Bearer {token}"
+        self.edit_template = edit_template
         self.model, self.template, self.scale, self.max_tokens = model, template, float(scale), max_tokens
         self.concurrency, self.timeout_s, self.retries, self.backoff_s = concurrency, timeout_s, retries, backoff_s
 
-    def question(self, prompt: str, metadata: Mapping[str, Any]) -> str:
+    def question(self, prompt: str, metadata: Mapping[str, Any], edit: bool = False) -> str:
         try:
-            return self.template.format_map({**metadata, "prompt": prompt})
+            return (self.edit_template if edit else self.template).format_map({**metadata, "prompt": prompt})
         except (KeyError, IndexError, ValueError) as e:
             raise RewardError(f"vlm_judge: args.template needs {e} that prompt {prompt!r}'s "
                               "metadata does not have") from None
@@ -81,11 +92,13 @@ class VLMJudge:
                               f"args.pattern {self.pattern.pattern!r}")
         return float(m.group(1)) / self.scale
 
-    def _ask(self, jpeg: bytes, question: str) -> float:
+    def _ask(self, jpeg: bytes, question: str, input_jpeg: bytes | None = None) -> float:
+        shown = [jpeg] if input_jpeg is None else [input_jpeg, jpeg]
         body = {"model": self.model, "temperature": 0, "max_tokens": self.max_tokens,
                 "messages": [{"role": "user", "content": [
-                    {"type": "image_url",
-                     "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()}},
+                    *({"type": "image_url",
+                       "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(j).decode()}}
+                      for j in shown),
                     {"type": "text", "text": question}]}]}
         raw = post(self.endpoint, json.dumps(body).encode(), content_type="application/json",
                    timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s,
@@ -100,9 +113,11 @@ class VLMJudge:
         return self.parse(text)
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str],
-                 metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
-        questions = [self.question(p, m) for p, m in zip(prompts, metadata)]
+                 metadata: Sequence[Mapping[str, Any]], input_images: torch.Tensor | None = None) -> torch.Tensor:
+        edit = input_images is not None
+        questions = [self.question(p, m, edit) for p, m in zip(prompts, metadata)]
         jpegs = jpeg_bytes(images)
+        inputs: list[bytes | None] = [None] * len(jpegs) if input_images is None else list(jpeg_bytes(input_images))
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(jpegs) or 1)) as pool:
-            scores = list(pool.map(self._ask, jpegs, questions))
+            scores = list(pool.map(self._ask, jpegs, questions, inputs))
         return torch.tensor(scores, dtype=torch.float32)
