@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from digenrl.models.ulysses import _sdpa, ulysses_attention  # noqa: E402
+from digenrl.models.ulysses import _sdpa, ulysses_attention
 
 S, W, H = 1024, 64, 4           # tokens, width, heads: activations >> 4 * 16 * W * W weights
 
@@ -79,7 +79,7 @@ def _rank(rank: int, port: int, path: str) -> None:
     dist.destroy_process_group()
 
 
-def measure(json: bool = True) -> dict[str, float]:  # noqa: A002 - the name the callers use
+def measure(json: bool = True) -> dict[str, float]:
     """``{"sp2_activation_ratio", "sp_max_rel_dev", "sp1_saved_bytes", "sp2_saved_bytes"}``."""
     torch.set_num_threads(1)
     w = _weights()
