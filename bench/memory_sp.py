@@ -51,16 +51,16 @@ def _block(x: torch.Tensor, w: dict[str, torch.Tensor], sp: bool) -> torch.Tenso
 
 
 def _saved_bytes(x: torch.Tensor, w: dict[str, torch.Tensor], sp: bool) -> tuple[int, torch.Tensor]:
-    seen: dict[tuple[int, int], int] = {}
-    params = {t.data_ptr() for t in w.values()}
+    seen: dict[int, int] = {}         # storage address -> bytes: views of one storage count once
+    ws = {k: v.clone().requires_grad_() for k, v in w.items() if k != "x"}
+    params = {t.untyped_storage().data_ptr() for t in ws.values()}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in params:      # weights are not activations
-            seen[(t.data_ptr(), t.untyped_storage().nbytes())] = t.untyped_storage().nbytes()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:               # weights are not activations
+            seen[ptr] = t.untyped_storage().nbytes()
         return t
 
-    ws = {k: v.clone().requires_grad_() for k, v in w.items() if k != "x"}
-    params = {t.data_ptr() for t in ws.values()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = _block(x.clone().requires_grad_(), ws, sp)
     return sum(seen.values()), out.detach()
