@@ -19,7 +19,7 @@ what finished:
                  SD3.5-medium (2.5B) and FLUX.1-dev (12B) transformer at 512 and 1024 px, bf16,
                  batch 2: seconds and peak GPU memory; also the first ratio of the trained
                  step, which must be exactly 1 (the same instance recomputes its own sample).
-``memory``       one LoRA training forward + backward (batch 2, rank 32, bf16) of a random-weight
+``memory``       one LoRA training forward (batch 2, rank 32, bf16) of a random-weight
                  SD3.5-medium and FLUX.1-dev transformer at 512 and 1024 px, built on the
                  device: ``torch.cuda.max_memory_allocated`` beside the prediction of
                  ``digenrl/models/memplan.py`` (parameters + the saved activations counted on
@@ -281,7 +281,7 @@ def memory_peaks(device: torch.device, real: bool) -> dict[str, Any]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from digenrl.models import families
-    from digenrl.models.memplan import REAL_TEXT, count_saved_bytes, training_forward_saved_bytes
+    from digenrl.models.memplan import REAL_TEXT, training_forward_saved_bytes
 
     vae = NS(config=NS(block_out_channels=(128, 256, 512, 512))) if real else None
     cases = {"sd3": SD35_MEDIUM if real else families.TINY_CONFIGS["sd3"],
@@ -299,13 +299,11 @@ def memory_peaks(device: torch.device, real: bool) -> dict[str, Any]:
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
                 try:
-                    with count_saved_bytes() as measured:
-                        n = training_forward_saved_bytes(family, kwargs, px, 2, text, lora_rank=32, dtype=dtype,
-                                                         vae=vae, device=device)
+                    n = training_forward_saved_bytes(family, kwargs, px, 2, text, lora_rank=32, dtype=dtype,
+                                                     vae=vae, device=device)
                     torch.cuda.synchronize(device)
                     case.update(peak_gib=round((torch.cuda.max_memory_allocated(device) - base) / 2**30, 3),
                                 measured_saved_bytes=n, measured_saved_gib=round(n / 2**30, 3))
-                    del measured
                 except torch.cuda.OutOfMemoryError as e:
                     case["error"] = f"out of memory: {e}"[:300]
                     ok = False
