@@ -19,6 +19,13 @@ what finished:
                  SD3.5-medium (2.5B) and FLUX.1-dev (12B) transformer at 512 and 1024 px, bf16,
                  batch 2: seconds and peak GPU memory; also the first ratio of the trained
                  step, which must be exactly 1 (the same instance recomputes its own sample).
+``memory``       one LoRA training forward (batch 2, rank 32, bf16) of a random-weight
+                 SD3.5-medium and FLUX.1-dev transformer at 512 and 1024 px, built on the
+                 device: ``torch.cuda.max_memory_allocated`` beside the prediction of
+                 ``digenrl/models/memplan.py`` (parameters + the saved activations counted on
+                 the meta device; its count is the math-attention path's, an upper bound where
+                 flash attention runs). ``--cpu``: the tiny configs, the meta count against the
+                 bytes the CPU forward saves (math attention), which must be equal.
 ``staging``      chunks device -> pinned host -> wire -> pinned host -> device through
                  ``transport/staging.py`` and the project's PUSH/PULL sockets: every landed
                  tensor bit-identical to its source (a fresh tensor per chunk, pooled buffers
@@ -66,7 +73,7 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
 #: FLUX.1-dev's transformer/config.json: FluxTransformer2DModel's defaults plus the guidance
 #: embedding (FLUX.1-dev is guidance-distilled: its config has ``guidance_embeds: true``).
 FLUX_DEV: dict[str, Any] = {"guidance_embeds": True}
-SECTIONS = ("build", "nvml", "k0_bf16", "transformers", "staging", "default_run")
+SECTIONS = ("build", "nvml", "k0_bf16", "transformers", "memory", "staging", "default_run")
 NEEDED = ["diffusers", "transformers", "peft", "safetensors", "zmq", "msgpack", "structlog", "uvloop", "PIL",
           "pynvml", "tomli_w", "numpy", "matplotlib"]
 
@@ -268,6 +275,50 @@ def _one_case(family: str, spec: Any, transformer: torch.nn.Module, px: int, rea
     return case
 
 
+def memory_peaks(device: torch.device, real: bool) -> dict[str, Any]:
+    from types import SimpleNamespace as NS
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from digenrl.models import families
+    from digenrl.models.memplan import REAL_TEXT, training_forward_saved_bytes
+
+    vae = NS(config=NS(block_out_channels=(128, 256, 512, 512))) if real else None
+    cases = {"sd3": SD35_MEDIUM if real else families.TINY_CONFIGS["sd3"],
+             "flux": FLUX_DEV if real else families.TINY_CONFIGS["flux"]}
+    dtype = torch.bfloat16 if real else torch.float32
+    out: dict[str, Any] = {"real_size": real, "batch": 2, "lora_rank": 32, "cases": {}}
+    ok = True
+    for family, kwargs in cases.items():
+        text = REAL_TEXT[family] if real else (16, 32, 32)
+        for px in ((512, 1024) if real else (32, 64)):
+            planned = training_forward_saved_bytes(family, kwargs, px, 2, text, lora_rank=32, dtype=dtype, vae=vae)
+            case: dict[str, Any] = {"planned_saved_bytes": planned, "planned_saved_gib": round(planned / 2**30, 3)}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+                try:
+                    n = training_forward_saved_bytes(family, kwargs, px, 2, text, lora_rank=32, dtype=dtype,
+                                                     vae=vae, device=device)
+                    torch.cuda.synchronize(device)
+                    case.update(peak_gib=round((torch.cuda.max_memory_allocated(device) - base) / 2**30, 3),
+                                measured_saved_bytes=n, measured_saved_gib=round(n / 2**30, 3))
+                except torch.cuda.OutOfMemoryError as e:
+                    case["error"] = f"out of memory: {e}"[:300]
+                    ok = False
+            else:
+                with sdpa_kernel(SDPBackend.MATH):
+                    n = training_forward_saved_bytes(family, kwargs, px, 2, text, lora_rank=32, dtype=dtype,
+                                                     device=device)
+                case.update(measured_saved_bytes=n, measured_saved_gib=round(n / 2**30, 3))
+                ok &= n == planned
+            out["cases"][f"{family}@{px}"] = case
+            print(f"gpu_check:   memory {family} {px}px {case}", flush=True)
+    out["ok"] = ok
+    return out
+
+
 def _transport_bench() -> Any:
     """bench/transport.py as a module (its staged-chunk measurement)."""
     spec = importlib.util.spec_from_file_location("digenrl_bench_transport", ROOT / "bench" / "transport.py")
@@ -397,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                 "nvml": nvml_reading,
                 "k0_bf16": lambda: k0_bf16(work, 2 if args.cpu else 3),
                 "transformers": lambda: transformer_steps(device, real=not args.cpu),
+                "memory": lambda: memory_peaks(device, real=not args.cpu),
                 "staging": lambda: staging(device, real=not args.cpu),
                 "default_run": lambda: default_run(work, 1 if args.cpu else None)}
             for name, fn in sections.items():

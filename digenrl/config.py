@@ -176,6 +176,13 @@ class ModelConfig:
         "for the low-noise ones, switched at the folder's boundary_ratio): which the run trains "
         "(LoRA or full weights); the other stays the base's and is never synced or saved")
     fsdp: bool = _f(False, "shard parameters/grads/optimizer state over trainer ranks (FSDP2)")
+    offload: Literal["none", "params"] = _f(
+        "none", "trainer CPU offload under model.fsdp: 'params' keeps the sharded parameters, "
+        "their gradients and the optimizer state in (pinned) host memory (FSDP2's "
+        "CPUOffloadPolicy; the optimizer step runs on the CPU); 'none' keeps everything on the "
+        "device. Needs model.fsdp = true")
+    vae_tiling: bool = _f(False, "decode with the VAE tiled and sliced (diffusers' enable_tiling / "
+                          "enable_slicing): large images and video decode in bounded memory")
     emulate: EmulateConfig = field(default_factory=EmulateConfig,
                                    metadata={"help": "knobs of model.path = 'emulated'"})
 
@@ -676,6 +683,9 @@ def _check_consistency(cfg: Config) -> None:
                               "training of the forward-process losses is not implemented")
     if len(set(cfg.tracking.backends)) < len(cfg.tracking.backends):
         raise ConfigError(f"tracking.backends = {cfg.tracking.backends!r}: a tracker is listed twice")
+    if cfg.model.offload != "none" and not cfg.model.fsdp:
+        raise ConfigError(f"model.offload = {cfg.model.offload!r} with model.fsdp = false: offload moves "
+                          "FSDP shards to host memory; set model.fsdp = true or model.offload = \"none\"")
     if t.ema_decay > 0 and cfg.model.fsdp:
         raise ConfigError(f"train.ema_decay = {t.ema_decay} with model.fsdp = true: the EMA of "
                           "sharded weights is not implemented (set one of them off)")

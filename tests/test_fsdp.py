@@ -298,3 +298,43 @@ def test_a_sharded_rank_told_to_stop_pads_the_steps_passes_and_votes_so_no_rank_
     assert r0[:2] == r1[:2] == [[False, False], 1]  # no vote: the step is taken
     assert r0[2] == r1[2] == [True, True]
     assert r0[3] == r1[3] == [1, 3]  # still version 1; every rank ran the step's 3 passes
+
+
+def _one_step_weights(offload: str) -> dict[str, torch.Tensor]:
+    from digenrl.rl.grpo import group_advantages
+    from digenrl.rl.policy import build_policy
+    from digenrl.rl.sampler import rollout, seeded_generators
+    from digenrl.rl.sharding import full
+
+    cfg = load_config(None, ["model.path=\"random\"", "model.fsdp=true", f'model.offload="{offload}"',
+                             "model.lora_rank=2", "sampler.num_steps=2", "train.timesteps=\"all\"", "train.lr=1e-2"])
+    policy = build_policy(cfg, world_size=2)
+    assert policy.sharded
+    cond = policy.model.encode_prompts(["a red square", "a red square", "a blue circle", "a blue circle"])
+    adv, stats = group_advantages(torch.tensor([0.1, 0.5, 0.2, 0.9]), [0, 0, 1, 1])
+    with torch.no_grad():
+        records = {r.index: r for r in rollout(policy.model, cond, generator=seeded_generators([1, 2, 3, 4]),
+                                               sampler_cfg=cfg.sampler)}
+    policy.fragment_loss_backward(records, cond, adv, stats.keep, batch_size_total=4, n_trained_total=2)
+    assert policy.optimizer_step()["grad_norm"] > 0  # a step that moves the LoRA weights
+    return {k: full(v).detach().clone() for k, v in policy.model.transformer.state_dict().items()}
+
+
+def test_parameter_offload_gives_the_update_of_a_run_without_it(one_rank_group: None) -> None:
+    """model.offload = "params" (FSDP2's CPUOffloadPolicy) moves where the shards live, not what
+    the step computes: the same weights after one step. Tolerance 1e-6 relative: on the CPU the
+    offloaded copies are the same float32 values, but the two instances are built and sharded
+    separately (summation order inside the kernels may differ)."""
+    base, offloaded = _one_step_weights("none"), _one_step_weights("params")
+    assert base.keys() == offloaded.keys()
+    moved = [k for k in base if "lora" in k]
+    assert moved
+    for k in base:
+        torch.testing.assert_close(offloaded[k], base[k], rtol=1e-6, atol=1e-7)
+
+
+def test_offload_without_fsdp_is_a_one_line_config_error() -> None:
+    from digenrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.offload = 'params' with model.fsdp = false"):
+        load_config(None, ['model.offload="params"'])

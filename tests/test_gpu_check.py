@@ -31,7 +31,7 @@ def test_gpu_check_cpu_subset_runs_and_reports_every_section(tmp_path: Path) -> 
     report = json.loads(out.read_text())
     sections = report["sections"]
     assert report["ok"] and report["device"] == "cpu" and report["cpu_mode"]
-    assert set(sections) == {"build", "k0_bf16", "transformers", "staging"}  # no NVML without a GPU
+    assert set(sections) == {"build", "k0_bf16", "transformers", "memory", "staging"}  # no NVML without a GPU
     assert report["skipped"] == ["default_run"]
     assert sections["build"]["missing"] == [] and sections["build"]["torch"]
     # two processes, bf16 compute with float32 masters, K = 0: every step's first ratio is 1 exactly
@@ -118,3 +118,12 @@ def test_the_flux_dev_case_is_flux_1_dev_shaped_with_its_guidance_embedding() ->
     assert flux.config.guidance_embeds
     assert any("guidance_embedder" in name for name, _ in flux.named_parameters())
     assert 11.5e9 < sum(p.numel() for p in flux.parameters()) < 12.5e9
+
+
+def test_the_memory_section_counts_on_the_meta_device_what_the_cpu_forward_saves(tmp_path: Path) -> None:
+    gpu_check = _gpu_check()
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--cpu", "--out", str(out), "--only", "memory"]) == 0
+    cases = json.loads(out.read_text())["sections"]["memory"]["cases"]
+    assert set(cases) == {"sd3@32", "sd3@64", "flux@32", "flux@64"}
+    assert all(c["planned_saved_bytes"] == c["measured_saved_bytes"] > 0 for c in cases.values())

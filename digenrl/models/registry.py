@@ -174,6 +174,10 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
             _cast(transformer, dtype)
         cfg = transformer.config
         vae = pf.load("vae", dtype=torch.float32, device=device) if pf is not None else None
+        if vae is not None and model_cfg.vae_tiling:
+            for switch in ("enable_tiling", "enable_slicing"):  # not every VAE class has both
+                if hasattr(vae, switch):
+                    getattr(vae, switch)()
         geometry = catalog.GEOMETRY[family](cfg, vae)
         latent_shape = geometry.latent_shape(model_cfg.height, model_cfg.width, model_cfg.num_frames)
         encoder = _encoder(model_cfg, pf, device, dtype, cfg)

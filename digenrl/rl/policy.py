@@ -81,7 +81,7 @@ class Policy:
     """
 
     def __init__(self, model: FlowModel, train_cfg: TrainConfig, sampler_cfg: SamplerConfig, *,
-                 shard: bool = False, keep_versions: int = 0) -> None:
+                 shard: bool = False, keep_versions: int = 0, offload: str = "none") -> None:
         self.model, self.train_cfg, self.sampler_cfg = model, train_cfg, sampler_cfg
         self.keep_versions = keep_versions if algorithm_for(train_cfg).needs_behaviour else 0
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
@@ -100,9 +100,9 @@ class Policy:
             with torch.no_grad():  # the sharded trained parameters are the float32 masters
                 for p in model.trainable_parameters():
                     p.data = p.data.float()
-            shard_transformer(model.transformer, param_dtype=compute)
+            shard_transformer(model.transformer, param_dtype=compute, offload=offload)
             if self._ref is not None:
-                shard_transformer(self._ref.transformer, param_dtype=compute)
+                shard_transformer(self._ref.transformer, param_dtype=compute, offload=offload)
         #: the model's own trained parameters (compute dtype)
         self.model_params: list[torch.Tensor] = list(model.trainable_parameters())
         if not self.model_params:
@@ -463,7 +463,7 @@ def build_policy(cfg: ResolvedConfig, world_size: int = 1, gpu: str | None = Non
     gpu = gpu or cfg.cluster.trainer_gpu or cfg.cluster.gpu
     model = build_model(cfg.model, seed=cfg.run.seed, gpu=gpu, in_trainer=True, device=device,
                         embedded_guidance=cfg.sampler.embedded_guidance)
-    return Policy(model, cfg.train, cfg.sampler, shard=cfg.model.fsdp and world_size > 1,
+    return Policy(model, cfg.train, cfg.sampler, shard=cfg.model.fsdp and world_size > 1, offload=cfg.model.offload,
                   keep_versions=cfg.runtime.staleness)
 
 

@@ -44,16 +44,28 @@ def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [b for b in out if id(b) not in inner]
 
 
-def shard_transformer(transformer: torch.nn.Module, param_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def shard_transformer(transformer: torch.nn.Module, param_dtype: torch.dtype = torch.float32,
+                      offload: str = "none") -> torch.nn.Module:
     """Wrap ``transformer`` in place with FSDP2 (per block, then the root); returns it.
 
     ``param_dtype`` other than float32 computes with parameters all-gathered in that dtype
     and reduce-scatters gradients in float32 (``MixedPrecisionPolicy``): the sharded
     parameters stay the float32 masters. Needs an initialised default process group (gloo on
     CPU, NCCL on GPU).
+
+    ``offload = "params"`` (``model.offload``) keeps the sharded parameters, their gradients
+    and so the optimizer state in host memory (FSDP2's ``CPUOffloadPolicy``, pinned when there
+    is a GPU): each block's shard is copied to the device for its all-gather and the optimizer
+    step runs on the CPU.
     """
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("model.fsdp: torch.distributed is not initialised; FSDP2 needs the "
@@ -62,9 +74,11 @@ def shard_transformer(transformer: torch.nn.Module, param_dtype: torch.dtype = t
     # and reduce gradients in float32
     mp_policy = (MixedPrecisionPolicy() if param_dtype == torch.float32 else
                  MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
+    offload_policy = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload == "params"
+                      else OffloadPolicy())
     for block in _blocks(transformer):
-        fully_shard(block, mp_policy=mp_policy)
-    fully_shard(transformer, mp_policy=mp_policy)
+        fully_shard(block, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(transformer, mp_policy=mp_policy, offload_policy=offload_policy)
     for m in transformer.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # sum over ranks, as the unsharded all-reduce does
