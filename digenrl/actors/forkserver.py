@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import importlib
 import io
 import multiprocessing
@@ -112,11 +113,29 @@ def _node_entry(argv: list[str], env: dict[str, str], log_path: str) -> None:
     main = importlib.import_module("digenrl.cli").main
     try:
         code = main(argv)
+    except Exception as e:  # what an exec'd node's interpreter prints, without multiprocessing's header
+        _report(e)
+        code = 1
     finally:
         atexit._run_exitfuncs()  # what interpreter exit runs (log handlers' flush); forked
         # children end in os._exit, which would skip it
     if code:
         raise SystemExit(code)
+
+
+def _report(e: Exception) -> None:
+    """The traceback of the error that ended the node, with its one-line summary both first
+    and last: the launcher names a dead node by the last line of its stderr that is not a log
+    record (cluster.Children.last_error), and on a full disk only the first short write may fit."""
+    import traceback
+
+    leaf: BaseException = e
+    while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:  # a TaskGroup's: what failed in it
+        leaf = leaf.exceptions[0]
+    summary = "".join(traceback.format_exception_only(leaf)).strip().splitlines()[-1]
+    for text in (summary + "\n", "".join(traceback.format_exception(e)), summary + "\n"):
+        with contextlib.suppress(OSError):  # ENOSPC and the like: what was written stays
+            sys.stderr.write(text)
 
 
 class ForkedNode:
