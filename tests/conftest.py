@@ -61,12 +61,14 @@ TEST_THREADS = int(os.environ.get("DIGENRL_TEST_THREADS", "1"))
 #: or more to each of the suite's launches); a full fine-tune without the base model's tail
 #: (the mechanisms' tests compare whole weight sets, and LoRA has tests of its own); and the
 #: prompt-agnostic JPEG reward (tests feed prompts outside the shapes grammar, which the
-#: default's judge refuses). The autouse fixture :func:`_suite_default` gives the same to
+#: default's judge refuses); no KL term (the default's keeps its demo's diversity; on a full
+#: fine-tune it would hold a second copy of the model as the reference). The autouse fixture :func:`_suite_default` gives the same to
 #: ``load_config(None, ...)`` in this process. tests/test_config.py checks the shipped default
 #: and tests/test_evaluate.py launches it.
 THREAD_SETS = [f"run.threads={TEST_THREADS}"]
 SUITE_SETS = [*THREAD_SETS, "run.steps=60", "run.eval_every=0", 'prompts.test_file=""', "model.lora_rank=0",
-              "sampler.base_tail=0", 'reward.terms=[{ name = "jpeg_compressibility", weight = 1.0 }]']
+              "sampler.base_tail=0", 'reward.terms=[{ name = "jpeg_compressibility", weight = 1.0 }]',
+              "train.kl_beta=0.0"]
 
 #: The small run most launch tests start from (later overrides win): the tiny random model,
 #: 2 prompts x 2 generations cut into 2 fragments, 4 denoising steps, the suite's threads.
