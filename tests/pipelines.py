@@ -495,3 +495,28 @@ def load_pipeline(folder: Path):
     parts = {name: pf.load(name, frozen=False) for name, value in pf.index.items()
              if not name.startswith("_") and isinstance(value, list)}
     return getattr(diffusers, pf.pipeline_class)(**parts)
+
+
+def one_step_final(model, cond, out: Path) -> tuple[torch.Tensor, torch.Tensor, Path]:
+    """One GRPO step of ``model`` on a 2-sample rollout of its own from ``cond``, at a large
+    learning rate (one AdamW step moves every trained weight by about lr), its ``final/`` saved
+    under ``out``. At K = 0 the trainer recomputes the rollout's own samples, so the first
+    ratio is 1 to within 1e-6 (asserted). Returns a probe input ``x``, the base velocity at
+    sigma 0.6 on it, and the ``final/`` folder."""
+    from digenrl.config import load_config
+    from digenrl.rl.learner import save_final
+    from digenrl.rl.policy import Policy
+    from digenrl.rl.sampler import rollout, seeded_generators
+
+    cfg = load_config(None, ["sampler.num_steps=2", "train.timesteps=\"all\"", "train.lr=0.05"])
+    policy = Policy(model, cfg.train, cfg.sampler)
+    x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        v_base = model.velocity(x, 0.6, cond)
+        records = dict(enumerate(rollout(model, cond, generator=seeded_generators([5, 6]), sampler_cfg=cfg.sampler)))
+    stats = policy.fragment_loss_backward(records, cond, torch.tensor([1.0, -1.0]), torch.ones(2, dtype=torch.bool),
+                                          batch_size_total=2, n_trained_total=len(records))
+    assert stats["n"] == 2 * len(records) and stats["ratio_max_dev"] <= 1e-6, stats
+    policy.optimizer_step()
+    save_final(policy, out)
+    return x, v_base, out / "final"

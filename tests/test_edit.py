@@ -13,7 +13,13 @@ from digenrl.data.prompts import PromptError, load_prompt_set, load_splits
 from digenrl.models import build_model
 from digenrl.models.base import encode_inputs
 from tests.conftest import assert_close_across_instances
-from tests.pipelines import MAX_TEXT_TOKENS, SMALL, load_pipeline, write_pipeline_folder
+from tests.pipelines import (
+    MAX_TEXT_TOKENS,
+    SMALL,
+    load_pipeline,
+    one_step_final,
+    write_pipeline_folder,
+)
 
 
 def _png(path, color=(200, 30, 30), size=(8, 8)):
@@ -159,27 +165,12 @@ def test_kontext_trains_and_final_loads_into_the_pipeline(kontext, lora, tmp_pat
     1e-6 (the trainer's forward uses the rollout's conditioning, image tokens included); final/
     loads into FluxKontextPipeline (LoRA: load_lora_weights; full: the transformer folder) and
     gives the trained velocity, not the base one."""
-    from digenrl.config import load_config
     from digenrl.models.families import SPECS
-    from digenrl.rl.learner import save_final
-    from digenrl.rl.policy import Policy
-    from digenrl.rl.sampler import rollout, seeded_generators
 
     folder, paths = kontext
-    cfg = load_config(None, ["sampler.num_steps=2", "train.timesteps=\"all\"", "train.lr=0.05"])
     model = build_model(kontext_cfg(folder, lora_rank=2 if lora else 0))
-    policy = Policy(model, cfg.train, cfg.sampler)
-    x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
     cond = encode_inputs(model, PROMPTS, [[p] for p in paths])
-    with torch.no_grad():
-        v_base = model.velocity(x, 0.6, cond)
-        records = dict(enumerate(rollout(model, cond, generator=seeded_generators([5, 6]), sampler_cfg=cfg.sampler)))
-    stats = policy.fragment_loss_backward(records, cond, torch.tensor([1.0, -1.0]), torch.ones(2, dtype=torch.bool),
-                                          batch_size_total=2, n_trained_total=len(records))
-    assert stats["n"] == 2 * len(records) and stats["ratio_max_dev"] <= 1e-6, stats
-    policy.optimizer_step()
-    save_final(policy, tmp_path)
-    final = tmp_path / "final"
+    x, v_base, final = one_step_final(model, cond, tmp_path)
     pipe = load_pipeline(folder)
     with torch.no_grad():
         if lora:

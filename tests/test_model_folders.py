@@ -18,7 +18,14 @@ import torch
 from digenrl.config import ConfigError, ModelConfig
 from digenrl.models import ModelFolderError, build_model
 from tests.conftest import assert_close_across_instances, assert_same_weights
-from tests.pipelines import FAMILIES, MAX_TEXT_TOKENS, SMALL, load_pipeline, write_pipeline_folder
+from tests.pipelines import (
+    FAMILIES,
+    MAX_TEXT_TOKENS,
+    SMALL,
+    load_pipeline,
+    one_step_final,
+    write_pipeline_folder,
+)
 
 VIDEO = ("wan", "hunyuanvideo")
 PROMPTS = ["a red circle", "a blue square on the left"]
@@ -188,27 +195,11 @@ def test_final_weights_load_into_the_diffusers_pipeline_and_give_the_trained_vel
     to within 1e-6), then: a LoRA loads with the pipeline's own ``load_lora_weights`` (diffusers'
     format, its peft config kept), a full fine-tune with the transformer class's ``from_pretrained``."""
 
-    from digenrl.config import load_config
     from digenrl.models.families import SPECS
-    from digenrl.rl.learner import save_final
-    from digenrl.rl.policy import Policy
-    from digenrl.rl.sampler import rollout, seeded_generators
 
-    # a large learning rate: one AdamW step moves every trained weight by about lr
-    cfg = load_config(None, ["sampler.num_steps=2", "train.timesteps=\"all\"", "train.lr=0.05"])
     model = build_model(model_cfg(family, folders[family], lora_rank=2 if lora else 0))
-    policy = Policy(model, cfg.train, cfg.sampler)
-    x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
     cond = model.encode_prompts(PROMPTS)
-    with torch.no_grad():
-        v_base = model.velocity(x, 0.6, cond)
-        records = dict(enumerate(rollout(model, cond, generator=seeded_generators([5, 6]), sampler_cfg=cfg.sampler)))
-    stats = policy.fragment_loss_backward(records, cond, torch.tensor([1.0, -1.0]), torch.ones(2, dtype=torch.bool),
-                                          batch_size_total=2, n_trained_total=len(records))
-    assert stats["n"] == 2 * len(records) and stats["ratio_max_dev"] <= 1e-6, stats
-    policy.optimizer_step()
-    save_final(policy, tmp_path)
-    final = tmp_path / "final"
+    x, v_base, final = one_step_final(model, cond, tmp_path)
     pipe = load_pipeline(folders[family])
     with torch.no_grad():
         if lora:

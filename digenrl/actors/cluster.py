@@ -121,8 +121,7 @@ class Children:
         argv = ["node", "--role", role, "--coordinator", self.coordinator, "--node-id", node_id,
                 "--run-dir", str(self.run_dir), "--gpu", self.gpu(role), *bind]
         log_path = self.run_dir / "logs" / f"{node_id}.stderr"
-        if self.fork:
-            start_fork_server(self.cfg, self.run_dir)
+        if self.fork:  # the server was started with the coordinator (serve_coordinator)
             self.procs[node_id] = await forkserver.fork_node(argv, env, log_path)
         else:
             err = open(log_path, "ab")  # noqa: SIM115 - the child owns it

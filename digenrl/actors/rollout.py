@@ -102,14 +102,19 @@ class RolloutActor(Actor):
         if self.cfg.sampler.max_batch:
             await self._main_batched()
             return
+        while (task := await self._next_task()) is not None:
+            await self._boundary(task)
+            await self.streamer.generate_and_stream(task, self.model, self.follower.version)
+
+    async def _next_task(self) -> Assign | None:
+        """The next assigned task not revoked meanwhile; None once the node is stopping."""
         while not self.stopping:
             task = await self.next_unless_stopped(self.tasks)
             if task is None:
-                break
-            if task.task_id in self.revoked:
-                continue
-            await self._boundary(task)
-            await self.streamer.generate_and_stream(task, self.model, self.follower.version)
+                return None
+            if task.task_id not in self.revoked:
+                return task
+        return None
 
     async def _boundary(self, task: Assign) -> None:
         """Trajectory boundary: apply the newest announced version (TCSS)."""
@@ -126,12 +131,7 @@ class RolloutActor(Actor):
         that needs newer weights waits for the batch to drain, then the boundary applies them."""
         engine = self.streamer.engine_for(self.model)
         async with asyncio.TaskGroup() as tg:
-            while not self.stopping:
-                task = await self.next_unless_stopped(self.tasks)
-                if task is None:
-                    break
-                if task.task_id in self.revoked:
-                    continue
+            while (task := await self._next_task()) is not None:
                 if engine.in_flight == 0 or task.version_floor > self.follower.version:
                     await self.unless_stopped(engine.wait_idle())
                     if self.stopping:

@@ -145,8 +145,13 @@ class WeightsRelay:
             due = [p for p in missing if p not in in_flight][:max(0, WEIGHTS_WINDOW - len(in_flight))]
             exchange = asyncio.ensure_future(self._exchange(sock, asm.version, due, in_flight))
             rerouted = asyncio.ensure_future(self._rerouted.wait())
-            done, _ = await asyncio.wait({exchange, rerouted}, timeout=silent_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait({exchange, rerouted}, timeout=silent_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # the node stops: its sockets close under the exchange,
+                exchange.cancel()           # which must not outlive the fetch and fail unheard
+                rerouted.cancel()
+                raise
             rerouted.cancel()
             if not done and sock is not self.weights:
                 bypass = True
