@@ -200,7 +200,7 @@ def load_trainer_state(ckpt: Checkpoint, policy: Any) -> dict[str, Any]:
         policy.load_optimizer_state(state)
     if ema is not None:
         ema.load_state_dict(load_file(str(ckpt.path / EMA_FILE)))
-    policy.optimizer.zero_grad(set_to_none=True)
+    policy.zero_grad()
     policy.version = ckpt.version
     rng = ckpt.trainer["rng"]
     torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))

@@ -31,7 +31,7 @@ class TrainedPolicy(Protocol):
     """What this module reads of :class:`digenrl.rl.policy.Policy` (which imports this one)."""
 
     model: Any
-    params: list[torch.Tensor]
+    masters: list[torch.Tensor]
     ema: EMA | None
 
     def _master_keys(self) -> dict[str, int]: ...
@@ -43,13 +43,14 @@ class TrainedPolicy(Protocol):
 
 def live_weights(policy: TrainedPolicy) -> dict[str, torch.Tensor]:
     """The policy's trained weights under their sync keys, as the live tensors (no copy):
-    the float32 masters where there are, else the model's own tensors."""
+    the float32 masters where there are (on the host with model.offload = "optimizer"), else
+    the model's own tensors."""
     model = policy.model
     if hasattr(model, "sync_state_dict"):
         live = dict(model.sync_state_dict())
     else:
         live = {k: p.detach() for k, p in model.transformer.named_parameters() if p.requires_grad}
-    live.update({key: policy.params[i].detach() for key, i in policy._master_keys().items()})
+    live.update({key: policy.masters[i].detach() for key, i in policy._master_keys().items()})
     return live
 
 

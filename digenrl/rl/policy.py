@@ -29,6 +29,10 @@ masters and ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` gives 
 bf16 compute. Not autocast: autocast keeps some ops (norms, parameter arithmetic) in float32
 on float32 weights, so a trainer under autocast would not compute what a bf16 rollout
 computes, and the first ratio would not be exactly 1.
+
+``model.offload = "optimizer"`` (unsharded only) moves the float32 masters and AdamW's state
+to the host (:mod:`digenrl.rl.offload`): :attr:`Policy.params` are then the device leaves
+that take the gradients and :attr:`Policy.masters` what the optimizer updates.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from digenrl.rl.grpo import (
     kl_penalty,
     loss_weight,
 )
+from digenrl.rl.offload import HostMasters, grad_leaf
 from digenrl.rl.sampler import guided_velocity
 from digenrl.rl.sde import sde_step, sigma_schedule
 
@@ -107,14 +112,25 @@ class Policy:
         self.model_params: list[torch.Tensor] = list(model.trainable_parameters())
         if not self.model_params:
             raise ValueError("the model has no trainable parameters")
-        #: what the optimizer updates: float32 masters of model_params, or model_params themselves
+        if offload == "optimizer" and shard:
+            raise ValueError("model.offload = 'optimizer' with a sharded (FSDP) policy: not implemented")
+        #: ``model.offload = "optimizer"``: the float32 masters and AdamW state on the host
+        #: (digenrl/rl/offload.py), else None
+        self.host: HostMasters | None = HostMasters(self.model_params) if offload == "optimizer" else None
+        #: the device leaves whose ``.grad`` holds the step's gradient (float32): float32
+        #: masters of model_params, or model_params themselves; offloaded with a bf16 model,
+        #: leaves that carry only the gradient (rl/offload.py's grad_leaf)
         self.params = self.model_params
         self.has_masters = any(p.dtype != torch.float32 for p in self.model_params)
         if self.has_masters:
-            self.params = [p.detach().float().requires_grad_(True) for p in self.model_params]
+            make = grad_leaf if self.host is not None else (lambda p: p.detach().float().requires_grad_(True))
+            self.params = [make(p) for p in self.model_params]
             for param, master in zip(self.model_params, self.params):
                 param.register_post_accumulate_grad_hook(partial(_to_master, master))
-        self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, betas=train_cfg.adam_betas,
+        #: what the optimizer updates (float32, index-aligned with params): params themselves,
+        #: or their host masters (model.offload = "optimizer")
+        self.masters: list[torch.Tensor] = self.params if self.host is None else self.host.masters
+        self.optimizer = torch.optim.AdamW(self.masters, lr=train_cfg.lr, betas=train_cfg.adam_betas,
                                            weight_decay=train_cfg.weight_decay)
         self.version = 0
         self.sigma_max = float(sigma_schedule(sampler_cfg.num_steps, sampler_cfg.shift)[1])
@@ -314,13 +330,21 @@ class Policy:
             for old in [v for v in self._snapshots if v < self.version + 1 - self.keep_versions]:
                 del self._snapshots[old]
         if not skipped:
-            self.optimizer.step()
-            if self.has_masters:  # round the new masters into the model the passes run
-                with torch.no_grad():
-                    torch._foreach_copy_(self.model_params, self.params)
+            if self.host is not None:  # the step on the host masters, then back to the device
+                self.host.pull_grads([p.grad for p in self.params])
+                self.optimizer.step()
+                self.host.push()
+            else:
+                self.optimizer.step()
+                if self.has_masters:  # round the new masters into the model the passes run
+                    with torch.no_grad():
+                        torch._foreach_copy_(self.model_params, self.params)
             if self.ema is not None:  # a skipped step leaves the average too
                 self.ema.update(live_weights(self))
         self.optimizer.zero_grad(set_to_none=True)
+        if self.host is not None:  # the device gradients are not the optimizer's
+            for p in self.params:
+                p.grad = None
         self.version += 1
         return {"grad_norm": float(grad_norm), "skipped": skipped, "version": self.version,
                 "lr": self.optimizer.param_groups[0]["lr"]}
@@ -328,7 +352,7 @@ class Policy:
     def zero_grad(self) -> None:
         """Drop accumulated gradients (an aborted step)."""
         self.optimizer.zero_grad(set_to_none=True)
-        for p in self.model_params:
+        for p in (*self.model_params, *self.params):
             p.grad = None
 
     def grads_snapshot(self) -> list[torch.Tensor]:
@@ -362,12 +386,13 @@ class Policy:
         if not keep:
             return {}
         for key, i in self._master_keys().items():  # the float32 masters, not their rounding
-            sd[key] = host(self.params[i])
+            sd[key] = host(self.masters[i])
         return sd
 
     def _master_keys(self) -> dict[str, int]:
-        """Sync key -> index in :attr:`params` of each float32 master (none without masters)."""
-        if not self.has_masters:
+        """Sync key -> index in :attr:`masters` of each float32 master kept apart from the
+        model's own tensor (none when the optimizer updates the model's float32 tensors)."""
+        if not self.has_masters and self.host is None:
             return {}
         index = {id(p): i for i, p in enumerate(self.model_params)}
         lora = getattr(self.model, "lora_rank", 0)
@@ -391,9 +416,11 @@ class Policy:
                     if sd[k].shape != p.shape:
                         raise ValueError(f"sync state {k}: shape {tuple(sd[k].shape)}, expected {tuple(p.shape)}")
                     p.copy_(sd[k])
+        if self.host is not None:
+            self.host.wait()
         with torch.no_grad():  # masters take the values exactly (a checkpoint's float32)
             for key, i in self._master_keys().items():
-                self.params[i].copy_(sd[key])
+                self.masters[i].copy_(sd[key])
 
     def _load_sharded(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Whole tensors (a checkpoint) into this rank's shards; sync keys -> module keys."""

@@ -163,7 +163,8 @@ def load_sharded(folder: str | Path, policy: object) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    if getattr(policy, "has_masters", False):  # only unsharded policies have separate masters
+    if getattr(policy, "has_masters", False) or getattr(policy, "host", None) is not None:
+        # only unsharded policies keep masters apart from the module's parameters
         _load_into_masters(folder, policy)
         return
     state = _dcp_state(policy)
@@ -193,13 +194,14 @@ def sync_keys_of(state: dict[str, Any], lora: bool) -> dict[str, str]:
 
 
 def _load_into_masters(folder: str | Path, policy: Any) -> None:
-    """A single trainer with float32 masters over a low-precision module (rl/policy.py): the
-    checkpoint's whole tensors become the masters (and their rounding the module), its
-    optimizer state, keyed by parameter name, the masters' state. Buffers the checkpoint
-    holds (positional tables) are loaded too; what it does not hold keeps its value."""
+    """A single trainer with float32 masters apart from the module (a low-precision module, or
+    model.offload = "optimizer"; rl/policy.py): the checkpoint's whole tensors become the
+    masters (and their rounding the module), its optimizer state, keyed by parameter name,
+    the masters' state. Buffers the checkpoint holds (positional tables) are loaded too; what
+    it does not hold keeps its value."""
     state = whole_state(folder)
     to_key = sync_keys_of(state, bool(getattr(policy.model, "lora_rank", 0)))
-    masters = policy._master_keys()  # sync key -> index in policy.params
+    masters = policy._master_keys()  # sync key -> index in policy.masters
     missing = sorted(set(masters) - set(to_key.values()))
     if missing:
         raise ValueError(f"checkpoint {folder}: no tensor for {missing[:3]} ({len(missing)} in all)")

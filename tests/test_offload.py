@@ -1,0 +1,150 @@
+"""model.offload = "optimizer": the float32 masters and AdamW state on the host, the parameters
+and gradients on the device (digenrl/rl/offload.py).
+
+On this CPU-only machine "host" and "device" are the same memory, so what these tests show is
+the structure (the optimizer updates separate float32 tensors, the device side keeps no float32
+master) and that the step is the same step: the offloaded policy runs the trainer's own path
+(Learner.train_fragment, Learner.finish_step, Policy.optimizer_step) on a tiny real SD3
+pipeline folder and ends with the weights and optimizer state of the policy without offload.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from digenrl.config import ConfigError, load_config
+from tests.pipelines import MAX_TEXT_TOKENS, write_pipeline_folder
+
+PROMPTS = ["a red circle", "a red circle", "a blue square", "a blue square"]
+REWARDS = [[0.1, 0.7, 0.4, 0.2], [0.9, 0.3, 0.5, 0.6], [0.2, 0.8, 0.6, 0.1]]
+
+
+@pytest.fixture(scope="module")
+def sd3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_pipeline_folder("sd3", tmp_path_factory.mktemp("offload") / "sd3")
+
+
+def _cfg(folder: Path, offload: str, *sets: str):
+    return load_config(None, [f'model.path="{folder}"', 'model.family="sd3"', f'model.offload="{offload}"',
+                              f"model.max_text_tokens={MAX_TEXT_TOKENS}", "model.height=32", "model.width=32",
+                              "sampler.num_steps=2", 'train.timesteps="all"', "train.group_size=2",
+                              "train.lr=1e-3", "train.max_grad_norm=0.5", *sets])
+
+
+def _policy(cfg):
+    from digenrl.rl.policy import build_policy
+
+    torch.manual_seed(0)
+    return build_policy(cfg)
+
+
+def _train(cfg, policy, steps: range) -> list[dict[str, float]]:
+    """``steps`` optimizer steps through the trainer's Learner, each on a fresh rollout of the
+    policy (seeded by the step)."""
+    from digenrl.rl.learner import Learner
+    from digenrl.rl.sampler import rollout, seeded_generators
+
+    learner, out = Learner(policy, cfg), []
+    for step in steps:
+        cond = policy.model.encode_prompts(PROMPTS)
+        with torch.no_grad():
+            records = {r.index: r for r in rollout(policy.model, cond, sampler_cfg=cfg.sampler,
+                                                   generator=seeded_generators([10 * step + i for i in range(4)]))}
+        learner.train_fragment(records=records, cond=cond, rewards=REWARDS[step], gen_version=policy.version,
+                               n_trained_total=len(records), sigma_max=policy.sigma_max)
+        out.append(learner.finish_step())
+    return out
+
+
+def _assert_same_state(a, b) -> None:
+    """Model tensors, masters (the sync state) and AdamW state: equal bit for bit."""
+    ma, mb = a.model.transformer.state_dict(), b.model.transformer.state_dict()
+    assert ma.keys() == mb.keys()
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)
+    sa, sb = a.state_dict_for_sync(), b.state_dict_for_sync()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    oa, ob = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert oa["state"].keys() == ob["state"].keys() and oa["state"]
+    assert all(torch.equal(oa["state"][i][k], ob["state"][i][k]) for i in oa["state"] for k in oa["state"][i])
+
+
+CASES = {"full-float32": ["model.lora_rank=0"],
+         "lora-bfloat16": ["model.lora_rank=2", 'model.dtype="bfloat16"']}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_optimizer_offload_gives_the_update_of_a_run_without_it(sd3_folder: Path, case: str) -> None:
+    """Two steps (the second reads AdamW's moments) with the optimizer on the host equal two
+    without, bit for bit. Exact on purpose: same process, same inputs, and on a CPU the
+    offloaded step runs the same kernels on the same float32 values (the device gradients are
+    the same; clipping runs on them before the copy; the host AdamW is the CPU AdamW the
+    policy without offload runs). On a GPU the two AdamW kernels differ (CUDA foreach against
+    the CPU loop) and the weights agree to float32 rounding, not bit for bit."""
+    base_cfg, off_cfg = _cfg(sd3_folder, "none", *CASES[case]), _cfg(sd3_folder, "optimizer", *CASES[case])
+    base, off = _policy(base_cfg), _policy(off_cfg)
+    assert off.host is not None and base.host is None
+    before = {k: v.clone() for k, v in off.model.transformer.state_dict().items()}
+    mb, mo = _train(base_cfg, base, range(2)), _train(off_cfg, off, range(2))
+    assert [m["grad_norm"] for m in mb] == [m["grad_norm"] for m in mo]
+    assert all(m["grad_norm"] > 0 for m in mo)
+    _assert_same_state(base, off)
+    after = off.model.transformer.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the steps moved the weights
+    # where each side lives: the optimizer updates host float32 masters, not the device tensors
+    ids = {id(p) for p in off.params} | {id(p) for p in off.model_params}
+    assert all(id(m) not in ids and m.dtype == torch.float32 and m.device.type == "cpu" for m in off.masters)
+    state = off.optimizer.state[off.masters[0]]
+    assert state["exp_avg"].device.type == "cpu" and state["exp_avg"].dtype == torch.float32
+    assert all(p.grad is None for p in (*off.params, *off.model_params))  # dropped after the step
+    if off.has_masters:
+        # the device keeps no float32 master: the gradient's leaf holds one broadcast scalar
+        assert all(p.untyped_storage().nbytes() == 4 for p in off.params)
+        assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(off.model_params, off.masters, strict=True))
+    else:
+        assert off.params == off.model_params  # float32 model: its own tensors take the gradients
+        assert all(torch.equal(p, m) for p, m in zip(off.model_params, off.masters, strict=True))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_offloaded_optimizer_checkpoint_resumes_bit_identically(sd3_folder: Path, tmp_path: Path,
+                                                                   case: str) -> None:
+    """A checkpoint of an offloaded policy after step 1, loaded into a fresh offloaded policy,
+    continues exactly as the policy that wrote it (exact: same process, same inputs, same
+    kernels). The optimizer file has the layout of one without offload: a checkpoint written
+    without offload resumes with it, and the other way round."""
+    from digenrl.rl.checkpoint import (
+        commit_checkpoint,
+        latest_checkpoint,
+        load_trainer_state,
+        save_trainer_state,
+    )
+
+    cfg, plain_cfg = _cfg(sd3_folder, "optimizer", *CASES[case]), _cfg(sd3_folder, "none", *CASES[case])
+    src = _policy(cfg)
+    _train(cfg, src, range(1))
+    save_trainer_state(tmp_path / "a", src, {})
+    commit_checkpoint(tmp_path / "a", 1, {"scheduler": {}})
+    rng = torch.get_rng_state()
+    resumed, plain = _policy(cfg), _policy(plain_cfg)
+    for dst in (resumed, plain):
+        torch.set_rng_state(rng)
+        load_trainer_state(latest_checkpoint(tmp_path / "a"), dst)
+        assert dst.version == 1
+    _assert_same_state(src, resumed)
+    _assert_same_state(src, plain)
+    for p in (src, resumed, plain):
+        _train(cfg, p, range(1, 3))
+    _assert_same_state(src, resumed)
+    _assert_same_state(src, plain)
+
+
+def test_offload_modes_that_do_not_fit_the_sharding_are_one_line_config_errors() -> None:
+    with pytest.raises(ConfigError, match=r"^model.offload = 'optimizer' with model.fsdp = true: [^\n]*$"):
+        load_config(None, ['model.offload="optimizer"', "model.fsdp=true"])
+    with pytest.raises(ConfigError, match=r"^model.offload = 'params' with model.fsdp = false: [^\n]*$"):
+        load_config(None, ['model.offload="params"'])
+    with pytest.raises(ConfigError, match=r"model\.offload"):
+        load_config(None, ['model.offload="everything"'])
