@@ -184,6 +184,13 @@ class ModelConfig:
         "the optimizer step on the CPU. 'none' keeps everything on the device")
     vae_tiling: bool = _f(False, "decode with the VAE tiled and sliced (diffusers' enable_tiling / "
                           "enable_slicing): large images and video decode in bounded memory")
+    free_text_encoders: bool = _f(
+        False, "a pipeline folder's text encoders leave memory once every node has encoded the run's "
+        "train and test prompts (and the empty prompt) at its start, each alone, into a host table; a "
+        "prompt outside them is then an error. No effect with the hash encoder")
+    text_cache_mb: int = _f(4096, "host memory the table of model.free_text_encoders may take (MiB); "
+                            "past it the node stops at its start, naming the size it needs", ge=1,
+                            le=2**30)
     emulate: EmulateConfig = field(default_factory=EmulateConfig,
                                    metadata={"help": "knobs of model.path = 'emulated'"})
 

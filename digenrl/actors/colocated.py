@@ -72,6 +72,8 @@ def run_colocated(cfg: ResolvedConfig, run_dir: Path, *, rank: int = 0, world_si
         raise ValueError(f"train.prompts_per_step = {P}: colocated mode with {world_size} ranks "
                          "needs a multiple of the rank count")
     policy = build_policy(cfg, world_size, device=device)
+    from digenrl.models.text import free_text_encoders
+    free_text_encoders(policy.model, cfg)  # model.free_text_encoders: the run's prompts, then no encoders
     learner = Learner(policy, cfg)
     algorithm = learner.algorithm  # what the sampler hands out and what trains on it
     start, done_trained, done_discarded = (colocated_resume(run_dir, policy, rank) if resume

@@ -257,6 +257,16 @@ def _watchdog_loops(control: Socket) -> tuple[Loop, ...]:
     return (watchdog,)
 
 
+async def _free_text_encoders(model: Any, cfg: Config, log: Any) -> None:
+    """``model.free_text_encoders``: this node's text encoders leave once the run's prompts are
+    encoded (digenrl/models/text.py), before it serves any work."""
+    from digenrl.models.text import free_text_encoders
+
+    freed = await asyncio.to_thread(free_text_encoders, model, cfg)
+    if freed is not None:
+        log.info("text_encoders_freed", **freed)
+
+
 def welcome_config(msg: Welcome, coordinator: str) -> ResolvedConfig:
     """The run's config a Welcome carries, resolved; an error says that the coordinator sent it."""
     try:
@@ -345,6 +355,7 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                                                                 name="weights_fetch")))
             model = await asyncio.to_thread(build_model, cfg.model, seed=cfg.run.seed, gpu=gpu, device=device,
                                             embedded_guidance=cfg.sampler.embedded_guidance)
+            await _free_text_encoders(model, cfg, log)
             from digenrl.actors.rollout import RolloutActor
             frozen = freeze_startup_objects()
             actor = RolloutActor(peers=peers, cfg=cfg, model=model, reward_fn=reward_fn, **kw)
@@ -360,6 +371,7 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                 await asyncio.to_thread(init_process_group, device, init_method=endpoints["dist"],
                                         rank=msg.rank, world_size=msg.world_size)
             policy = await asyncio.to_thread(build_policy, cfg, msg.world_size, gpu, device=device)
+            await _free_text_encoders(policy.model, cfg, log)
             test_set = eval_reward = None
             if cfg.run.eval_every and (msg.rank == 0 or policy.sharded):
                 from digenrl.data.prompts import load_splits

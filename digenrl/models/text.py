@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from digenrl.models.base import Cond
+from digenrl.models.base import Cond, cond_cat
 
 _WORD = re.compile(r"[a-z0-9]+")
 
@@ -105,6 +105,9 @@ class PipelinePromptEncoder:
         self.pipe, self.family, self.device = pipe, family, torch.device(device)
         self.max_tokens = max_tokens or DEFAULT_TEXT_TOKENS[family]
         self._template: dict[str, Any] | None = None
+        #: prompt -> its conditioning (one row, host memory) once the text encoders are freed
+        #: (:meth:`free`); None while they are loaded
+        self.table: dict[str, Cond] | None = None
         if family == "qwenimage":
             pipe.prompt_template_encode_start_idx = template_prefix_tokens(pipe.tokenizer, pipe.prompt_template_encode)
         elif family == "hunyuanvideo":
@@ -116,8 +119,53 @@ class PipelinePromptEncoder:
             self._template = {"template": template,
                               "crop_start": template_prefix_tokens(pipe.tokenizer, template)}
 
-    @torch.no_grad()
     def __call__(self, prompts: Sequence[str]) -> Cond:
+        if self.table is None:
+            return self._encode(prompts)
+        missing = [p for p in prompts if p not in self.table]
+        if missing:
+            raise ValueError(f"prompt {missing[0]!r} is not among the {len(self.table)} prompts encoded before "
+                             "the text encoders were freed (model.free_text_encoders = true encodes the run's "
+                             "train and test prompts only)")
+        return cond_cat([self.table[p] for p in prompts])
+
+    def free(self, prompts: Iterable[str], max_bytes: int) -> dict[str, int]:
+        """Encode each of ``prompts`` alone, keep its row in host memory (:attr:`table`), then
+        drop the pipeline's text encoder modules; every later call is a table lookup, and a
+        prompt not encoded here is a ValueError naming it.
+
+        Each prompt is encoded alone, so its row does not depend on which prompts share its
+        batch (a batch's rows can differ from each alone by the encoders' batch-size rounding).
+        :class:`~digenrl.config.ConfigError` as soon as the rows pass ``max_bytes``; the
+        encoders then stay. Returns ``prompts``, ``bytes`` (the rows) and ``parameters``
+        (those of the modules dropped)."""
+        from digenrl.config import ConfigError
+        from digenrl.devices import host
+
+        unique = list(dict.fromkeys(prompts))
+        table: dict[str, Cond] = {}
+        held = 0
+        for i, prompt in enumerate(unique):
+            row = {k: host(v) for k, v in self._encode([prompt]).items()}
+            held += sum(v.numel() * v.element_size() for v in row.values())
+            table[prompt] = row
+            if held > max_bytes:
+                mib = held / (i + 1) * len(unique) / 2**20
+                raise ConfigError(
+                    f"model.free_text_encoders = true: the conditioning of the run's {len(unique)} prompts "
+                    f"takes about {mib:.3g} MiB of host memory, above model.text_cache_mb = "
+                    f"{max_bytes / 2**20:g}; "
+                    "raise model.text_cache_mb or set model.free_text_encoders = false")
+        dropped = 0
+        for name, part in list(self.pipe.components.items()):
+            if isinstance(part, torch.nn.Module):
+                dropped += sum(p.numel() for p in part.parameters())
+                setattr(self.pipe, name, None)
+        self.table = table
+        return {"prompts": len(table), "bytes": held, "parameters": dropped}
+
+    @torch.no_grad()
+    def _encode(self, prompts: Sequence[str]) -> Cond:
         prompts, pipe, dev, n = list(prompts), self.pipe, self.device, self.max_tokens
         pooled = None
         mask = None
@@ -153,3 +201,27 @@ class PipelinePromptEncoder:
         if pooled is None:
             pooled = embeds.new_zeros(b, 0)
         return {"prompt_embeds": embeds, "prompt_mask": mask.long(), "pooled_embeds": pooled.to(embeds.dtype)}
+
+
+def free_text_encoders(model: Any, cfg: Any) -> dict[str, int] | None:
+    """``model.free_text_encoders``: encode the run's train and test prompts and ``""`` (the
+    unconditional prompt, the trainer's idle pass) into the model's encoder table and drop its
+    text encoder modules (:meth:`PipelinePromptEncoder.free`), then hand their device memory
+    back. Returns the table's statistics; None when the setting is off or the model has no
+    text encoder modules (the hash encoder, an emulated model) or they are already freed."""
+    import gc
+
+    if not cfg.model.free_text_encoders:
+        return None
+    encoder = getattr(model, "encoder", None)
+    if not isinstance(encoder, PipelinePromptEncoder) or encoder.table is not None:
+        return None
+    from digenrl.data.prompts import load_splits
+
+    train, test = load_splits(cfg.prompts)
+    stats = encoder.free([*train.prompts, *(test.prompts if test is not None else []), ""],
+                         cfg.model.text_cache_mb << 20)
+    gc.collect()
+    if encoder.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return stats
