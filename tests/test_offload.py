@@ -148,3 +148,22 @@ def test_offload_modes_that_do_not_fit_the_sharding_are_one_line_config_errors()
         load_config(None, ['model.offload="params"'])
     with pytest.raises(ConfigError, match=r"model\.offload"):
         load_config(None, ['model.offload="everything"'])
+
+
+@pytest.mark.slow
+def test_a_launched_offloaded_run_killed_and_resumed_ends_where_a_plain_run_ends(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``digenrl launch`` (disagg-sync) with model.offload = "optimizer", SIGKILLed in step 3 and
+    resumed from its checkpoint, ends with the final weights of the uninterrupted run without
+    offload (tests/test_resume.py's, shared), bit for bit: same machine and thread count, the
+    same arithmetic (see the first test here), and the checkpoint restores the host masters and
+    AdamW state exactly."""
+    from tests.conftest import final_weights
+    from tests.test_resume import SETS, _interrupt_and_resume, whole_run
+
+    whole = whole_run(tmp_path_factory, "disagg-sync")
+    cut, _ = _interrupt_and_resume(tmp_path, "disagg-sync", "commit:2", versions=(2,),
+                                   sets=[*SETS, 'model.offload="optimizer"'])
+    a, b = final_weights(whole), final_weights(cut)
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[k], b[k]) for k in a)
