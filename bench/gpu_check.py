@@ -26,6 +26,11 @@ what finished:
                  the meta device; its count is the math-attention path's, an upper bound where
                  flash attention runs). ``--cpu``: the tiny configs, the meta count against the
                  bytes the CPU forward saves (math attention), which must be equal.
+``offload``      ``bench/offload.py``: a bf16 full fine-tune step of a random SD3 transformer
+                 (12 blocks, 1536 wide, ~0.35B parameters) with ``model.offload = "optimizer"``
+                 against ``"none"``: device bytes per trained parameter (measured), pass and
+                 optimizer-step seconds, and the float32 masters after 5 steps each (CPU AdamW
+                 on pinned host masters against CUDA AdamW: apart by float32 rounding only).
 ``staging``      chunks device -> pinned host -> wire -> pinned host -> device through
                  ``transport/staging.py`` and the project's PUSH/PULL sockets: every landed
                  tensor bit-identical to its source (a fresh tensor per chunk, pooled buffers
@@ -73,7 +78,7 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
 #: FLUX.1-dev's transformer/config.json: FluxTransformer2DModel's defaults plus the guidance
 #: embedding (FLUX.1-dev is guidance-distilled: its config has ``guidance_embeds: true``).
 FLUX_DEV: dict[str, Any] = {"guidance_embeds": True}
-SECTIONS = ("build", "nvml", "k0_bf16", "transformers", "memory", "staging", "default_run")
+SECTIONS = ("build", "nvml", "k0_bf16", "transformers", "memory", "offload", "staging", "default_run")
 NEEDED = ["diffusers", "transformers", "peft", "safetensors", "zmq", "msgpack", "structlog", "uvloop", "PIL",
           "pynvml", "tomli_w", "numpy", "matplotlib"]
 
@@ -319,6 +324,25 @@ def memory_peaks(device: torch.device, real: bool) -> dict[str, Any]:
     return out
 
 
+def optimizer_offload(device: torch.device, real: bool) -> dict[str, Any]:
+    """bench/offload.py: model.offload = "optimizer" against "none" on a bf16 full fine-tune of
+    a random SD3 transformer (12 blocks 1536 wide on a GPU, ~0.35B parameters; a tiny one on
+    a CPU): device bytes per parameter, pass and step seconds, and the weights after 5 steps
+    each (CPU AdamW against CUDA AdamW: float32 rounding apart)."""
+    import argparse
+
+    spec = importlib.util.spec_from_file_location("digenrl_bench_offload", ROOT / "bench" / "offload.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = argparse.Namespace(layers=12 if real else 2, heads=96 if real else 4, dtype="bfloat16", repeats=5,
+                              threads=torch.get_num_threads(), cpu=device.type == "cpu")
+    out: dict[str, Any] = module.run(args)
+    out["ok"] = out["device_bytes_ratio"] < 0.5 and out["weights_max_abs_diff"] < 1e-4
+    print(f"gpu_check:   offload {out['device_bytes_per_param']} step ratio {out['step_s_ratio']:.2f}", flush=True)
+    return out
+
+
 def _transport_bench() -> Any:
     """bench/transport.py as a module (its staged-chunk measurement)."""
     spec = importlib.util.spec_from_file_location("digenrl_bench_transport", ROOT / "bench" / "transport.py")
@@ -449,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                 "k0_bf16": lambda: k0_bf16(work, 2 if args.cpu else 3),
                 "transformers": lambda: transformer_steps(device, real=not args.cpu),
                 "memory": lambda: memory_peaks(device, real=not args.cpu),
+                "offload": lambda: optimizer_offload(device, real=not args.cpu),
                 "staging": lambda: staging(device, real=not args.cpu),
                 "default_run": lambda: default_run(work, 1 if args.cpu else None)}
             for name, fn in sections.items():

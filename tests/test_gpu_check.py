@@ -31,7 +31,11 @@ def test_gpu_check_cpu_subset_runs_and_reports_every_section(tmp_path: Path) -> 
     report = json.loads(out.read_text())
     sections = report["sections"]
     assert report["ok"] and report["device"] == "cpu" and report["cpu_mode"]
-    assert set(sections) == {"build", "k0_bf16", "transformers", "memory", "staging"}  # no NVML without a GPU
+    assert set(sections) == {"build", "k0_bf16", "transformers", "memory", "offload", "staging"}  # no NVML here
+    # optimizer offload: a third of the device bytes per trained parameter, the same weights
+    offload = sections["offload"]
+    assert offload["device_bytes_per_param"] == {"none": 18.0, "optimizer": 6.0}
+    assert offload["weights_max_abs_diff"] == 0.0
     assert report["skipped"] == ["default_run"]
     assert sections["build"]["missing"] == [] and sections["build"]["torch"]
     # two processes, bf16 compute with float32 masters, K = 0: every step's first ratio is 1 exactly
