@@ -167,3 +167,25 @@ def test_a_launched_offloaded_run_killed_and_resumed_ends_where_a_plain_run_ends
     a, b = final_weights(whole), final_weights(cut)
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_unsharded_ranks_with_the_optimizer_offloaded_train_the_update_of_two_without(
+        tmp_path: Path) -> None:
+    """Two colocated trainer ranks (unsharded: the step's gradients are summed over them in one
+    all-reduce) in bf16, where the device side of an offloaded policy keeps only float32
+    gradient leaves: the final weights equal a run without offload bit for bit (same machine,
+    thread count and inputs, the same kernels on the same values)."""
+    from digenrl.config import resolve_mode
+    from digenrl.launch import launch, make_run_dir
+    from tests.conftest import SMALL, final_weights
+
+    weights = {}
+    for offload in ("none", "optimizer"):
+        cfg = resolve_mode(load_config(None, [*SMALL, "cluster.trainers=2", 'model.dtype="bfloat16"',
+                                              "run.steps=2", f'model.offload="{offload}"']), "colocated")
+        run_dir = make_run_dir(cfg, str(tmp_path / offload))
+        assert launch(cfg, run_dir)["accounting"]["in_flight"] == 0
+        weights[offload] = final_weights(run_dir)
+    a, b = weights["none"], weights["optimizer"]
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[k], b[k]) for k in a)
