@@ -179,9 +179,10 @@ class ModelConfig:
     offload: Literal["none", "params", "optimizer"] = _f(
         "none", "trainer CPU offload: 'params' (needs model.fsdp = true) keeps the sharded "
         "parameters, their gradients and the optimizer state in (pinned) host memory (FSDP2's "
-        "CPUOffloadPolicy); 'optimizer' (needs model.fsdp = false) keeps the parameters and "
-        "gradients on the device and the float32 masters and AdamW state on the host; both run "
-        "the optimizer step on the CPU. 'none' keeps everything on the device")
+        "CPUOffloadPolicy); 'optimizer' keeps the parameters and gradients on the device and "
+        "AdamW's state and a float32 master copy on the host (unsharded, a bf16 model's masters "
+        "leave the device); both run the optimizer step on the CPU. 'none' keeps everything on "
+        "the device")
     vae_tiling: bool = _f(False, "decode with the VAE tiled and sliced (diffusers' enable_tiling / "
                           "enable_slicing): large images and video decode in bounded memory")
     free_text_encoders: bool = _f(
@@ -694,10 +695,6 @@ def _check_consistency(cfg: Config) -> None:
     if cfg.model.offload == "params" and not cfg.model.fsdp:
         raise ConfigError(f"model.offload = {cfg.model.offload!r} with model.fsdp = false: offload moves "
                           "FSDP shards to host memory; set model.fsdp = true or model.offload = \"none\"")
-    if cfg.model.offload == "optimizer" and cfg.model.fsdp:
-        raise ConfigError("model.offload = 'optimizer' with model.fsdp = true: optimizer-only offload "
-                          "is implemented for unsharded trainers; use model.offload = \"params\" (FSDP2 "
-                          "keeps the optimizer state on the host with the shards) or model.fsdp = false")
     if t.ema_decay > 0 and cfg.model.fsdp:
         raise ConfigError(f"train.ema_decay = {t.ema_decay} with model.fsdp = true: the EMA of "
                           "sharded weights is not implemented (set one of them off)")

@@ -30,9 +30,10 @@ bf16 compute. Not autocast: autocast keeps some ops (norms, parameter arithmetic
 on float32 weights, so a trainer under autocast would not compute what a bf16 rollout
 computes, and the first ratio would not be exactly 1.
 
-``model.offload = "optimizer"`` (unsharded only) moves the float32 masters and AdamW's state
-to the host (:mod:`digenrl.rl.offload`): :attr:`Policy.params` are then the device leaves
-that take the gradients and :attr:`Policy.masters` what the optimizer updates.
+``model.offload = "optimizer"`` moves AdamW's state and the float32 values it updates to the
+host (:mod:`digenrl.rl.offload`): :attr:`Policy.params` are then the device leaves that take
+the gradients and :attr:`Policy.masters` the host tensors the optimizer updates (sharded:
+this rank's shards).
 """
 
 from __future__ import annotations
@@ -112,8 +113,6 @@ class Policy:
         self.model_params: list[torch.Tensor] = list(model.trainable_parameters())
         if not self.model_params:
             raise ValueError("the model has no trainable parameters")
-        if offload == "optimizer" and shard:
-            raise ValueError("model.offload = 'optimizer' with a sharded (FSDP) policy: not implemented")
         #: ``model.offload = "optimizer"``: the float32 masters and AdamW state on the host
         #: (digenrl/rl/offload.py), else None
         self.host: HostMasters | None = HostMasters(self.model_params) if offload == "optimizer" else None
@@ -392,8 +391,8 @@ class Policy:
     def _master_keys(self) -> dict[str, int]:
         """Sync key -> index in :attr:`masters` of each float32 master kept apart from the
         model's own tensor (none when the optimizer updates the model's float32 tensors)."""
-        if not self.has_masters and self.host is None:
-            return {}
+        if self.sharded or (not self.has_masters and self.host is None):
+            return {}  # sharded: the module's float32 shards are the masters
         index = {id(p): i for i, p in enumerate(self.model_params)}
         lora = getattr(self.model, "lora_rank", 0)
         return {(k.replace(".default", "") if lora else k): index[id(p)]
@@ -403,6 +402,8 @@ class Policy:
         """Apply a :meth:`state_dict_for_sync` (ValueError naming the keys on mismatch)."""
         if self.sharded:
             self._load_sharded(sd)
+            if self.host is not None:
+                self.host.refresh()
             return
         if hasattr(self.model, "load_sync_state_dict"):
             self.model.load_sync_state_dict(dict(sd))
@@ -443,6 +444,8 @@ class Policy:
         by parameter name, complete on rank 0 only."""
         if not self.sharded:
             return self.optimizer.state_dict()
+        if self.host is not None:
+            return self.sharded_host_state(whole=True)
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_optimizer_state_dict,
@@ -458,6 +461,9 @@ class Policy:
         :attr:`params`, the same parameters in the same order sharded or not."""
         if not self.sharded:
             self.optimizer.load_state_dict(state)
+            return
+        if self.host is not None:
+            self._load_sharded_host_state(state)
             return
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -477,6 +483,57 @@ class Policy:
                                       for g in state["param_groups"]]}
         set_optimizer_state_dict(self.model.transformer, self.optimizer, state,
                                  options=StateDictOptions(full_state_dict=True))
+
+
+    # -- sharded with the optimizer offloaded: its state by parameter name, as DTensors -----------
+    def param_names(self) -> list[str]:
+        """The module name of each of :attr:`model_params`, in their (and :attr:`masters`') order."""
+        names = {id(p): n for n, p in self.model.transformer.named_parameters()}
+        return [names[id(p)] for p in self.model_params]
+
+    def sharded_host_state(self, *, whole: bool = False) -> dict[str, Any]:
+        """A sharded policy's offloaded AdamW state in the layout of
+        ``get_optimizer_state_dict``: keyed by parameter name, each moment a DTensor over the
+        host tensor itself (a DCP save reads it and a DCP load writes into it in place), or
+        ``whole``: gathered to whole host tensors (a collective)."""
+        from torch.distributed.tensor import DTensor
+
+        assert self.host is not None and self.sharded
+        self.host.init_state(self.optimizer)
+        names = self.param_names()
+        out: dict[str, Any] = {}
+        for name, p, m in zip(names, self.model_params, self.masters, strict=True):
+            st = self.optimizer.state[m]
+            entry: dict[str, Any] = {"step": st["step"]}
+            for k in ("exp_avg", "exp_avg_sq"):
+                local = st[k].to(self.host.device) if whole else st[k]  # NCCL gathers device tensors
+                d = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,  # type: ignore[attr-defined]
+                                       shape=p.shape, stride=p.stride())
+                entry[k] = d.full_tensor().cpu() if whole else d
+            out[name] = entry
+        hyper = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        return {"state": out, "param_groups": [{**hyper, "params": names}]}
+
+    def _load_sharded_host_state(self, state: dict[str, Any]) -> None:
+        """Whole optimizer state (keyed by parameter index: a single trainer's; or by name)
+        into this rank's host shards."""
+        from torch.distributed.tensor import distribute_tensor
+
+        assert self.host is not None
+        saved = state.get("state", {})
+        names = self.param_names()
+        by_index = any(isinstance(k, int) for k in saved)
+        if len(saved) != len(names):
+            raise ValueError(f"optimizer state of {len(saved)} parameters: this policy trains {len(names)}")
+        self.host.init_state(self.optimizer)
+        with torch.no_grad():
+            for i, (name, p, m) in enumerate(zip(names, self.model_params, self.masters, strict=True)):
+                src, st = saved[i if by_index else name], self.optimizer.state[m]
+                st["step"].copy_(torch.as_tensor(src["step"]))
+                for k in ("exp_avg", "exp_avg_sq"):
+                    whole = torch.as_tensor(src[k]).to(self.host.device, torch.float32)
+                    st[k].copy_(distribute_tensor(whole, p.device_mesh, p.placements,  # type: ignore[attr-defined]
+                                                  src_data_rank=None).to_local())
 
 
 def build_policy(cfg: ResolvedConfig, world_size: int = 1, gpu: str | None = None, *,

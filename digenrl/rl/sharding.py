@@ -140,10 +140,18 @@ def step_passes(trained: Sequence[int], ranks: int, tsp: bool, fragments: int) -
 
 def _dcp_state(policy: object) -> dict[str, object]:
     """This rank's view of the trained state (model shards + optimizer state by parameter name)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+    )
 
+    options = StateDictOptions(ignore_frozen_params=True)
+    if getattr(policy, "host", None) is not None:  # model.offload = "optimizer": its host shards
+        return {"model": get_model_state_dict(policy.model.transformer, options=options),  # type: ignore[attr-defined]
+                "optim": policy.sharded_host_state()}  # type: ignore[attr-defined]
     model_sd, optim_sd = get_state_dict(policy.model.transformer, policy.optimizer,  # type: ignore[attr-defined]
-                                        options=StateDictOptions(ignore_frozen_params=True))
+                                        options=options)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -161,14 +169,24 @@ def load_sharded(folder: str | Path, policy: object) -> None:
     policy reads the parts of the shards it now owns (resharding); an unsharded one (a single
     trainer) takes whole tensors. Sharded: a collective."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
-    if getattr(policy, "has_masters", False) or getattr(policy, "host", None) is not None:
-        # only unsharded policies keep masters apart from the module's parameters
+    host = getattr(policy, "host", None)
+    if not getattr(policy, "sharded", False) and (getattr(policy, "has_masters", False) or host is not None):
+        # an unsharded policy keeping masters apart from the module's parameters
         _load_into_masters(folder, policy)
         return
     state = _dcp_state(policy)
     dcp.load(state, checkpoint_id=str(folder))
+    if host is not None:  # the optimizer's host shards were loaded in place
+        set_model_state_dict(policy.model.transformer, state["model"],  # type: ignore[attr-defined,arg-type]
+                             options=StateDictOptions(ignore_frozen_params=True))
+        host.refresh()
+        return
     set_state_dict(policy.model.transformer, policy.optimizer,  # type: ignore[attr-defined]
                    model_state_dict=state["model"], optim_state_dict=state["optim"],  # type: ignore[arg-type]
                    options=StateDictOptions(ignore_frozen_params=True))
