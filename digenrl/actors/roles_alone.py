@@ -20,6 +20,7 @@ from digenrl.config import Config, ResolvedConfig
 from digenrl.core.plan import fragment_content, plan_for_step
 from digenrl.data.prompts import load_splits
 from digenrl.devices import resolve_device
+from digenrl.models.text import free_text_encoders
 from digenrl.rl.algorithm import algorithm_for
 from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.learner import Learner
@@ -43,6 +44,7 @@ def rollout_only(cfg: ResolvedConfig, steps: int, record: Path | None = None) ->
     seconds per step (``step_seconds``, ``cpu_seconds``)."""
     torch.set_num_threads(cfg.run.threads)
     policy = build_policy(cfg, device=resolve_device())
+    free_text_encoders(policy.model, cfg)  # model.free_text_encoders, as a rollout node does
     reward_fn = build_reward(cfg.reward.terms, frames=video_frames(cfg.model))
     algorithm = algorithm_for(cfg.train)
     prompts = load_splits(cfg.prompts)[0].prompts
@@ -74,6 +76,7 @@ def trainer_only(cfg: ResolvedConfig, recording: Path) -> dict[str, Any]:
     torch.set_num_threads(cfg.run.threads)
     data = torch.load(recording, weights_only=False)
     policy = build_policy(cfg, device=resolve_device())
+    free_text_encoders(policy.model, cfg)  # model.free_text_encoders, as a trainer node does
     learner = Learner(policy, cfg)
     sigma_max = float(sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)[1])
     by_step: dict[int, list[dict[str, Any]]] = {}
