@@ -190,8 +190,8 @@ class ModelConfig:
         "train and test prompts (and the empty prompt) at its start, each alone, into a host table; a "
         "prompt outside them is then an error. No effect with the hash encoder")
     text_cache_mb: int = _f(4096, "host memory the table of model.free_text_encoders may take (MiB); "
-                            "past it the node stops at its start, naming the size it needs", ge=1,
-                            le=2**30)
+                            "past it the launcher refuses the run (families with fixed-length rows) or "
+                            "the node stops at its start, naming the size it needs", ge=1, le=2**30)
     emulate: EmulateConfig = field(default_factory=EmulateConfig,
                                    metadata={"help": "knobs of model.path = 'emulated'"})
 

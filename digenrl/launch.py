@@ -200,7 +200,9 @@ def check_before_start(cfg: Config) -> None:
     """What a node would refuse when it starts, refused here, before any process starts (a
     child that refused its configuration would only be restarted to refuse it again): the
     runtime's limits, the model folder (family, completeness, size; config files only), the
-    memory a step's buffers take (:mod:`digenrl.models.footprint`) and the reward terms (names, plug-in imports, args; nothing is built)."""
+    memory a step's buffers and the freed text encoders' table take
+    (:mod:`digenrl.models.footprint`) and the reward terms (names, plug-in imports, args;
+    nothing is built)."""
     from digenrl.models import check_model_path
     from digenrl.models.meta import latent_shape_of
     from digenrl.rl.evaluate import eval_terms
@@ -215,6 +217,11 @@ def check_before_start(cfg: Config) -> None:
         from digenrl.data.prompts import load_splits
         test = load_splits(cfg.prompts)[1]
     check_footprint(cfg, shape, test_prompts=len(test) if test is not None else 0)
+    if cfg.model.free_text_encoders:  # the table the nodes will build, where its size is known
+        from digenrl.data.prompts import load_splits
+        from digenrl.models.footprint import check_text_table
+        train, test_set = load_splits(cfg.prompts)
+        check_text_table(cfg, len({*train.prompts, *(test_set.prompts if test_set is not None else []), ""}))
     try:
         check_reward(cfg.reward.terms)
     except RewardError as e:

@@ -69,6 +69,11 @@ def test_freed_text_encoders_leave_samples_and_log_probs_unchanged_and_are_gone(
     stats = free_text_encoders(model, cfg)
     assert stats is not None and stats["prompts"] == len(set(TRAIN + TEST)) + 1  # and ""
     assert stats["parameters"] > 0 and stats["bytes"] > 0
+    # the launcher's estimate (before any process starts) is a lower bound of the real table:
+    # the token embeddings alone, all of them
+    from digenrl.models.footprint import text_table_bytes
+    embeds = sum(model.encode_prompts([p])["prompt_embeds"].numel() * 4 for p in model.encoder.table)
+    assert text_table_bytes(cfg, stats["prompts"]) == embeds < stats["bytes"]
     gc.collect()
     # the modules are gone: no attribute holds them and nothing else keeps them alive
     assert all(getattr(pipe, name) is None for name in refs)
@@ -147,3 +152,25 @@ def test_a_launched_run_frees_the_encoders_on_every_node_and_trains_the_same_wei
     assert a.keys() == b.keys() and a
     assert any(float(v.abs().max()) > 0 for k, v in a.items() if "lora_B" in k)  # trained (B starts at 0)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_table_that_cannot_fit_is_refused_by_the_launcher_before_any_process_starts(
+        folders: dict[str, Path], tmp_path: Path) -> None:
+    """400 prompts of FLUX's fixed 24 x 32 float32 token rows need at least 1.17 MiB: above a
+    1 MiB budget, refused in one line before a node starts."""
+    from digenrl.config import resolve_mode
+    from digenrl.launch import launch, make_run_dir
+    from tests.conftest import SMALL
+
+    prompts = tmp_path / "many.txt"
+    prompts.write_text("".join(f"prompt number {i}\n" for i in range(400)))
+    cfg = resolve_mode(load_config(None, [*SMALL, f'model.path="{folders["flux"]}"', 'model.family="flux"',
+                                          f"model.max_text_tokens={MAX_TEXT_TOKENS}", "model.height=32",
+                                          "model.width=32", f'prompts.file="{prompts}"',
+                                          "model.free_text_encoders=true", "model.text_cache_mb=1"]), "digenrl")
+    run_dir = make_run_dir(cfg, str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"^model.free_text_encoders = true: the conditioning of the run's 401 "
+                                          r"prompts takes at least 1.17 MiB of host memory, above "
+                                          r"model.text_cache_mb = 1; [^\n]*$"):
+        launch(cfg, run_dir)
+    assert not list((run_dir / "logs").glob("*.stderr"))  # no child was ever started

@@ -11,7 +11,9 @@ hour. The estimates are lower bounds of the buffers the settings size directly, 
   when a mode cuts no fragments;
 * the evaluation: every sample's decoded image (uint8, kept for the scores and the grid) and one
   batch's latents;
-* LoRA: a rank past the transformer's width adds parameters without adding capacity.
+* LoRA: a rank past the transformer's width adds parameters without adding capacity;
+* ``model.free_text_encoders``: the table of every prompt's conditioning, for the families
+  whose encoders give every prompt the same token count, against ``model.text_cache_mb``.
 
 What is compared is this host's physical memory: a step's buffers do not fit a cluster's GPUs
 if they do not fit in one host's memory either.
@@ -90,3 +92,44 @@ def check_footprint(cfg: Config, latent_shape: tuple[int, ...], *, test_prompts:
         if need > have:
             raise ConfigError(f"{keys}: these buffers alone take about {gib(need)} (latent shape "
                               f"{list(latent_shape)}), more than this host's {gib(have)} of memory")
+
+
+#: Families whose pipeline gives every prompt the same token count: the tokens beyond
+#: ``model.max_text_tokens`` (SD3 joins CLIP's 77 before T5's), and the transformer config key
+#: of the token width. The others pad a prompt to its own length (no fixed lower bound).
+FIXED_TEXT = {"sd3": (77, "joint_attention_dim"), "flux": (0, "joint_attention_dim"),
+              "flux_kontext": (0, "joint_attention_dim"), "flux2": (0, "joint_attention_dim"),
+              "wan": (0, "text_dim")}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def text_table_bytes(cfg: Config, prompts: int) -> int:
+    """A lower bound of the bytes ``model.free_text_encoders``' table takes for ``prompts``
+    prompts (each prompt's token embeddings; masks and pooled vectors left out); 0 where the
+    setting is off, the model has no pipeline text encoders, or its rows vary in length."""
+    from digenrl.models.meta import transformer_config
+    from digenrl.models.text import DEFAULT_TEXT_TOKENS
+
+    m = cfg.model
+    if (not m.free_text_encoders or m.family not in FIXED_TEXT or m.text_encoder == "hash"
+            or m.path in ("random", "emulated") or (m.path == "builtin" and m.text_encoder == "auto")):
+        return 0
+    config, pipeline = transformer_config(m)
+    extra, key = FIXED_TEXT[m.family]
+    width = config.get(key)
+    if not pipeline or not isinstance(width, int):
+        return 0
+    tokens = extra + (m.max_text_tokens or DEFAULT_TEXT_TOKENS[m.family])
+    return prompts * tokens * width * DTYPE_BYTES[m.dtype]
+
+
+def check_text_table(cfg: Config, prompts: int) -> None:
+    """ConfigError (one line) when ``model.free_text_encoders``' table cannot fit its budget;
+    ``prompts``: the distinct prompts of the run's train and test sets."""
+    need = text_table_bytes(cfg, prompts)
+    budget = cfg.model.text_cache_mb << 20
+    if need > budget:
+        raise ConfigError(f"model.free_text_encoders = true: the conditioning of the run's {prompts} prompts "
+                          f"takes at least {need / 2**20:.3g} MiB of host memory, above "
+                          f"model.text_cache_mb = {cfg.model.text_cache_mb}; raise model.text_cache_mb or "
+                          "set model.free_text_encoders = false")
