@@ -130,6 +130,30 @@ def test_optimizer_offload_gives_the_update_of_a_run_without_it(sd3_folder: Path
         assert all(torch.equal(p, m) for p, m in zip(off.model_params, off.masters, strict=True))
 
 
+def test_the_ema_of_an_offloaded_policy_is_the_ema_without_offload(sd3_folder: Path) -> None:
+    """train.ema_decay averages what the optimizer updates (the host masters where offloaded):
+    after two steps the EMA equals the one kept without offload, bit for bit (same process and
+    inputs), and evaluating under it puts the trained weights back exactly."""
+    from digenrl.rl.ema import ema_weights
+
+    sets = ["model.lora_rank=2", 'model.dtype="bfloat16"', "train.ema_decay=0.5"]
+    base_cfg, off_cfg = _cfg(sd3_folder, "none", *sets), _cfg(sd3_folder, "optimizer", *sets)
+    base, off = _policy(base_cfg), _policy(off_cfg)
+    _train(base_cfg, base, range(2))
+    _train(off_cfg, off, range(2))
+    assert base.ema is not None and off.ema is not None
+    a, b = base.ema.state_dict(), off.ema.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    trained = off.state_dict_for_sync()
+    assert any(not torch.equal(trained[k], b[k]) for k in b)  # the average is not the weights
+    with ema_weights(off):
+        held = off.state_dict_for_sync()
+        assert all(torch.equal(held[k], b[k].to(held[k].dtype)) for k in b)
+    after = off.state_dict_for_sync()
+    assert all(torch.equal(after[k], trained[k]) for k in trained)
+    _assert_same_state(base, off)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_an_offloaded_optimizer_checkpoint_resumes_bit_identically(sd3_folder: Path, tmp_path: Path,
                                                                    case: str) -> None:
