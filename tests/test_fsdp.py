@@ -134,18 +134,31 @@ def test_two_sharded_ranks_train_the_same_update_as_two_unsharded(
     assert any(float((plain[k] != 0).float().sum()) for k in plain)  # it did train something
 
 
-@pytest.mark.slow
-def test_a_sharded_run_killed_mid_run_resumes_bit_identical(tmp_path: Path) -> None:
+#: Two colocated FSDP2 ranks, 4 steps with a checkpoint after each (the killed-and-resumed runs).
+SHARDED_RESUME_SETS = ["run.steps=4", "run.checkpoint_every=1", "model.path=\"random\"",
+                       "train.prompts_per_step=2", "train.group_size=2", "sampler.num_steps=4",
+                       "cluster.trainers=2", "model.fsdp=true"]
+
+
+def sharded_whole_run(factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run of :data:`SHARDED_RESUME_SETS`, launched once per session: the
+    reference of the sharded resume here and in tests/test_offload.py."""
     from tests.conftest import launch_run, set_args
+
+    def make(folder: Path) -> None:
+        r = launch_run("--mode", "colocated", "--run-dir", str(folder / "run"), *set_args(SHARDED_RESUME_SETS))
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    return shared_dir(factory, "fsdp-sharded-whole", make) / "run"
+
+
+@pytest.mark.slow
+def test_a_sharded_run_killed_mid_run_resumes_bit_identical(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     from tests.test_resume import _interrupt_and_resume
 
-    sets = ["run.steps=4", "run.checkpoint_every=1", "model.path=\"random\"",
-            "train.prompts_per_step=2", "train.group_size=2", "sampler.num_steps=4",
-            "cluster.trainers=2", "model.fsdp=true"]
-    whole = tmp_path / "colocated-whole"
-    r = launch_run("--mode", "colocated", "--run-dir", str(whole), *set_args(sets))
-    assert r.returncode == 0, r.stderr[-3000:]
-    cut, _ = _interrupt_and_resume(tmp_path, "colocated", "generate:2", versions=(2,), sets=sets,
+    whole = sharded_whole_run(tmp_path_factory)
+    cut, _ = _interrupt_and_resume(tmp_path, "colocated", "generate:2", versions=(2,), sets=SHARDED_RESUME_SETS,
                                    killed="exited with codes [-9, -9]")
     a, b = final_weights(whole), final_weights(cut)
     # exact on purpose: same machine and thread count, so a resumed run must replay the same arithmetic

@@ -320,40 +320,21 @@ def test_two_unsharded_ranks_with_the_optimizer_offloaded_train_the_update_of_tw
 
 
 @pytest.mark.slow
-def test_two_sharded_ranks_with_the_optimizer_offloaded_train_the_update_of_two_unsharded(
-        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """A launched colocated run of two FSDP2 ranks (gloo) with the optimizer offloaded, against
-    the same run unsharded without it (tests/test_fsdp.py's, shared): the same final weights
-    to 1e-6, the tolerance of sharded against unsharded there (sharded passes sum their
-    gradients in another order)."""
-    from tests.test_fsdp import _run, _unsharded
-
-    plain, off = _unsharded(tmp_path_factory, "colocated", []), _run(tmp_path, "colocated", True,
-                                                                     ['model.offload="optimizer"'])
-    assert plain.keys() == off.keys()
-    for k in plain:
-        torch.testing.assert_close(off[k], plain[k], rtol=0, atol=1e-6, msg=k)
-    assert any(float((plain[k] != 0).float().sum()) for k in plain)
-
-
-@pytest.mark.slow
 def test_two_sharded_ranks_with_the_optimizer_offloaded_killed_and_resumed_end_where_a_plain_run_ends(
-        tmp_path: Path) -> None:
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Two colocated FSDP2 ranks with the optimizer offloaded, SIGKILLed in step 3 and resumed
     from their DCP checkpoint (each rank's host moments written and read as its shards), end
-    bit for bit where the uninterrupted sharded run without offload ends: same machine and
-    thread count, and AdamW on a rank's host shard is the elementwise step it takes on the
-    device shard."""
-    from tests.conftest import final_weights, launch_run, set_args
+    bit for bit where the uninterrupted sharded run without offload ends (tests/test_fsdp.py's,
+    shared): same machine and thread count, and AdamW on a rank's host shard is the
+    elementwise step it takes on the device shard."""
+    from tests.conftest import final_weights
+    from tests.test_fsdp import SHARDED_RESUME_SETS, sharded_whole_run
     from tests.test_resume import _interrupt_and_resume
 
-    sets = ["run.steps=4", "run.checkpoint_every=1", "model.path=\"random\"", "train.prompts_per_step=2",
-            "train.group_size=2", "sampler.num_steps=4", "cluster.trainers=2", "model.fsdp=true"]
-    whole = tmp_path / "colocated-whole"
-    r = launch_run("--mode", "colocated", "--run-dir", str(whole), *set_args(sets))
-    assert r.returncode == 0, r.stderr[-3000:]
+    whole = sharded_whole_run(tmp_path_factory)
     cut, _ = _interrupt_and_resume(tmp_path, "colocated", "generate:2", versions=(2,),
-                                   sets=[*sets, 'model.offload="optimizer"'], killed="exited with codes [-9, -9]")
+                                   sets=[*SHARDED_RESUME_SETS, 'model.offload="optimizer"'],
+                                   killed="exited with codes [-9, -9]")
     a, b = final_weights(whole), final_weights(cut)
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[k], b[k]) for k in a)
