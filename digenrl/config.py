@@ -107,9 +107,28 @@ PIPELINE_FAMILIES: dict[str, str] = {
 family is not in :data:`FAMILIES` is known but not trained by this version (a one-line error names it)."""
 
 
-EDIT_FAMILIES: dict[str, int] = {"flux_kontext": 1}
+EDIT_FAMILIES: dict[str, int] = {"flux_kontext": 1, "qwenimage_edit": 3}
 """Image-editing families -> the most input images one prompt may give (their prompts are
-``.jsonl`` lines with an ``image``; see digenrl/data/prompts.py)."""
+``.jsonl`` lines with an ``image`` or ``images``; see digenrl/data/prompts.py). A folder may
+take fewer: :func:`edit_image_limit`."""
+
+#: Edit pipelines that take fewer input images than their family (Qwen-Image-Edit: one; its
+#: Plus pipeline, Qwen-Image-Edit-2509 and later, up to the family's three).
+PIPELINE_IMAGE_LIMIT: dict[str, int] = {"QwenImageEditPipeline": 1}
+
+
+def edit_image_limit(model: ModelConfig) -> int:
+    """The most input images one prompt may give ``model`` (0: a text-to-image family): the
+    family's, or fewer where ``model.path``'s pipeline class takes fewer."""
+    most = EDIT_FAMILIES.get(model.family, 0)
+    index = Path(model.path) / "model_index.json"
+    if most and model.path not in ("builtin", "random", "emulated") and index.is_file():
+        try:
+            cls = json.loads(index.read_text()).get("_class_name", "")
+        except (OSError, ValueError, AttributeError):
+            return most  # build_model names the unreadable file
+        most = min(most, PIPELINE_IMAGE_LIMIT.get(str(cls), most))
+    return most
 
 
 def detect_family(path: str) -> str:
@@ -139,8 +158,10 @@ def pipeline_family(pipeline_class: str, index: Path) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    family: Literal["", "sd3", "flux", "wan", "qwenimage", "hunyuanvideo", "flux2", "zimage", "flux_kontext"] = _f(
-        "", "diffusers transformer family: sd3, flux, wan, qwenimage, hunyuanvideo, flux2, zimage, flux_kontext (image editing) "
+    family: Literal["", "sd3", "flux", "wan", "qwenimage", "hunyuanvideo", "flux2", "zimage", "flux_kontext",
+                    "qwenimage_edit"] = _f(
+        "", "diffusers transformer family: sd3, flux, wan, qwenimage, hunyuanvideo, flux2, zimage, flux_kontext "
+        "and qwenimage_edit (image editing) "
         "(docs/models.md); '' (the default) = the one model.path's model_index.json names, sd3 "
         "when model.path is no pipeline folder")
     path: str = _f("builtin", "'builtin' (the shipped tiny base model), 'random' (tiny random "
@@ -181,6 +202,14 @@ class ModelConfig:
         "their gradients and the optimizer state in (pinned) host memory (FSDP2's "
         "CPUOffloadPolicy; the optimizer step runs on the CPU); 'none' keeps everything on the "
         "device. Needs model.fsdp = true")
+    condition_area: int = _f(
+        0, "qwenimage_edit: pixel area each input image is VAE-encoded at (its aspect kept, sides "
+        "rounded to 32 px, as the pipelines' calculate_dimensions); 0 = the output's area "
+        "(model.height x model.width). The pipelines use 1048576 (1024 x 1024)", ge=0, le=1 << 26)
+    condition_vl_area: int = _f(
+        0, "qwenimage_edit: pixel area of each input image the text encoder (Qwen2.5-VL) sees; 0 = "
+        "the pipeline's: QwenImageEditPipeline the VAE's image (model.condition_area), "
+        "QwenImageEditPlusPipeline 147456 (384 x 384)", ge=0, le=1 << 26)
     vae_tiling: bool = _f(False, "decode with the VAE tiled and sliced (diffusers' enable_tiling / "
                           "enable_slicing): large images and video decode in bounded memory")
     emulate: EmulateConfig = field(default_factory=EmulateConfig,
