@@ -254,3 +254,44 @@ def test_the_tiny_random_model_edits_from_its_pixel_encoder(tmp_path):
         # 32 x 32 output area, a 5:3 input: 32 x 32 px after the 32 px rounding, 8 x 8 packed tokens
         assert red["image_shapes"].tolist() == [[[8, 8]]] and red["image_latents"].shape == (1, 64, 48)
         assert not torch.allclose(model.velocity(x, 0.5, red), model.velocity(x, 0.5, blue), atol=1e-4)
+
+
+def test_step_batching_conditions_on_each_fragments_input_images(tmp_path):
+    """sampler.max_batch > 0: fragments of edit prompts (other input images, other sizes) that
+    share forwards at different timesteps give each trajectory its unbatched rollout (to the
+    float32 batch-size rounding of tests/test_batching.py); the cond cache keys a row by its
+    prompt and its images, so one prompt with two inputs is two rows."""
+    from digenrl.config import load_config
+    from digenrl.models.base import cond_repeat
+    from digenrl.rl.batching import CondCache, StepBatcher
+    from digenrl.rl.sampler import rollout, seeded_generators
+
+    # 4:1 and 1:4 inputs at the 32 x 32 output's area: 64 x 32 and 32 x 64 px, two token grids
+    for name, size, color in (("red", (64, 16), (220, 30, 30)), ("blue", (16, 64), (30, 30, 220))):
+        Image.new("RGB", size, color).save(tmp_path / f"{name}.png")
+    red, blue = [str(tmp_path / "red.png")], [str(tmp_path / "blue.png")]
+    cfg = load_config(None, ['model.family="qwenimage_edit"', 'model.path="random"', "model.height=32",
+                             "model.width=32", "sampler.num_steps=3", "train.group_size=2",
+                             "train.timesteps=\"all\""])
+    model = build_model(cfg.model)
+    fragments = [(["make it green"], [red], [1, 2]), (["make it green"], [blue], [3, 4])]
+    cache = CondCache(1 << 20)
+    batcher = StepBatcher(model, cfg.sampler, max_batch=4, cond_cache=cache)
+    got: dict[int, list] = {0: [], 1: []}
+    batcher.add(0, batcher.encode(fragments[0][0], 2, fragments[0][1]), fragments[0][2], None)
+    for tick in range(4):
+        if tick == 1:  # the second fragment joins one step behind: other timesteps, other image grids
+            batcher.add(1, batcher.encode(fragments[1][0], 2, fragments[1][1]), fragments[1][2], None)
+        for key, rec, _ in batcher.step():
+            got[key].append(rec)
+    assert cache.misses == 2 and batcher.stats.forwards == 4
+    assert batcher.encode(fragments[0][0], 1, fragments[0][1])["image_shapes"].tolist() == [[[8, 16]]]
+    for n, (prompts, images, seeds) in enumerate(fragments):
+        with torch.no_grad():
+            cond = cond_repeat(encode_inputs(model, prompts, images), 2)
+        ref = list(rollout(model, cond, generator=seeded_generators(seeds), sampler_cfg=cfg.sampler))
+        assert len(got[n]) == len(ref) == 3
+        for r, e in zip(got[n], ref, strict=True):
+            torch.testing.assert_close(r.x_next, e.x_next, atol=1e-5, rtol=0)
+            torch.testing.assert_close(r.log_prob, e.log_prob, atol=1e-5, rtol=0)
+    assert not torch.allclose(got[0][-1].x_next, got[1][-1].x_next, atol=1e-3)
