@@ -5,6 +5,9 @@ tokens of ``4C`` features as FLUX; ``img_shapes = [[(1, H/2, W/2)]] * B``; the t
 ``sigma`` (``t / 1000``); text is ``encoder_hidden_states`` with ``encoder_hidden_states_mask``
 (this diffusers version derives the text lengths from the mask; there is no ``txt_seq_lens``).
 No pooled vector. The unpacked output is the velocity.
+
+Qwen-Image-Edit and -Edit-Plus (:class:`QwenImageEditModel`, ``pipeline_qwenimage_edit*.py``)
+are the same transformer with the input images' packed latents appended to the sequence.
 """
 
 from __future__ import annotations
