@@ -64,6 +64,46 @@ def test_the_family_is_read_from_model_index(case, folders):
     assert ModelConfig(path=str(folders[0][case])).family == "qwenimage_edit"
 
 
+def set_pipeline_sizes(monkeypatch) -> None:
+    """The pipelines' hard-coded input-image areas set to AREA and VL_AREA (module docstring)."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as edit
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
+
+    size = edit.calculate_dimensions
+    monkeypatch.setattr(edit, "calculate_dimensions", lambda area, ratio: size(AREA, ratio))
+    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", AREA)
+    monkeypatch.setattr(plus, "CONDITION_IMAGE_SIZE", VL_AREA)
+
+
+def pipeline_images(pipe, case, images, x0) -> torch.Tensor:
+    """The pipeline's own call, one prompt at a time (the Plus pipeline takes one), from the
+    latents ``x0``: uint8 images as our decode gives them."""
+    from digenrl.models.packing import pack_2x2
+    from digenrl.models.text import template_prefix_tokens
+
+    pipe.set_progress_bar_config(disable=True)
+    # the system turn the pipeline crops: 64 tokens of the published tokenizer (hard-coded there),
+    # measured by the model; this byte-level tokenizer spells it in more
+    pipe.prompt_template_encode_start_idx = template_prefix_tokens(pipe.tokenizer, pipe.prompt_template_encode)
+    out = []
+    with torch.no_grad():
+        for i in range(x0.shape[0]):
+            pictures = [Image.open(p).convert("RGB") for p in images[i]]
+            out.append(pipe(image=pictures if case.endswith("plus") else pictures[0], prompt=PROMPTS[i],
+                            height=SMALL["height"], width=SMALL["width"], latents=pack_2x2(x0[i:i + 1]),
+                            num_inference_steps=3, true_cfg_scale=1.0, output_type="pt").images)
+    return (torch.cat(out) * 255).round().to(torch.uint8)
+
+
+def our_images(model, cond, sigmas, x0) -> torch.Tensor:
+    """The adapter's Euler steps over the pipeline's sigmas from ``x0``, decoded."""
+    x = x0
+    with torch.no_grad():
+        for s, s_next in itertools.pairwise(sigmas):
+            x = x + (s_next - s) * model.velocity(x, s, cond)
+        return model.decode(x)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_generates_what_the_edit_pipeline_generates(case, folders, monkeypatch):
     """Prompts and input images through the folder's Qwen2.5-VL (the VL template, the images
@@ -71,46 +111,22 @@ def test_generates_what_the_edit_pipeline_generates(case, folders, monkeypatch):
     img_shapes, the adapter's Euler steps and the VAE decode give the images the pipeline makes
     from the same folder, prompts, images and noise; the two prompts' images differ in size, so
     one batched velocity runs them as two forwards."""
-    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as edit
-    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
-
-    from digenrl.models.packing import pack_2x2
-    from digenrl.models.text import template_prefix_tokens
-
-    is_plus = case.endswith("plus")
-    size = edit.calculate_dimensions
-    monkeypatch.setattr(edit, "calculate_dimensions", lambda area, ratio: size(AREA, ratio))
-    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", AREA)
-    monkeypatch.setattr(plus, "CONDITION_IMAGE_SIZE", VL_AREA)
+    set_pipeline_sizes(monkeypatch)
     model = build_model(cfg(case, folders))
     pipe = load_pipeline(folders[0][case])
-    pipe.set_progress_bar_config(disable=True)
     assert type(pipe).__name__ == model.pipeline_class
-    # the system turn the pipeline crops: 64 tokens of the published tokenizer (hard-coded there),
-    # measured by the model; this byte-level tokenizer spells it in more
-    pipe.prompt_template_encode_start_idx = template_prefix_tokens(pipe.tokenizer, pipe.prompt_template_encode)
     images = inputs(case, folders)
-    h, w = SMALL["height"], SMALL["width"]
     x0 = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(3))
+    expected = pipeline_images(pipe, case, images, x0)
     with torch.no_grad():
-        expected = []
-        for i in range(2):  # the Plus pipeline takes one prompt a call
-            pictures = [Image.open(p).convert("RGB") for p in images[i]]
-            expected.append(pipe(image=pictures if is_plus else pictures[0], prompt=PROMPTS[i], height=h, width=w,
-                                 latents=pack_2x2(x0[i:i + 1]), num_inference_steps=3, true_cfg_scale=1.0,
-                                 output_type="pt").images)
-        expected = (torch.cat(expected) * 255).round().to(torch.uint8)
         cond = encode_inputs(model, PROMPTS, images)
-        grids = [[(a, b) for a, b in row if a] for row in cond["image_shapes"].tolist()]
-        assert grids == ([[(8, 16), (16, 16)], [(16, 8)]] if is_plus else [[(8, 16)], [(16, 8)]])
-        x = x0
-        for s, s_next in itertools.pairwise(pipe.scheduler.sigmas.tolist()):
-            x = x + (s_next - s) * model.velocity(x, s, cond)
-        got = model.decode(x)
-        # the image is in the sequence: without its tokens the velocity differs
+    grids = [[(a, b) for a, b in row if a] for row in cond["image_shapes"].tolist()]
+    assert grids == ([[(8, 16), (16, 16)], [(16, 8)]] if case.endswith("plus") else [[(8, 16)], [(16, 8)]])
+    got = our_images(model, cond, pipe.scheduler.sigmas.tolist(), x0)
+    with torch.no_grad():  # the image is in the sequence: without its tokens the velocity differs
         text_only = {k: v for k, v in cond.items() if k not in ("image_latents", "image_shapes")}
         assert not torch.allclose(model.velocity(x0, 0.7, cond), model.velocity(x0, 0.7, text_only), atol=1e-4)
-    assert got.shape == expected.shape == (2, 3, h, w)
+    assert got.shape == expected.shape == (2, 3, SMALL["height"], SMALL["width"])
     # round((x + 1) * 127.5) against round((x / 2 + 0.5) * 255): one level at most
     assert (got.int() - expected.int()).abs().max() <= 1
 
@@ -145,11 +161,13 @@ def test_rows_with_images_of_other_sizes_get_their_own_forward(folders):
 
 @pytest.mark.parametrize(("case", "lora"), [("qwenimage_edit-plus", True), ("qwenimage_edit-plus", False),
                                             ("qwenimage_edit", True)], ids=["plus-lora", "plus-full", "edit-lora"])
-def test_trains_and_final_loads_into_the_edit_pipeline(case, lora, folders, tmp_path):
+def test_trains_and_final_loads_into_the_edit_pipeline(case, lora, folders, tmp_path, monkeypatch):
     """One GRPO step on a rollout of its own edit prompts: at K = 0 the first ratio is 1 within
     1e-6 (the trainer's forward uses the rollout's conditioning, image tokens included: nothing
     is re-encoded); final/ loads into the pipeline (LoRA: its load_lora_weights; full: the
-    transformer class's from_pretrained) and gives the trained velocity, not the base one."""
+    transformer class's from_pretrained) and gives the trained velocity, not the base one. With
+    the LoRA loaded, the pipeline's own call makes other images than before, and the trained
+    model's (to one uint8 level)."""
     from digenrl.models.families import SPECS
 
     model = build_model(cfg(case, folders, lora_rank=2 if lora else 0))
@@ -159,9 +177,16 @@ def test_trains_and_final_loads_into_the_edit_pipeline(case, lora, folders, tmp_
     spec = SPECS["qwenimage_edit"]
     with torch.no_grad():
         if lora:
+            set_pipeline_sizes(monkeypatch)
+            x0 = torch.randn(1, *model.latent_shape, generator=torch.Generator().manual_seed(4))
+            before = pipeline_images(pipe, case, inputs(case, folders), x0)
             v_pipe_base = spec.adapter(pipe.transformer, encoder=model.encoder, decoder=model.decoder,
                                        latent_shape=model.latent_shape).velocity(x, 0.6, cond)
             pipe.load_lora_weights(final)
+            after = pipeline_images(pipe, case, inputs(case, folders), x0)
+            ours = our_images(model, {k: v[:1] for k, v in cond.items()}, pipe.scheduler.sigmas.tolist(), x0)
+            assert (after.int() - before.int()).abs().max() > 8  # the adapter changes the pipeline's images
+            assert (after.int() - ours.int()).abs().max() <= 1
         else:
             pipe.transformer = spec.cls.from_pretrained(final, local_files_only=True)
         loaded = spec.adapter(pipe.transformer, encoder=model.encoder, decoder=model.decoder,
