@@ -712,6 +712,10 @@ def _check_consistency(cfg: Config) -> None:
                               "training of the forward-process losses is not implemented")
     if len(set(cfg.tracking.backends)) < len(cfg.tracking.backends):
         raise ConfigError(f"tracking.backends = {cfg.tracking.backends!r}: a tracker is listed twice")
+    for key in ("condition_area", "condition_vl_area"):
+        if getattr(cfg.model, key) and cfg.model.family != "qwenimage_edit":
+            raise ConfigError(f"model.{key} = {getattr(cfg.model, key)}: sizes Qwen-Image-Edit's input images; "
+                              f"model.family = {cfg.model.family!r} does not read it (leave it 0)")
     if cfg.model.offload != "none" and not cfg.model.fsdp:
         raise ConfigError(f"model.offload = {cfg.model.offload!r} with model.fsdp = false: offload moves "
                           "FSDP shards to host memory; set model.fsdp = true or model.offload = \"none\"")

@@ -346,3 +346,19 @@ def test_a_qwen_image_edit_run_trains_end_to_end(tmp_path):
     steps = [r for r in rows if "ratio_max_dev" in r]
     assert steps[0]["policy_version"] == 1 and steps[0]["ratio_max_dev"] <= 1e-6
     assert (run_dir / "final" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_condition_sizes_on_another_family_and_a_missing_processor_are_one_line(folders, tmp_path):
+    import shutil
+
+    from digenrl.config import ConfigError, load_config
+    from digenrl.models import ModelFolderError
+
+    with pytest.raises(ConfigError, match=r"model.condition_area = 4096: sizes Qwen-Image-Edit's input images; "
+                                          r"model.family = 'flux_kontext' does not read it"):
+        load_config(None, ['model.family="flux_kontext"', 'model.path="random"', "model.condition_area=4096"])
+    folder = shutil.copytree(folders[0]["qwenimage_edit"], tmp_path / "edit")
+    shutil.rmtree(folder / "processor")
+    with pytest.raises(ModelFolderError, match=r"processor/ is missing or empty: it should hold Qwen2\.5-VL's "
+                                               r"Qwen2VLProcessor \(its tokenizer and image processor\)"):
+        build_model(ModelConfig(family="qwenimage_edit", path=str(folder)))
