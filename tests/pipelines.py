@@ -13,21 +13,25 @@ so a folder builds in about a second and a forward pass at 32x48 px takes millis
 
 Geometry (what ``model.height`` / ``model.width`` / ``model.num_frames`` must respect):
 
-============  =====================  =============================================
-family        VAE downsampling       a valid small size
-============  =====================  =============================================
-sd3           2x (2 blocks)          32 x 48 px (latent 16 x 24, patch 2)
-flux          2x                     32 x 48 px (latent 16 x 24, packed 2x2)
-qwenimage     2x                     32 x 48 px
-wan           2x space, 2x time      5 frames of 32 x 48 px (latent 3 x 16 x 24)
-hunyuanvideo  2x space, 4x time      5 frames of 32 x 48 px (latent 2 x 16 x 24)
-flux2         2x, then 2x2 patchify  32 x 48 px (latent 16 x 8 x 12)
-zimage        2x                     32 x 48 px (latent 4 x 16 x 24, patch 2)
-flux_kontext  2x                     32 x 48 px (as flux; the input image too)
-============  =====================  =============================================
+==============  =====================  =============================================
+family          VAE downsampling       a valid small size
+==============  =====================  =============================================
+sd3             2x (2 blocks)          32 x 48 px (latent 16 x 24, patch 2)
+flux            2x                     32 x 48 px (latent 16 x 24, packed 2x2)
+qwenimage       2x                     32 x 48 px
+wan             2x space, 2x time      5 frames of 32 x 48 px (latent 3 x 16 x 24)
+hunyuanvideo    2x space, 4x time      5 frames of 32 x 48 px (latent 2 x 16 x 24)
+flux2           2x, then 2x2 patchify  32 x 48 px (latent 16 x 8 x 12)
+zimage          2x                     32 x 48 px (latent 4 x 16 x 24, patch 2)
+flux_kontext    2x                     32 x 48 px (as flux; the input image too)
+qwenimage_edit  2x                     32 x 48 px; input images at model.condition_area
+==============  =====================  =============================================
 
 ``flux2`` is a FLUX.2-klein folder (``Flux2KleinPipeline``, Qwen3 text encoder);
-``flux2-dev`` a FLUX.2-dev one (``Flux2Pipeline``, Mistral3 text encoder, PixtralProcessor).
+``flux2-dev`` a FLUX.2-dev one (``Flux2Pipeline``, Mistral3 text encoder, PixtralProcessor);
+``qwenimage_edit`` a Qwen-Image-Edit folder (``QwenImageEditPipeline``), ``qwenimage_edit-plus``
+an Edit-Plus one (``QwenImageEditPlusPipeline``), both with a Qwen2.5-VL that sees images and
+its ``Qwen2VLProcessor``.
 """
 
 from __future__ import annotations
