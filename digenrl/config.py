@@ -107,9 +107,28 @@ PIPELINE_FAMILIES: dict[str, str] = {
 family is not in :data:`FAMILIES` is known but not trained by this version (a one-line error names it)."""
 
 
-EDIT_FAMILIES: dict[str, int] = {"flux_kontext": 1}
+EDIT_FAMILIES: dict[str, int] = {"flux_kontext": 1, "qwenimage_edit": 3}
 """Image-editing families -> the most input images one prompt may give (their prompts are
-``.jsonl`` lines with an ``image``; see digenrl/data/prompts.py)."""
+``.jsonl`` lines with an ``image`` or ``images``; see digenrl/data/prompts.py). A folder may
+take fewer: :func:`edit_image_limit`."""
+
+#: Edit pipelines that take fewer input images than their family (Qwen-Image-Edit: one; its
+#: Plus pipeline, Qwen-Image-Edit-2509 and later, up to the family's three).
+PIPELINE_IMAGE_LIMIT: dict[str, int] = {"QwenImageEditPipeline": 1}
+
+
+def edit_image_limit(model: ModelConfig) -> int:
+    """The most input images one prompt may give ``model`` (0: a text-to-image family): the
+    family's, or fewer where ``model.path``'s pipeline class takes fewer."""
+    most = EDIT_FAMILIES.get(model.family, 0)
+    index = Path(model.path) / "model_index.json"
+    if most and model.path not in ("builtin", "random", "emulated") and index.is_file():
+        try:
+            cls = json.loads(index.read_text()).get("_class_name", "")
+        except (OSError, ValueError, AttributeError):
+            return most  # build_model names the unreadable file
+        most = min(most, PIPELINE_IMAGE_LIMIT.get(str(cls), most))
+    return most
 
 
 def detect_family(path: str) -> str:
@@ -139,8 +158,10 @@ def pipeline_family(pipeline_class: str, index: Path) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    family: Literal["", "sd3", "flux", "wan", "qwenimage", "hunyuanvideo", "flux2", "zimage", "flux_kontext"] = _f(
-        "", "diffusers transformer family: sd3, flux, wan, qwenimage, hunyuanvideo, flux2, zimage, flux_kontext (image editing) "
+    family: Literal["", "sd3", "flux", "wan", "qwenimage", "hunyuanvideo", "flux2", "zimage", "flux_kontext",
+                    "qwenimage_edit"] = _f(
+        "", "diffusers transformer family: sd3, flux, wan, qwenimage, hunyuanvideo, flux2, zimage, flux_kontext "
+        "and qwenimage_edit (image editing) "
         "(docs/models.md); '' (the default) = the one model.path's model_index.json names, sd3 "
         "when model.path is no pipeline folder")
     path: str = _f("builtin", "'builtin' (the shipped tiny base model), 'random' (tiny random "
@@ -183,6 +204,14 @@ class ModelConfig:
         "AdamW's state and a float32 master copy on the host (unsharded, a bf16 model's masters "
         "leave the device); both run the optimizer step on the CPU. 'none' keeps everything on "
         "the device")
+    condition_area: int = _f(
+        0, "qwenimage_edit: pixel area each input image is VAE-encoded at (its aspect kept, sides "
+        "rounded to 32 px, as the pipelines' calculate_dimensions); 0 = the output's area "
+        "(model.height x model.width). The pipelines use 1048576 (1024 x 1024)", ge=0, le=1 << 26)
+    condition_vl_area: int = _f(
+        0, "qwenimage_edit: pixel area of each input image the text encoder (Qwen2.5-VL) sees; 0 = "
+        "the pipeline's: QwenImageEditPipeline the VAE's image (model.condition_area), "
+        "QwenImageEditPlusPipeline 147456 (384 x 384)", ge=0, le=1 << 26)
     vae_tiling: bool = _f(False, "decode with the VAE tiled and sliced (diffusers' enable_tiling / "
                           "enable_slicing): large images and video decode in bounded memory")
     free_text_encoders: bool = _f(
@@ -692,6 +721,14 @@ def _check_consistency(cfg: Config) -> None:
                               "training of the forward-process losses is not implemented")
     if len(set(cfg.tracking.backends)) < len(cfg.tracking.backends):
         raise ConfigError(f"tracking.backends = {cfg.tracking.backends!r}: a tracker is listed twice")
+    for key in ("condition_area", "condition_vl_area"):
+        if getattr(cfg.model, key) and cfg.model.family != "qwenimage_edit":
+            raise ConfigError(f"model.{key} = {getattr(cfg.model, key)}: sizes Qwen-Image-Edit's input images; "
+                              f"model.family = {cfg.model.family!r} does not read it (leave it 0)")
+    if cfg.model.free_text_encoders and cfg.model.family == "qwenimage_edit":
+        raise ConfigError("model.free_text_encoders = true with model.family = 'qwenimage_edit': its text "
+                          "encoder (Qwen2.5-VL) reads each prompt's input images, so a table of encoded "
+                          "prompts cannot stand in for it; set model.free_text_encoders = false")
     if cfg.model.offload == "params" and not cfg.model.fsdp:
         raise ConfigError(f"model.offload = {cfg.model.offload!r} with model.fsdp = false: offload moves "
                           "FSDP shards to host memory; set model.fsdp = true or model.offload = \"none\"")

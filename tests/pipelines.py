@@ -13,21 +13,25 @@ so a folder builds in about a second and a forward pass at 32x48 px takes millis
 
 Geometry (what ``model.height`` / ``model.width`` / ``model.num_frames`` must respect):
 
-============  =====================  =============================================
-family        VAE downsampling       a valid small size
-============  =====================  =============================================
-sd3           2x (2 blocks)          32 x 48 px (latent 16 x 24, patch 2)
-flux          2x                     32 x 48 px (latent 16 x 24, packed 2x2)
-qwenimage     2x                     32 x 48 px
-wan           2x space, 2x time      5 frames of 32 x 48 px (latent 3 x 16 x 24)
-hunyuanvideo  2x space, 4x time      5 frames of 32 x 48 px (latent 2 x 16 x 24)
-flux2         2x, then 2x2 patchify  32 x 48 px (latent 16 x 8 x 12)
-zimage        2x                     32 x 48 px (latent 4 x 16 x 24, patch 2)
-flux_kontext  2x                     32 x 48 px (as flux; the input image too)
-============  =====================  =============================================
+==============  =====================  =============================================
+family          VAE downsampling       a valid small size
+==============  =====================  =============================================
+sd3             2x (2 blocks)          32 x 48 px (latent 16 x 24, patch 2)
+flux            2x                     32 x 48 px (latent 16 x 24, packed 2x2)
+qwenimage       2x                     32 x 48 px
+wan             2x space, 2x time      5 frames of 32 x 48 px (latent 3 x 16 x 24)
+hunyuanvideo    2x space, 4x time      5 frames of 32 x 48 px (latent 2 x 16 x 24)
+flux2           2x, then 2x2 patchify  32 x 48 px (latent 16 x 8 x 12)
+zimage          2x                     32 x 48 px (latent 4 x 16 x 24, patch 2)
+flux_kontext    2x                     32 x 48 px (as flux; the input image too)
+qwenimage_edit  2x                     32 x 48 px; input images at model.condition_area
+==============  =====================  =============================================
 
 ``flux2`` is a FLUX.2-klein folder (``Flux2KleinPipeline``, Qwen3 text encoder);
-``flux2-dev`` a FLUX.2-dev one (``Flux2Pipeline``, Mistral3 text encoder, PixtralProcessor).
+``flux2-dev`` a FLUX.2-dev one (``Flux2Pipeline``, Mistral3 text encoder, PixtralProcessor);
+``qwenimage_edit`` a Qwen-Image-Edit folder (``QwenImageEditPipeline``), ``qwenimage_edit-plus``
+an Edit-Plus one (``QwenImageEditPlusPipeline``), both with a Qwen2.5-VL that sees images and
+its ``Qwen2VLProcessor``.
 """
 
 from __future__ import annotations
@@ -186,9 +190,13 @@ def umt5_encoder(d_model: int = 32):
                                        num_layers=1, num_heads=2))
 
 
-def qwen_vl_encoder(hidden: int = 32, vocab: int = 260):
+def qwen_vl_encoder(hidden: int = 32, vocab: int = 260, tokens: dict[str, int] | None = None):
+    """Qwen2.5-VL with a tiny vision tower; ``tokens``: the ids of its image markers (a text-only
+    model's are all the last id)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    ids = tokens or dict(image_token_id=vocab - 1, video_token_id=vocab - 1, vision_start_token_id=vocab - 1,
+                         vision_end_token_id=vocab - 1)
     cfg = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -197,9 +205,25 @@ def qwen_vl_encoder(hidden: int = 32, vocab: int = 260):
                                           "mrope_section": [4, 2, 2]}),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
                            out_hidden_size=hidden, fullatt_block_indexes=[0]),
-        image_token_id=vocab - 1, video_token_id=vocab - 1, vision_start_token_id=vocab - 1,
-        vision_end_token_id=vocab - 1)
+        **ids)
     return Qwen2_5_VLForConditionalGeneration(cfg)
+
+
+QWEN_VL_MARKERS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+
+
+def qwen_vl_processor():
+    """Qwen-Image-Edit's ``processor``: :func:`qwen_tokenizer` with Qwen2-VL's image markers and
+    a ``Qwen2VLImageProcessorPil`` (14 px patches merged 2x2, as Qwen2.5-VL's), in DigenRL's
+    video-less ``Qwen2VLProcessor`` (:func:`digenrl.models.folder.vl_processor`), which
+    :func:`write_pipeline_folder` labels as the Qwen2VLProcessor it stands for."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from digenrl.models.folder import vl_processor_class
+
+    tok = qwen_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *QWEN_VL_MARKERS]})
+    return vl_processor_class()(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tok)
 
 
 def qwen3_encoder(causal_lm: bool, hidden: int = 8, layers: int = 2, vocab: int = 260):
@@ -385,6 +409,28 @@ def _qwenimage(folder: Path):
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
 
 
+def _qwenimage_edit(folder: Path, plus: bool = False):
+    """Qwen-Image-Edit (or, ``plus``, -Edit-Plus): Qwen-Image's classes, a Qwen2.5-VL that sees
+    images, and its processor."""
+    import diffusers
+
+    proc = qwen_vl_processor()
+    tok = proc.tokenizer
+    ids = dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"),
+                   tok.convert_tokens_to_ids(list(QWEN_VL_MARKERS)), strict=True))
+    cls = diffusers.QwenImageEditPlusPipeline if plus else diffusers.QwenImageEditPipeline
+    return cls(
+        transformer=diffusers.QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6)),
+        vae=qwen_vae(4), text_encoder=qwen_vl_encoder(32, vocab=len(tok), tokens=ids), tokenizer=tok,
+        processor=proc, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
+
+
+def _qwenimage_edit_plus(folder: Path):
+    return _qwenimage_edit(folder, plus=True)
+
+
 def _hunyuanvideo(folder: Path):
     import diffusers
 
@@ -445,7 +491,8 @@ def _zimage(folder: Path):
 _BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "wan22": _wan22, "wan22-ti2v": _wan22_ti2v,
              "qwenimage": _qwenimage, "hunyuanvideo": _hunyuanvideo,
              "flux2": _flux2, "flux2-dev": _flux2_dev, "zimage": _zimage,
-             "flux_kontext": _flux_kontext}
+             "flux_kontext": _flux_kontext, "qwenimage_edit": _qwenimage_edit,
+             "qwenimage_edit-plus": _qwenimage_edit_plus}
 
 
 def build_pipeline(family: str, folder: Path, *, seed: int = 0, **kw):
@@ -475,6 +522,12 @@ def write_pipeline_folder(family: str, folder: Path, *, seed: int = 0, **kw) -> 
         (folder / "model_index.json").write_text(json.dumps(index, indent=2))
         (folder / "tokenizer" / "processor_config.json").write_text(json.dumps(
             {"processor_class": "PixtralProcessor", "patch_size": 4, "spatial_merge_size": 2}, indent=2))
+    if index.get("processor", [None, None])[1] == "Qwen2VLImageTextProcessor":  # Qwen-Image-Edit without torchvision
+        index["processor"] = ["transformers", "Qwen2VLProcessor"]
+        (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+        config = json.loads((folder / "processor" / "processor_config.json").read_text())
+        (folder / "processor" / "processor_config.json").write_text(json.dumps(
+            {**config, "processor_class": "Qwen2VLProcessor"}, indent=2))
     return folder
 
 
@@ -490,7 +543,8 @@ def load_pipeline(folder: Path):
 
     pf = PipelineFolder(folder)
     tokenizer_class = getattr(transformers, (pf.entry("tokenizer") or ("", ""))[1], None)
-    if not getattr(tokenizer_class, "is_dummy", False):  # transformers' stand-in for a missing backend
+    # transformers' stand-in for a missing backend, or a processor DigenRL stands in for
+    if not getattr(tokenizer_class, "is_dummy", False) and not pf.substituted("processor"):
         return diffusers.DiffusionPipeline.from_pretrained(folder, local_files_only=True)
     parts = {name: pf.load(name, frozen=False) for name, value in pf.index.items()
              if not name.startswith("_") and isinstance(value, list)}

@@ -18,7 +18,7 @@ from digenrl.config import ModelConfig, load_config
 from digenrl.models import build_model
 from digenrl.models.meta import ModelConfigError, latent_shape_of
 
-FAMILIES = ["sd3", "flux", "qwenimage", "wan", "hunyuanvideo", "flux2", "zimage"]
+FAMILIES = ["sd3", "flux", "qwenimage", "wan", "hunyuanvideo", "flux2", "zimage", "qwenimage_edit"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -174,3 +174,9 @@ def test_a_table_that_cannot_fit_is_refused_by_the_launcher_before_any_process_s
                                           r"model.text_cache_mb = 1; [^\n]*$"):
         launch(cfg, run_dir)
     assert not list((run_dir / "logs").glob("*.stderr"))  # no child was ever started
+
+
+def test_an_edit_family_whose_text_encoder_reads_the_images_is_refused_at_config_load() -> None:
+    with pytest.raises(ConfigError, match=r"^model.free_text_encoders = true with model.family = "
+                                          r"'qwenimage_edit': [^\n]*$"):
+        load_config(None, ['model.family="qwenimage_edit"', 'model.path="random"', "model.free_text_encoders=true"])

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from digenrl.config import Config
+from digenrl.data.prompts import prompt_images
 from digenrl.faults import poison
 from digenrl.models.base import FlowModel
 from digenrl.rl.batching import BatcherStats, CondCache, Denoiser, StepBatcher
@@ -127,7 +128,9 @@ class StepEngine:
                         self._running = False
                         return
                 for e in arrived:
-                    cond = self.batcher.encode(list(e.job.prompts), g)
+                    images = (None if e.job.metadata is None
+                              else [prompt_images(m) for m in e.job.metadata])  # an edit's input images
+                    cond = self.batcher.encode(list(e.job.prompts), g, images)
                     e.job.start_batched(cond)
                     self.batcher.add(e.key, cond, list(e.job.seeds), set(e.job.sde_steps))
                     entries[e.key] = e

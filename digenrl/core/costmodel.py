@@ -141,6 +141,16 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     # latent 131,072 B (cm 1). Reward as FLUX (CLIP-class).
     ModelSpec(name="qwenimage", fwd_tflop=18.6, params_b=20.4, latent_bytes=131_072,
               latent_shape=(16, 64, 64), reward_tflop=0.38, reward_fixed_s=0.028),
+    # Qwen-Image-Edit(-2509, the Plus pipeline; 20.4 B: Qwen-Image's transformer) at 1024x1024
+    # px with one input image VAE-encoded at the pipeline's 1024 x 1024 area (model.condition_area
+    # = 1048576): S = 4,096 output + 4,096 input-image tokens + 256 text tokens (the "qwenimage"
+    # entries' count) + 196 tokens of the 384 x 384 image its Qwen2.5-VL sees (392 x 392 after the
+    # processor's 28 px rounding, 14 px patches merged 2x2) = 8,644. Forward FLOPs with cm 0's MM-DiT
+    # formula 2 * P_tok * S + 4 * L * d * S^2 (P_tok 6.79 B, L 60, d 3,072: cm 0; it gives back
+    # the 18.6 TF of the entry above): 117.4 + 55.1 = 172.5 TF/fwd (derived). Only the output latent
+    # (16, 128, 128) bf16 travels per step; the input's tokens go once per fragment.
+    ModelSpec(name="qwenimage_edit", fwd_tflop=172.5, params_b=20.4, latent_bytes=524_288,
+              latent_shape=(16, 128, 128), reward_tflop=0.38, reward_fixed_s=0.028),
     # Wan2.1-T2V-14B 480p 81f: 1.68 PF/fwd (cm 2), 14.0 B (cm 0), latent 4,193,280 B (cm 1).
     # Reward: VideoAlign-class ~8 TF/video (cm 5, derived 6-10 TF); decode not in cm: 0.5 s
     # (assumption).

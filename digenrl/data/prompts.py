@@ -6,7 +6,8 @@ Two file formats, told apart by the name:
   prompt's metadata and reaches the reward functions unchanged (flow_grpo's GenEval
   ``metadata.jsonl``, with ``tag``, ``include``, ``exclude``, loads as it is). An edit prompt
   has an ``image`` field: the path of its input image, or a list of paths (several reference
-  images, as Qwen-Image-Edit-Plus takes), relative to the jsonl file. Each image is opened and
+  images, as Qwen-Image-Edit-Plus takes), relative to the jsonl file; ``images`` is the same
+  field by another name (one of the two per line). Each image is opened and
   checked when the file is loaded (before any process starts): a missing, unreadable or
   non-image file is one :class:`PromptError` naming it and the prompt's line. The record's
   ``image`` is rewritten to the resolved absolute path(s), so every node reads the same file.
@@ -38,7 +39,14 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-from digenrl.config import EDIT_FAMILIES, Config, PromptConfig, nesting_depth, show
+from digenrl.config import (
+    EDIT_FAMILIES,
+    Config,
+    PromptConfig,
+    edit_image_limit,
+    nesting_depth,
+    show,
+)
 
 MAX_PROMPT_CHARS = 8192
 """Longest prompt accepted (text encoders keep a few hundred tokens; a longer line is a mistake)."""
@@ -87,12 +95,17 @@ class PromptSet:
     @property
     def is_edit(self) -> bool:
         """Whether the prompts carry input images (every one does; a mix is refused at load)."""
-        return bool(self.metadata) and "image" in self.metadata[0]
+        return bool(self.metadata) and any(k in self.metadata[0] for k in IMAGE_FIELDS)
+
+
+#: The fields of an edit prompt's record that name its input image(s): one of them per line.
+IMAGE_FIELDS = ("image", "images")
 
 
 def prompt_images(record: Mapping[str, Any]) -> list[str]:
-    """The input image paths of a loaded prompt's metadata record (empty without ``image``)."""
-    image = record.get("image")
+    """The input image paths of a loaded prompt's metadata record (empty without ``image`` or
+    ``images``)."""
+    image = record.get("image", record.get("images"))
     if image is None:
         return []
     return [image] if isinstance(image, str) else list(image)
@@ -127,16 +140,17 @@ def load_image(path: str) -> Image.Image:
         return im.convert("RGB")
 
 
-def _resolve_images(value: Any, base: Path | None, where: str) -> str | list[str]:
-    """The ``image`` field of a jsonl record, checked and resolved against ``base``."""
+def _resolve_images(value: Any, base: Path | None, where: str, key: str = "image") -> str | list[str]:
+    """The ``image`` (or ``images``: ``key``) field of a jsonl record, checked and resolved
+    against ``base``."""
     many = isinstance(value, list)
     items = value if many else [value]
     if not items or len(items) > MAX_IMAGES_PER_PROMPT or not all(
             isinstance(x, str) and x.strip() for x in items):
-        raise PromptError(f"{where}: expected 'image' to be a path or a list of 1 to "
+        raise PromptError(f"{where}: expected '{key}' to be a path or a list of 1 to "
                           f"{MAX_IMAGES_PER_PROMPT} paths, got {show(value)}")
     if base is None:
-        raise PromptError(f"{where}: 'image' needs a prompt file on disk to resolve its path against")
+        raise PromptError(f"{where}: '{key}' needs a prompt file on disk to resolve its path against")
     paths = []
     for x in items:
         path = (base / x).resolve()
@@ -200,8 +214,12 @@ def parse_jsonl(text: str, origin: str = "<jsonl>", base: Path | None = None) ->
         if len(prompt) > MAX_PROMPT_CHARS:
             raise PromptError(f"prompt file {origin} line {n}: a prompt of {len(prompt)} characters, "
                               f"longer than the limit of {MAX_PROMPT_CHARS}")
-        if "image" in record:
-            record["image"] = _resolve_images(record["image"], base, f"prompt file {origin} line {n}")
+        keys = [k for k in IMAGE_FIELDS if k in record]
+        if len(keys) > 1:
+            raise PromptError(f"prompt file {origin} line {n}: both 'image' and 'images'; give the "
+                              "input image(s) in one of them")
+        if keys:
+            record[keys[0]] = _resolve_images(record[keys[0]], base, f"prompt file {origin} line {n}", keys[0])
             with_image.append(n)
         prompts.append(prompt.strip())
         metadata.append(record)
@@ -284,7 +302,7 @@ def check_edit_prompts(cfg: Config, train: PromptSet, test: PromptSet | None) ->
     family = cfg.model.family
     if cfg.model.path == "emulated" or not family:
         return
-    most = EDIT_FAMILIES.get(family, 0)
+    most = edit_image_limit(cfg.model)
     for name, ps in (("prompts.file", train), ("prompts.test_file", test)):
         if ps is None:
             continue
@@ -299,8 +317,10 @@ def check_edit_prompts(cfg: Config, train: PromptSet, test: PromptSet | None) ->
                               f"({', '.join(EDIT_FAMILIES)})")
         for i, images in enumerate(ps.images):
             if len(images) > most > 0:
+                fewer = (f" (the {cfg.model.path!r} folder's pipeline)"
+                         if most < EDIT_FAMILIES.get(family, 0) else "")
                 raise PromptError(f"{name} = {path!r}: prompt {ps.prompts[i]!r} gives {len(images)} input "
-                                  f"images; model.family = {family!r} takes at most {most}")
+                                  f"images; model.family = {family!r}{fewer} takes at most {most}")
 
 
 def load_splits(cfg: PromptConfig) -> tuple[PromptSet, PromptSet | None]:

@@ -112,6 +112,12 @@ def _qwenimage(cfg: Any, vae: Any) -> Geometry:
     return Geometry("qwenimage", c, s, 1, 2, (128 * s,) * 2, 0)
 
 
+def _qwenimage_edit(cfg: Any, vae: Any) -> Geometry:
+    """Qwen-Image-Edit(-Plus): Qwen-Image's latents; the input images' tokens join the sequence
+    (models/qwenimage.py)."""
+    return dataclasses.replace(_qwenimage(cfg, vae), family="qwenimage_edit")
+
+
 def _wan(cfg: Any, vae: Any) -> Geometry:
     c, patch = cfg.in_channels, cfg.patch_size[1]
     if vae is None:
@@ -147,7 +153,7 @@ def _zimage(cfg: Any, vae: Any) -> Geometry:
 
 GEOMETRY: dict[str, Callable[[Any, Any], Geometry]] = {
     "sd3": _sd3, "flux": _flux, "qwenimage": _qwenimage, "wan": _wan, "hunyuanvideo": _hunyuanvideo,
-    "flux2": _flux2, "zimage": _zimage, "flux_kontext": _flux_kontext,
+    "flux2": _flux2, "zimage": _zimage, "flux_kontext": _flux_kontext, "qwenimage_edit": _qwenimage_edit,
 }
 """family -> (transformer config, VAE or None) -> :class:`Geometry`"""
 
@@ -157,6 +163,7 @@ VAE_CLASS: dict[str, str] = {
     "sd3": "AutoencoderKL", "flux": "AutoencoderKL", "qwenimage": "AutoencoderKLQwenImage",
     "wan": "AutoencoderKLWan", "hunyuanvideo": "AutoencoderKLHunyuanVideo",
     "flux2": "AutoencoderKLFlux2", "zimage": "AutoencoderKL", "flux_kontext": "AutoencoderKL",
+    "qwenimage_edit": "AutoencoderKLQwenImage",
 }
 """family -> the diffusers class of its pipeline's VAE"""
 
@@ -165,6 +172,7 @@ TRANSFORMER_DEFAULTS: dict[str, dict[str, Any]] = {
     "flux": {"in_channels": 64},
     "flux_kontext": {"in_channels": 64},
     "qwenimage": {"in_channels": 64, "out_channels": 16},
+    "qwenimage_edit": {"in_channels": 64, "out_channels": 16},
     "wan": {"in_channels": 16, "patch_size": (1, 2, 2)},
     "hunyuanvideo": {"in_channels": 16, "patch_size": 2},
     "flux2": {"in_channels": 128},
@@ -187,6 +195,7 @@ TINY_CONFIGS: dict[str, dict] = {
     "flux": flux.TINY_FLUX,
     "flux_kontext": flux.TINY_FLUX,
     "qwenimage": qwenimage.TINY_QWENIMAGE,
+    "qwenimage_edit": qwenimage.TINY_QWENIMAGE,
     "wan": video.TINY_WAN,
     "hunyuanvideo": video.TINY_HUNYUANVIDEO,
     "flux2": flux2.TINY_FLUX2,

@@ -53,6 +53,8 @@ SPECS: dict[str, FamilySpec] = {
                                guidance=3.5),
     "qwenimage": FamilySpec(transformer_class(diffusers.QwenImageTransformer2DModel), qwenimage.QwenImageModel,
                             lambda cfg: (cfg.joint_attention_dim, 0), guidance=1.0),
+    "qwenimage_edit": FamilySpec(transformer_class(diffusers.QwenImageTransformer2DModel),
+                                 qwenimage.QwenImageEditModel, lambda cfg: (cfg.joint_attention_dim, 0), guidance=1.0),
     "wan": FamilySpec(transformer_class(diffusers.WanTransformer3DModel), video.WanModel,
                       lambda cfg: (cfg.text_dim, 0)),
     "hunyuanvideo": FamilySpec(transformer_class(diffusers.HunyuanVideoTransformer3DModel), video.HunyuanVideoModel,

@@ -35,6 +35,9 @@ TEXT_COMPONENTS: dict[str, dict[str, str]] = {
     "wan": {"text_encoder": "umT5-XXL (UMT5EncoderModel)", "tokenizer": "umT5's T5TokenizerFast"},
     "qwenimage": {"text_encoder": "Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration)",
                   "tokenizer": "Qwen2.5-VL's Qwen2Tokenizer"},
+    "qwenimage_edit": {"text_encoder": "Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration)",
+                       "tokenizer": "Qwen2.5-VL's Qwen2Tokenizer",
+                       "processor": "Qwen2.5-VL's Qwen2VLProcessor (its tokenizer and image processor)"},
     "hunyuanvideo": {"text_encoder": "LLaVA-Llama-3 (LlamaModel)", "tokenizer": "its LlamaTokenizerFast",
                      "text_encoder_2": "CLIP-L (CLIPTextModel)", "tokenizer_2": "CLIP-L's CLIPTokenizer"},
     "flux2": {"text_encoder": "Mistral Small 3.1 (Mistral3ForConditionalGeneration; FLUX.2-dev) or Qwen3 "
@@ -57,13 +60,58 @@ def text_processor(folder: Path) -> Any:
     folder's own class loads."""
     from transformers import AutoTokenizer
 
-    template = None
-    if (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text()
-    elif (folder / "chat_template.json").is_file():  # the older processors' file
-        template = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return text_processor_class()(tokenizer=tokenizer, chat_template=template or tokenizer.chat_template)
+    return text_processor_class()(tokenizer=tokenizer, chat_template=_chat_template(folder) or tokenizer.chat_template)
+
+
+def _chat_template(folder: Path) -> str | None:
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    if (folder / "chat_template.json").is_file():  # the older processors' file
+        return json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+    return None
+
+
+def has_torchvision() -> bool:
+    from transformers.utils import is_torchvision_available
+
+    return bool(is_torchvision_available())
+
+
+def vl_processor(folder: Path) -> Any:
+    """A ``Qwen2VLProcessor`` saved at ``folder`` (Qwen-Image-Edit's ``processor/``) without its
+    video half, its images through ``Qwen2VLImageProcessorPil`` (PIL resizing, no torchvision):
+    what the edit pipelines' ``encode_prompt`` needs (text and images), where torchvision is not
+    installed (the folder's own image and video processors import it under transformers 5).
+    The PIL resize (bicubic) may differ from torchvision's by a level in a few pixels."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(folder, local_files_only=True)
+    return vl_processor_class()(image_processor=image_processor, tokenizer=tokenizer,
+                                chat_template=_chat_template(folder) or tokenizer.chat_template)
+
+
+def vl_processor_class() -> type:
+    """:class:`Qwen2VLImageTextProcessor`, defined on first use (transformers loads only with a model)."""
+    global _VL_PROCESSOR
+    if _VL_PROCESSOR is None:
+        from transformers import Qwen2VLProcessor
+
+        class Qwen2VLImageTextProcessor(Qwen2VLProcessor):
+            """Qwen2VLProcessor of an image processor and a tokenizer, no video processor (see
+            :func:`vl_processor`)."""
+
+            def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
+                         **kwargs: Any) -> None:
+                # ProcessorMixin keeps the attributes this signature names: no video_processor
+                super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+        _VL_PROCESSOR = Qwen2VLImageTextProcessor
+    return _VL_PROCESSOR
+
+
+_VL_PROCESSOR: type | None = None
 
 
 def text_processor_class() -> type:
@@ -132,6 +180,11 @@ class PipelineFolder:
                     f"{sub}/ is missing or empty: it should hold {what} "
                     f"({'.'.join(self.entry(name) or ())}, as model_index.json says)")
 
+    def substituted(self, name: str) -> bool:
+        """Whether component ``name`` loads as DigenRL's stand-in rather than its own class: a
+        ``Qwen2VLProcessor`` where torchvision is not installed (:func:`vl_processor`)."""
+        return self.entry(name) == ("transformers", "Qwen2VLProcessor") and not has_torchvision()
+
     def has_text_encoders(self) -> bool:
         return all((self.root / n).is_dir() for n in TEXT_COMPONENTS[self.family])
 
@@ -153,6 +206,8 @@ class PipelineFolder:
             # a processor whose image half needs a backend not installed (PixtralProcessor:
             # torchvision): prompts need only its text half, built from the same files
             return text_processor(self.root / name)
+        if self.substituted(name):
+            return vl_processor(self.root / name)
         if library == "transformers":
             from transformers.utils import logging as hf_logging
 

@@ -121,7 +121,7 @@ class VaeDecoder:
             b, c4, h, w = z.shape  # (B, 4C, h, w) -> (B, C, 2h, 2w): the pipeline's _unpatchify_latents
             z = z.reshape(b, c4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c4 // 4, 2 * h, 2 * w)
             return to_uint8(self.vae.decode(z).sample)
-        if self.family in ("wan", "qwenimage"):
+        if self.family in ("wan", "qwenimage", "qwenimage_edit"):
             shape = (1, -1) + (1,) * (z.dim() - 2)
             mean = torch.tensor(cfg.latents_mean, dtype=z.dtype, device=z.device).view(shape)
             std = torch.tensor(cfg.latents_std, dtype=z.dtype, device=z.device).view(shape)
@@ -152,7 +152,8 @@ def image_to_tensor(img: Any, height: int, width: int) -> torch.Tensor:
 class VaeEncoder:
     """Input images -> normalised latents, as an edit pipeline encodes its conditioning image:
     the VAE's mode (``sample_mode="argmax"``), then ``(z - shift_factor) * scaling_factor``
-    (``AutoencoderKL``: FLUX.1 Kontext)."""
+    (``AutoencoderKL``: FLUX.1 Kontext) or ``(z - latents_mean) / latents_std`` per channel
+    (``AutoencoderKLQwenImage``, a video VAE: the image is a 1-frame video; Qwen-Image-Edit)."""
 
     def __init__(self, vae: DiffusersVae) -> None:
         self.vae = vae.requires_grad_(False).eval()
@@ -160,7 +161,13 @@ class VaeEncoder:
     @torch.no_grad()
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         cfg = self.vae.config
-        z = self.vae.encode(images.to(self.vae.device, self.vae.dtype)).latent_dist.mode()
+        x = images.to(self.vae.device, self.vae.dtype)
+        if getattr(cfg, "latents_mean", None) is not None:
+            z = self.vae.encode(x.unsqueeze(2)).latent_dist.mode()[:, :, 0]
+            mean = torch.tensor(cfg.latents_mean, dtype=z.dtype, device=z.device).view(1, -1, 1, 1)
+            std = torch.tensor(cfg.latents_std, dtype=z.dtype, device=z.device).view(1, -1, 1, 1)
+            return (z - mean) / std
+        z = self.vae.encode(x).latent_dist.mode()
         return (z - (getattr(cfg, "shift_factor", None) or 0.0)) * cfg.scaling_factor
 
 

@@ -200,6 +200,9 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
             model.pixels_per_latent = geometry.spatial  # type: ignore[attr-defined]
             model.image_encoder = (VaeEncoder(vae) if vae is not None  # type: ignore[attr-defined]
                                    else PixelEncoder(latent_shape[0]))
+        if hasattr(model, "condition_area"):  # qwenimage_edit: the input images' sizes
+            model.condition_area = model_cfg.condition_area
+            model.condition_vl_area = model_cfg.condition_vl_area  # type: ignore[attr-defined]
         if pf is not None:  # a family of several pipelines (FLUX.2-dev, -klein): the folder's own
             model.pipeline_class = pf.pipeline_class
             if pf.index.get("expand_timesteps"):  # Wan2.2 TI2V: per-token timesteps

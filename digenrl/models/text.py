@@ -81,16 +81,18 @@ class HashPromptEncoder:
 
 #: The diffusers pipelines' default prompt lengths (``max_sequence_length``).
 DEFAULT_TEXT_TOKENS = {"sd3": 256, "flux": 512, "wan": 226, "qwenimage": 1024, "hunyuanvideo": 256,
-                       "flux2": 512, "zimage": 512, "flux_kontext": 512}
+                       "flux2": 512, "zimage": 512, "flux_kontext": 512, "qwenimage_edit": 1024}
 
 
 def template_prefix_tokens(tokenizer: Any, template: str) -> int:
-    """Tokens of ``template`` before its ``{}`` (what the pipeline crops off the encoder output).
+    """Tokens of ``template`` before its ``{}`` or its first image (``<|vision_start|>``): what
+    the pipeline crops off the encoder output (the system turn; the image's tokens are kept).
 
-    diffusers hard-codes this count for the published tokenizers (Qwen-Image 34, HunyuanVideo
-    95); measuring it gives the same number for those and the right one for any other.
+    diffusers hard-codes this count for the published tokenizers (Qwen-Image 34, Qwen-Image-Edit
+    64, HunyuanVideo 95); measuring it gives the same number for those and the right one for
+    any other.
     """
-    return len(tokenizer(template.split("{}")[0]).input_ids)
+    return len(tokenizer(template.split("{}")[0].split("<|vision_start|>")[0]).input_ids)
 
 
 class PipelinePromptEncoder:
@@ -108,7 +110,7 @@ class PipelinePromptEncoder:
         #: prompt -> its conditioning (one row, host memory) once the text encoders are freed
         #: (:meth:`free`); None while they are loaded
         self.table: dict[str, Cond] | None = None
-        if family == "qwenimage":
+        if family in ("qwenimage", "qwenimage_edit"):
             pipe.prompt_template_encode_start_idx = template_prefix_tokens(pipe.tokenizer, pipe.prompt_template_encode)
         elif family == "hunyuanvideo":
             from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import (
@@ -142,6 +144,9 @@ class PipelinePromptEncoder:
         from digenrl.config import ConfigError
         from digenrl.devices import host
 
+        if self.family == "qwenimage_edit":
+            raise ValueError("qwenimage_edit: its text encoder reads each prompt's input images; a table of "
+                             "prompts cannot stand in for it")
         unique = list(dict.fromkeys(prompts))
         table: dict[str, Cond] = {}
         held = 0
@@ -182,6 +187,8 @@ class PipelinePromptEncoder:
         elif self.family == "qwenimage":
             # padded to the batch's longest prompt, as the pipeline does; cond_cat pads further
             embeds, mask = pipe.encode_prompt(prompts, device=dev, max_sequence_length=n)
+        elif self.family == "qwenimage_edit":  # without images (the template as the pipeline's without one)
+            embeds, mask = pipe.encode_prompt(prompts, device=dev)
         elif self.family == "flux2":  # all n tokens, padding included, as the pipeline attends
             embeds = pipe.encode_prompt(prompts, device=dev, max_sequence_length=n)[0]
         elif self.family == "zimage":
@@ -195,12 +202,27 @@ class PipelinePromptEncoder:
         else:
             embeds, pooled, mask = pipe.encode_prompt(prompts, prompt_template=self._template, device=dev,
                                                       max_sequence_length=n)
-        b = embeds.shape[0]
-        if mask is None:  # SD3 / FLUX attend to every (padded) token; Qwen drops an all-ones mask
-            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        if pooled is None:
-            pooled = embeds.new_zeros(b, 0)
-        return {"prompt_embeds": embeds, "prompt_mask": mask.long(), "pooled_embeds": pooled.to(embeds.dtype)}
+        return _cond(embeds, mask, pooled)
+
+    @torch.no_grad()
+    def encode_with_images(self, prompt: str, images: Any) -> Cond:
+        """One edit prompt's conditioning with its input image(s) (PIL, at the size the text
+        encoder sees them) through the edit pipeline's ``encode_prompt`` (Qwen-Image-Edit: one
+        image; -Edit-Plus: a list). Every token is kept: the edit pipelines do not truncate."""
+        if self.family != "qwenimage_edit":
+            raise ValueError(f"{self.family}: its text encoder sees no images")
+        embeds, mask = self.pipe.encode_prompt([prompt], image=images, device=self.device)
+        return _cond(embeds, mask, None)
+
+
+def _cond(embeds: torch.Tensor, mask: torch.Tensor | None, pooled: torch.Tensor | None) -> Cond:
+    """The common conditioning keys of a pipeline's ``encode_prompt`` outputs."""
+    b = embeds.shape[0]
+    if mask is None:  # SD3 / FLUX attend to every (padded) token; Qwen drops an all-ones mask
+        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+    if pooled is None:
+        pooled = embeds.new_zeros(b, 0)
+    return {"prompt_embeds": embeds, "prompt_mask": mask.long(), "pooled_embeds": pooled.to(embeds.dtype)}
 
 
 def free_text_encoders(model: Any, cfg: Any) -> dict[str, int] | None:

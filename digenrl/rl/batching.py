@@ -14,8 +14,8 @@ at most 2.4e-6 in latents and 1.2e-7 in log-probs on the tiny SD3 folder, see te
 out in denoising order, one per :meth:`step`, exactly as :func:`~digenrl.rl.sampler.rollout`
 yields them.
 
-:class:`CondCache` keeps each prompt's text conditioning (one row) across groups, fragments
-and steps, least recently used first out, bounded by bytes. Text encoders are frozen (only
+:class:`CondCache` keeps each prompt's conditioning (one row; an edit prompt's with its input
+images) across groups, fragments and steps, least recently used first out, bounded by bytes. Text encoders are frozen (only
 the transformer trains), so a cached row stays valid across policy versions.
 
 ``sampler.compile``: the forward goes through ``torch.compile`` (:class:`Denoiser`), rows padded
@@ -38,7 +38,7 @@ import structlog
 import torch
 
 from digenrl.config import SamplerConfig
-from digenrl.models.base import Cond, FlowModel, cond_cat, cond_repeat, cond_select
+from digenrl.models.base import Cond, FlowModel, cond_cat, cond_repeat, cond_select, encode_inputs
 from digenrl.rl.sampler import (
     StepRecord,
     guided_velocity,
@@ -58,44 +58,48 @@ def cond_bytes(cond: Cond) -> int:
 class CondCache:
     """Per-prompt conditioning rows, least recently used evicted first past ``max_bytes``.
 
-    :meth:`encode` returns the same conditioning as ``model.encode_prompts(prompts)`` (rows in
-    prompt order), encoding only the prompts it does not hold, in one call.
+    :meth:`encode` returns the same conditioning as ``encode_inputs(model, prompts, images)``
+    (rows in prompt order), encoding only the prompts it does not hold, in one call. An edit
+    prompt's row is keyed by its text and its input images' paths together.
     """
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
             raise ValueError(f"cond cache of {max_bytes} bytes: expected >= 0")
         self.max_bytes = max_bytes
-        self._rows: OrderedDict[str, Cond] = OrderedDict()
+        self._rows: OrderedDict[tuple[str, ...], Cond] = OrderedDict()
         self._bytes = 0
         self.hits = 0
         self.misses = 0
         self.evictions = 0
 
-    def encode(self, model: FlowModel, prompts: Sequence[str]) -> Cond:
-        """``model.encode_prompts(prompts)`` with cached rows reused (one row per prompt)."""
-        missing = [p for p in dict.fromkeys(prompts) if p not in self._rows]
+    def encode(self, model: FlowModel, prompts: Sequence[str],
+               images: Sequence[Sequence[str]] | None = None) -> Cond:
+        """``encode_inputs(model, prompts, images)`` with cached rows reused (one row per
+        prompt and its input images)."""
+        keys = [(p, *(images[i] if images is not None else ())) for i, p in enumerate(prompts)]
+        missing = [k for k in dict.fromkeys(keys) if k not in self._rows]
         self.misses += len(missing)
-        self.hits += len(prompts) - len(missing)
-        fresh: dict[str, Cond] = {}
+        self.hits += len(keys) - len(missing)
+        fresh: dict[tuple[str, ...], Cond] = {}
         if missing:
             with torch.no_grad():
-                enc = model.encode_prompts(missing)
-            for j, p in enumerate(missing):
-                fresh[p] = {k: v.clone() for k, v in cond_select(enc, [j]).items()}
-        out = cond_cat([self._rows[p] if p in self._rows else fresh[p] for p in prompts])
-        for p in prompts:
-            if p in self._rows:
-                self._rows.move_to_end(p)
-        for p, row in fresh.items():
-            self._put(p, row)
+                enc = encode_inputs(model, [k[0] for k in missing], [list(k[1:]) for k in missing])
+            for j, k in enumerate(missing):
+                fresh[k] = {n: v.clone() for n, v in cond_select(enc, [j]).items()}
+        out = cond_cat([self._rows[k] if k in self._rows else fresh[k] for k in keys])
+        for k in keys:
+            if k in self._rows:
+                self._rows.move_to_end(k)
+        for k, row in fresh.items():
+            self._put(k, row)
         return out
 
-    def _put(self, prompt: str, row: Cond) -> None:
+    def _put(self, key: tuple[str, ...], row: Cond) -> None:
         size = cond_bytes(row)
         if size > self.max_bytes:
             return
-        self._rows[prompt] = row
+        self._rows[key] = row
         self._bytes += size
         while self._bytes > self.max_bytes:
             _, old = self._rows.popitem(last=False)
@@ -235,13 +239,15 @@ class StepBatcher:
         self.stats = BatcherStats()
 
     # ------------------------------------------------------------------ admission
-    def encode(self, prompts: Sequence[str], group_size: int) -> Cond:
-        """The fragment's conditioning: each prompt's row repeated ``group_size`` times."""
+    def encode(self, prompts: Sequence[str], group_size: int,
+               images: Sequence[Sequence[str]] | None = None) -> Cond:
+        """The fragment's conditioning: each prompt's row (with its input images, for an edit
+        model) repeated ``group_size`` times."""
         if self.cond_cache is not None:
-            cond = self.cond_cache.encode(self.model, prompts)
+            cond = self.cond_cache.encode(self.model, prompts, images)
         else:
             with torch.no_grad():
-                cond = self.model.encode_prompts(list(prompts))
+                cond = encode_inputs(self.model, list(prompts), images)
         return cond_repeat(cond, group_size)
 
     def add(self, key: Hashable, cond: Cond, seeds: Sequence[int], sde_steps: set[int] | None) -> None:

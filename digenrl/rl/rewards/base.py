@@ -230,11 +230,13 @@ class Term:
         return {k: reduce(v.view(b, frames), dim=1) for k, v in out.items()}
 
     def _call(self, x: torch.Tensor, prompts: Sequence[str], metadata: Metadata, b: int) -> dict[str, torch.Tensor]:
+        from digenrl.data.prompts import prompt_images
+
         kw = dict(self.kwargs)
         if self.takes_metadata:
             kw["metadata"] = metadata
         if self.takes_input_images == "required" or (
-                self.takes_input_images and any(m.get("image") for m in metadata)):
+                self.takes_input_images and any(prompt_images(m) for m in metadata)):
             kw["input_images"] = input_images(self.label, metadata, x.shape[-2], x.shape[-1])
         out = _invoke(self.label, self.scorer, x, prompts, kw)
         if isinstance(out, Mapping):
