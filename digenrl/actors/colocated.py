@@ -71,7 +71,7 @@ def run_colocated(cfg: ResolvedConfig, run_dir: Path, *, rank: int = 0, world_si
     if P % world_size:
         raise ValueError(f"train.prompts_per_step = {P}: colocated mode with {world_size} ranks "
                          "needs a multiple of the rank count")
-    policy = build_policy(cfg, world_size, device=device)
+    policy = build_policy(cfg, world_size, device=device, rank=rank)
     learner = Learner(policy, cfg)
     algorithm = learner.algorithm  # what the sampler hands out and what trains on it
     start, done_trained, done_discarded = (colocated_resume(run_dir, policy, rank) if resume
