@@ -189,7 +189,8 @@ def check_runtime_support(cfg: Config) -> None:
                           "nodes; colocated mode has none (use digenrl or disagg-sync, or 0)")
     if cfg.model.fsdp and _two_experts(cfg):
         raise ConfigError(f"model.fsdp = true with {cfg.model.path}: a two-expert (Wan2.2 A14B) folder is "
-                          "not sharded yet; train it unsharded (model.fsdp = false)")
+                          "not sharded (TSP ranks train different experts at once, FSDP pairs every pass "
+                          "over all ranks); train it unsharded (model.fsdp = false)")
     if cfg.model.fsdp and cfg.runtime.tag == "always" and cfg.run.mode != "colocated":
         raise ConfigError("model.fsdp = true with runtime.tag = 'always': a sharded trainer rank "
                           "cannot generate alone (its passes are collectives over all ranks); "

@@ -224,6 +224,10 @@ def test_two_placed_ranks_take_the_step_one_rank_holding_both_takes(folder: Path
     for i, s in opt["state"].items():
         for name, t in s.items():
             torch.testing.assert_close(got_opt["state"][i][name], t, rtol=1e-6, atol=1e-12)
+    one = build_policy(cfg, world_size=1)  # the checkpoint resumed by one trainer holding both
+    one.load_sync_state(got)
+    one.load_optimizer_state(got_opt)
+    assert all(torch.equal(v, got[k]) for k, v in one.state_dict_for_sync().items())
     final = tmp_path / "run" / "final"
     assert load_file(final / "policy.safetensors").keys() == sd.keys()
     if lora:  # diffusers' files of both experts, the low one's from rank 1

@@ -220,8 +220,7 @@ def _two_experts(pf: PipelineFolder, dtype: torch.dtype, train: str,
     ``experts``: (held, trained) of a trainer rank (rl/experts.py): an expert not held is not
     loaded (its module is built on the meta device, for the shape check and its config); None
     holds both and trains what ``train`` names."""
-    from digenrl.models.video import WanExperts
-    from digenrl.rl.experts import EXPERTS, TRAINED_EXPERTS
+    from digenrl.models.video import EXPERTS, TRAINED_EXPERTS, WanExperts
 
     held, trained = (EXPERTS, TRAINED_EXPERTS[train]) if experts is None else experts
     lora_seed = int(torch.randint(0, 2**62, (1,)).item())  # before any loading (build_model's seed)

@@ -19,6 +19,12 @@ import torch
 from digenrl.models.adapter import DiffusersFlowModel
 from digenrl.models.base import Cond
 
+EXPERTS = ("transformer", "transformer_2")
+"""Wan2.2 A14B's two experts, high-noise first: the order of their parameters in every policy."""
+
+TRAINED_EXPERTS = {"both": EXPERTS, "high": ("transformer",), "low": ("transformer_2",)}
+"""``model.train_experts`` -> the experts it names."""
+
 #: Tiny Wan: latent 12x2x8x8 (two RGB 16x16 frames unshuffled), 32 tokens.
 TINY_WAN = dict(
     patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=12, out_channels=12,
@@ -178,7 +184,7 @@ class WanExperts(torch.nn.Module):
         # each expert's LoRA from its own seed: the same initial LoRA whichever experts this
         # process holds (a trainer rank may hold one) and whatever loading them drew
         base = self.lora_seed if self.lora_seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        for i, name in enumerate(("transformer", "transformer_2")):
+        for i, name in enumerate(EXPERTS):
             m = getattr(self, name)
             if m is not None and name in self.trained:
                 with torch.random.fork_rng(devices=[]):

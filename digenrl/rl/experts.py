@@ -11,8 +11,9 @@ a pure function of the config, so every rank and every resume agree without aski
   never synced and never saved;
 * a rank that generates (colocated ranks, TAG with ``runtime.tag = "always"``, rank 0 when the
   run evaluates) holds both experts: a trajectory crosses the boundary;
-* a run with an EMA (``train.ema_decay > 0``) or a forward-process algorithm (nft / awm: noise
-  levels drawn over the whole range) holds every trained expert on every rank.
+* every rank of a run with an EMA (``train.ema_decay > 0``) holds both experts, and every rank
+  of a forward-process algorithm (nft / awm: noise levels drawn over the whole range) holds
+  and trains both (or the one ``model.train_experts`` names).
 
 When some rank lacks an expert the run trains (:attr:`ExpertPlacement.partial`), gradients
 of an expert are summed over its holders only (:func:`holder_groups`), the clipping norm over
@@ -30,14 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from digenrl.models.video import EXPERTS, TRAINED_EXPERTS
+
 if TYPE_CHECKING:
     from digenrl.config import Config
 
-EXPERTS = ("transformer", "transformer_2")
-"""The two experts, high-noise first: the order of their parameters in every policy."""
-
-TRAINED_EXPERTS = {"both": EXPERTS, "high": ("transformer",), "low": ("transformer_2",)}
-"""``model.train_experts`` -> the experts it names."""
 
 PLAN_STEPS_MAX = 100_000
 """Runs of more steps are placed by the indices ``train.timesteps`` may ever train (on every
@@ -136,7 +134,7 @@ def placement_for(cfg: Config, world_size: int) -> ExpertPlacement | None:
         return None
     named = TRAINED_EXPERTS[cfg.model.train_experts]
     rt = cfg.runtime
-    if cfg.train.algorithm in FORWARD_ALGORITHMS or cfg.train.ema_decay > 0:
+    if cfg.train.algorithm in FORWARD_ALGORITHMS:  # noise levels drawn over both experts' range
         return ExpertPlacement(held=(EXPERTS,) * world_size, trained=named)
     expert = expert_of_index(cfg, ratio)
     used: list[set[str]] = [set() for _ in range(world_size)]
@@ -150,8 +148,9 @@ def placement_for(cfg: Config, world_size: int) -> ExpertPlacement | None:
                 used[rank].add(expert[t])
     every = set().union(*used)
     trained_by_run = tuple(e for e in named if e in every) or named
-    generates = [cfg.run.mode == "colocated" or rt.tag == "always" or (r == 0 and cfg.run.eval_every > 0)
-                 for r in range(world_size)]
+    # an EMA is kept whole on every rank (final/ema, checkpoints): it holds every expert too
+    generates = [cfg.run.mode == "colocated" or rt.tag == "always" or cfg.train.ema_decay > 0
+                 or (r == 0 and cfg.run.eval_every > 0) for r in range(world_size)]
     held: list[tuple[str, ...]] = []
     for r in range(world_size):
         if generates[r]:
