@@ -131,7 +131,7 @@ def _fragment(folder: Path, cfg: ResolvedConfig) -> tuple[dict, dict, list[float
 EXTRA = ("train.lr=1e-2", "train.max_grad_norm=1e-3")  # a norm that clips: the clip uses both experts'
 
 
-def _placed_worker(rank: int, folder: str, store: str, out: str, lora: int) -> None:
+def _placed_worker(rank: int, folder: str, store: str, out: str, lora: int, world: int) -> None:
     """One of two gloo trainer ranks of a placed run: its own indices of one fragment, the
     step's reduction and optimizer step, then the whole state gathered on rank 0, and a
     second placed policy loading that state back."""
@@ -142,13 +142,13 @@ def _placed_worker(rank: int, folder: str, store: str, out: str, lora: int) -> N
     from digenrl.rl.learner import Learner, save_final
     from digenrl.rl.policy import build_policy
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         cfg = _cfg(Path(folder), f"model.lora_rank={lora}", *EXTRA)
-        policy = build_policy(cfg, world_size=2, rank=rank)
+        policy = build_policy(cfg, world_size=world, rank=rank)
         learner = Learner(policy, cfg)
         records, cond, rewards = _fragment(Path(folder), cfg)
-        owners = owners_for(sorted(records), 2, True, 0, 1)
+        owners = owners_for(sorted(records), world, True, 0, 1)
         mine = {t: r for t, r in records.items() if owners[t] == rank}
         learner.train_fragment(records=mine, cond=cond, rewards=rewards, gen_version=0, n_trained_total=4,
                                sigma_max=policy.sigma_max)
@@ -164,7 +164,7 @@ def _placed_worker(rank: int, folder: str, store: str, out: str, lora: int) -> N
         save_final(policy, run, write=rank == 0)
         dist.barrier()
         ckpt = version_dir(run, 1)
-        again = build_policy(cfg, world_size=2, rank=rank)  # a resume: every rank reads the whole files
+        again = build_policy(cfg, world_size=world, rank=rank)  # a resume: every rank reads the whole files
         again.load_sync_state(load_file(ckpt / "policy.safetensors"))
         again.load_optimizer_state(torch.load(ckpt / "optimizer.pt", weights_only=True))
         mine, back = policy.state_dict_for_sync(), again.state_dict_for_sync()
@@ -178,27 +178,32 @@ def _placed_worker(rank: int, folder: str, store: str, out: str, lora: int) -> N
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("lora", [4, 0], ids=["lora", "full"])
-def test_two_placed_ranks_take_the_step_one_rank_holding_both_takes(folder: Path, tmp_path: Path, lora: int) -> None:
-    """Rank 0 trains indices 0, 1 on transformer alone, rank 1 indices 2, 3 on transformer_2
-    alone; the gradient norm that clips spans both. The whole state rank 0 gathers (weights and
-    AdamW moments) equals one policy's training all four indices on both experts: each
-    expert's gradient is computed by one process in the same order either way, the clipping
-    norm is combined from per-expert norms (1e-6 relative tolerance for that rounding)."""
+@pytest.mark.parametrize(("lora", "world"), [(4, 2), (0, 2), (4, 3)], ids=["lora", "full", "lora-3-ranks"])
+def test_placed_ranks_take_the_step_one_rank_holding_both_takes(folder: Path, tmp_path: Path, lora: int,
+                                                                  world: int) -> None:
+    """Two ranks: rank 0 trains indices 0, 1 on transformer alone, rank 1 indices 2, 3 on
+    transformer_2 alone (three: ranks 0 and 1 one index each of transformer, reduced over their
+    group); the gradient norm that clips spans both. The whole state rank 0 gathers (weights and
+    AdamW moments) equals one policy's training all four indices on both experts, within 1e-6
+    relative: the clipping norm is combined from per-expert norms, and with three ranks a
+    gradient is summed over two processes instead of accumulated in one (rounding apart)."""
     from digenrl.rl.learner import Learner
     from digenrl.rl.policy import build_policy
 
-    torch.multiprocessing.spawn(_placed_worker, args=(str(folder), str(tmp_path / "store"), str(tmp_path), lora),
-                                nprocs=2)
+    torch.multiprocessing.spawn(_placed_worker, args=(str(folder), str(tmp_path / "store"), str(tmp_path), lora,
+                                                      world), nprocs=world)
     from safetensors.torch import load_file
 
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
-    assert (r0["held"], r1["held"]) == (["transformer"], ["transformer_2"])
-    assert (r0["trained"], r1["trained"]) == (["transformer"], ["transformer_2"])
-    assert r0["reloaded"] and r1["reloaded"]  # each rank took its own expert back from the whole files
-    metrics = r0["metrics"]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    # 3 ranks own indices [0], [1], [2, 3]: ranks 0 and 1 share transformer, whose gradients
+    # then sum over their group of two
+    held = [["transformer"], ["transformer_2"]] if world == 2 else [["transformer"], ["transformer"], ["transformer_2"]]
+    assert [r["held"] for r in ranks] == [r["trained"] for r in ranks] == held
+    assert all(r["reloaded"] for r in ranks)  # each rank took its own expert back from the whole files
+    metrics = ranks[0]["metrics"]
     assert {k: v for k, v in metrics.items() if k.startswith("expert/")} == {
-        "expert/t0": 0, "expert/t1": 0, "expert/t2": 1, "expert/t3": 1, "expert/held/r0": 1, "expert/held/r1": 2}
+        "expert/t0": 0, "expert/t1": 0, "expert/t2": 1, "expert/t3": 1,
+        **{f"expert/held/r{r}": 1 if h == ["transformer"] else 2 for r, h in enumerate(held)}}
 
     cfg = _cfg(folder, f"model.lora_rank={lora}", *EXTRA)
     ref = build_policy(cfg, world_size=1)
