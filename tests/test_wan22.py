@@ -205,12 +205,15 @@ def test_an_unmerged_export_loads_each_experts_lora_into_wan_pipeline(lora_run: 
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_two_tsp_trainer_ranks_each_hold_and_train_only_their_expert(folder: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["unsharded", "fsdp"])
+def test_two_tsp_trainer_ranks_each_hold_and_train_only_their_expert(folder: Path, tmp_path: Path, fsdp: bool) -> None:
     """digenrl mode, real processes, K = 0: with TSP rank 0 trains step indices 0, 1 and rank 1
     indices 2, 3, so rank 0 loads only transformer and rank 1 only transformer_2
     (rl/experts.py). Each rank says so in its log and in the step's all-reduce (``expert/held/r<i>``,
     from the modules it loaded); the experts the trained indices used are where the folder's
-    boundary_ratio puts their sigmas; rank 0 gathers transformer_2 from rank 1 for final/."""
+    boundary_ratio puts their sigmas; rank 0 gathers transformer_2 from rank 1 for final/.
+    With ``model.fsdp = true`` each expert is sharded over its one holder, and the checkpoint
+    is DCP shards of both ranks."""
     from safetensors.torch import load_file
 
     from digenrl.rl.sde import sigma_schedule
@@ -218,7 +221,10 @@ def test_two_tsp_trainer_ranks_each_hold_and_train_only_their_expert(folder: Pat
 
     # runtime.tag as by default (bts): a rank holding one expert offers no trainer-assisted generation
     run_dir = _run(tmp_path / "run", folder, "model.lora_rank=4", "cluster.trainers=2", "runtime.staleness=0",
-                   mode="digenrl")
+                   f"model.fsdp={str(fsdp).lower()}", mode="digenrl")
+    from digenrl.rl.checkpoint import latest_checkpoint
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None and ckpt.version == 2 and ckpt.trainer["layout"] == ("dcp" if fsdp else "whole")
     summary = json.loads((run_dir / "summary.json").read_text())
     acc = summary["accounting"]
     assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) and acc["in_flight"] == 0

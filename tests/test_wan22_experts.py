@@ -55,6 +55,18 @@ def test_each_tsp_rank_holds_the_experts_of_its_timesteps_and_generating_ranks_h
     assert placement_for(_cfg(write_pipeline_folder("wan", folder.parent / "wan21")), 2) is None
 
 
+def test_fsdp_is_refused_where_a_trainer_rank_would_hold_both_experts(folder: Path) -> None:
+    from digenrl.config import ConfigError
+    from digenrl.launch import check_runtime_support
+
+    check_runtime_support(_cfg(folder, "model.fsdp=true", "cluster.trainers=2"))  # one expert a rank
+    with pytest.raises(ConfigError, match=r"trainer rank 0 of 2 would hold both experts \(rank 0 evaluates"):
+        check_runtime_support(_cfg(folder, "model.fsdp=true", "cluster.trainers=2", "run.eval_every=1",
+                                   "prompts.test_fraction=0.5"))
+    with pytest.raises(ConfigError, match=r"trainer rank 0 of 2 would hold both experts \(colocated ranks"):
+        check_runtime_support(_cfg(folder, "model.fsdp=true", "cluster.trainers=2", mode="colocated"))
+
+
 def test_with_all_trained_indices_on_one_side_the_other_expert_is_neither_held_trained_nor_synced(
         folder: Path, tmp_path: Path) -> None:
     """``train_experts = "both"`` and a window of high-noise indices only: no rank holds
@@ -276,3 +288,95 @@ def test_a_placed_run_killed_in_step_three_resumes_to_the_weights_of_an_uninterr
                   for e in [json.loads(line)])
     # each rank, in both launches (a node may join as the other rank after the restart)
     assert held == [(0, ["transformer"])] * 2 + [(1, ["transformer_2"])] * 2
+
+
+def _sharded_worker(rank: int, folder: str, store: str, out: str, world: int) -> None:
+    """One of ``world`` gloo trainer ranks of a placed run with ``model.fsdp = true``: each
+    expert sharded over the ranks that hold it; one fragment's step (ranks with fewer passes
+    pad with idle passes on their own expert), final/ and a DCP checkpoint, which a second
+    sharded placed policy loads back."""
+    from digenrl.actors.resume import sharded_vote
+    from digenrl.core.plan import owners_for
+    from digenrl.rl.checkpoint import DCP_DIR, save_trainer_state, version_dir
+    from digenrl.rl.learner import Learner, save_final
+    from digenrl.rl.policy import build_policy
+    from digenrl.rl.sharding import load_sharded, step_passes
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        cfg = _cfg(Path(folder), "model.lora_rank=4", "model.fsdp=true", *EXTRA)
+        policy = build_policy(cfg, world_size=world, rank=rank)
+        assert policy.sharded and policy.placement is not None
+        learner = Learner(policy, cfg)
+        records, cond, rewards = _fragment(Path(folder), cfg)
+        owners = owners_for(sorted(records), world, True, 0, 1)
+        mine = {t: r for t, r in records.items() if owners[t] == rank}
+        learner.train_fragment(records=mine, cond=cond, rewards=rewards, gen_version=0, n_trained_total=4,
+                               sigma_max=policy.sigma_max)
+        pad = step_passes(sorted(records), world, True, 1)
+
+        def all_reduce(t: torch.Tensor) -> None:
+            dist.all_reduce(t)
+
+        stopped, _ = sharded_vote(learner, all_reduce, stop=False, drain=False, pad_to=pad)
+        assert not stopped
+        metrics = learner.finish_step(pad_to=pad)
+        run = Path(out) / "run"
+        save_trainer_state(run, policy, {}, write=rank == 0)
+        save_final(policy, run, write=rank == 0)
+        dist.barrier()
+        again = build_policy(cfg, world_size=world, rank=rank)
+        load_sharded(version_dir(run, 1) / DCP_DIR, again)
+        mine_sd, back = policy.state_dict_for_sync(), again.state_dict_for_sync()
+        reloaded = mine_sd.keys() == back.keys() and all(torch.equal(v, back[k]) for k, v in mine_sd.items())
+        meshes = {p.device_mesh.size() for p in policy.params}  # DTensors over the expert's holders
+        torch.save({"metrics": metrics, "reloaded": reloaded, "held": list(policy.model.transformer.held),
+                    "meshes": meshes}, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_placed_experts_take_the_step_one_unsharded_rank_holding_both_takes(
+        folder: Path, tmp_path: Path) -> None:
+    """``model.fsdp = true`` over three ranks: transformer sharded over ranks 0 and 1 (one
+    index each), transformer_2 on rank 2 (indices 2, 3; ranks 0 and 1 pad one idle pass
+    each on transformer). final/ (rank 0 receives transformer_2 from rank 2) and the DCP
+    checkpoint's weights and AdamW moments equal one unsharded policy's training all four
+    indices on both experts, within 1e-6 relative (reduce-scattered sums, per-expert norms)."""
+    from safetensors.torch import load_file
+
+    from digenrl.rl.learner import Learner
+    from digenrl.rl.policy import build_policy
+    from digenrl.rl.sharding import whole_state
+
+    world = 3
+    torch.multiprocessing.spawn(_sharded_worker, args=(str(folder), str(tmp_path / "store"), str(tmp_path), world),
+                                nprocs=world)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    assert [r["held"] for r in ranks] == [["transformer"], ["transformer"], ["transformer_2"]]
+    assert [r["meshes"] for r in ranks] == [{2}, {2}, {1}]
+    assert all(r["reloaded"] for r in ranks)
+    metrics = ranks[0]["metrics"]
+    assert {k: v for k, v in metrics.items() if k.startswith("expert/")} == {
+        "expert/t0": 0, "expert/t1": 0, "expert/t2": 1, "expert/t3": 1,
+        "expert/held/r0": 1, "expert/held/r1": 1, "expert/held/r2": 2}
+
+    cfg = _cfg(folder, "model.lora_rank=4", *EXTRA)
+    ref = build_policy(cfg, world_size=1)
+    learner = Learner(ref, cfg)
+    records, cond, rewards = _fragment(folder, cfg)
+    learner.train_fragment(records=records, cond=cond, rewards=rewards, gen_version=0, n_trained_total=4,
+                           sigma_max=ref.sigma_max)
+    want = learner.finish_step()
+    assert metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6)
+    sd = ref.state_dict_for_sync()
+    final = load_file(tmp_path / "run" / "final" / "policy.safetensors")
+    assert final.keys() == sd.keys()
+    for k, v in sd.items():
+        torch.testing.assert_close(final[k], v, rtol=1e-6, atol=1e-9)
+    state = whole_state(next((tmp_path / "run" / "checkpoint").glob("v*")) / "dcp")
+    names = [n for n, p in ref.model.transformer.named_parameters() if p.requires_grad]
+    assert set(state["model"]) == set(names)  # both experts' LoRA, each from its own ranks' shards
+    for i, s in ref.optimizer_state()["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state["optim"]["state"][names[i]][name], s[name], rtol=1e-6, atol=1e-12)

@@ -105,7 +105,9 @@ def sharded_vote(learner: Learner, all_reduce: Callable[[torch.Tensor], None], *
     learner.pad(pad_to)
     # on the parameters' device (NCCL needs one); a plain tensor, not a sharded one's DTensor
     flags = torch.tensor([float(stop), float(drain)], device=learner.policy.params[0].device)
+    flags = torch.cat([flags, learner.reports(flags)])  # two experts: what each rank used and holds
     all_reduce(flags)
+    learner.take_reports(flags[2:])
     return bool(flags[0] > 0), bool(flags[1] > 0)
 
 

@@ -513,11 +513,11 @@ class TrainerActor(Actor):
         """Rank 0 serves ``version`` and announces it; sharded ranks all join the gather, and
         ranks of experts placed over ranks send rank 0 those it lacks."""
         with self.working("weight_publish", version=version):
-            if self.policy.sharded:  # ranks other than 0 join each gather and keep nothing
-                full = await asyncio.to_thread(partial(self.policy.state_dict_for_sync, keep=self.rank == 0))
-            elif self.policy.placement is not None:  # the experts rank 0 lacks come from their holders
+            if self.policy.placement is not None:  # the experts rank 0 lacks come from their holders
                 full = await self.submit("weight_gather", partial(self.policy.whole_sync_state,
                                                                   keep=self.rank == 0))
+            elif self.policy.sharded:  # ranks other than 0 join each gather and keep nothing
+                full = await asyncio.to_thread(partial(self.policy.state_dict_for_sync, keep=self.rank == 0))
             elif self.rank == 0:
                 full = self.policy.state_dict_for_sync()
             if self.rank != 0:

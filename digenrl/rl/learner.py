@@ -225,17 +225,12 @@ class Learner:
         # vote; each expert's gradients then sum over its holders (Policy.reduce_expert_grads)
         grads = [] if placed else [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         vote = like.new_full((1,), 1.0 if stop else 0.0)
-        experts = self._expert_counts(like)  # two experts: which one each rank's timesteps used
-        held = self._held_codes(like)  # and which experts each rank holds
-        flat = torch.cat([*(g_.reshape(-1) for g_ in grads), experts, held, vote])
+        reports = self.reports(like)  # two experts: which one each rank's timesteps used, held
+        flat = torch.cat([*(g_.reshape(-1) for g_ in grads), reports, vote])
         all_reduce(flat)
         if float(flat[-1]) > 0:
             return False
-        tail = flat[flat.numel() - 1 - held.numel() - experts.numel():-1]
-        if experts.numel():
-            self._set_experts(tail[:experts.numel()])
-        if held.numel():
-            self.stats.held = {r: int(v) for r, v in enumerate(tail[experts.numel():].tolist())}
+        self.take_reports(flat[flat.numel() - 1 - reports.numel():-1])
         if placed:
             self.policy.reduce_expert_grads()
             return True
@@ -245,6 +240,19 @@ class Learner:
             p.grad = flat[offset:offset + numel].view_as(p).clone()
             offset += numel
         return True
+
+    def reports(self, like: torch.Tensor) -> torch.Tensor:
+        """What each rank adds to the step's all-reduce besides gradients (two experts: which
+        expert its trained timesteps used, which experts it holds); empty otherwise."""
+        return torch.cat([self._expert_counts(like), self._held_codes(like)])
+
+    def take_reports(self, summed: torch.Tensor) -> None:
+        """The summed :meth:`reports` into this step's stats (its metrics)."""
+        if not self._two_experts:
+            return
+        n = 2 * self.cfg.sampler.num_steps
+        self._set_experts(summed[:n])
+        self.stats.held = {r: int(v) for r, v in enumerate(summed[n:].tolist())}
 
     def _held_codes(self, like: torch.Tensor) -> torch.Tensor:
         """(W,) the experts each of the W ranks holds (rank r's entry: 1 = transformer, 2 =

@@ -98,15 +98,23 @@ class Policy:
         #: FSDP2: parameters, gradients and optimizer state are DTensor shards over the trainer
         #: ranks (see digenrl.rl.sharding); every pass must then run in lockstep on all ranks
         self.sharded = shard
+        #: trainer ranks holding different experts (rl/experts.py; None: every rank holds every
+        #: trained expert): gradients reduce per expert, rank 0 gathers what it lacks
+        self.placement = placement if placement is not None and placement.partial else None
+        self.rank = rank
         compute = getattr(model, "dtype", torch.float32)
         if shard:
-            from digenrl.rl.sharding import shard_transformer
+            from digenrl.rl.sharding import shard_experts, shard_transformer
             with torch.no_grad():  # the sharded trained parameters are the float32 masters
                 for p in model.trainable_parameters():
                     p.data = p.data.float()
-            shard_transformer(model.transformer, param_dtype=compute, offload=offload)
-            if self._ref is not None:
-                shard_transformer(self._ref.transformer, param_dtype=compute, offload=offload)
+            if self.placement is not None:  # each expert over the ranks that hold it
+                shard_experts(model.transformer, self.placement, param_dtype=compute, offload=offload,
+                              ref=None if self._ref is None else self._ref.transformer)
+            else:
+                shard_transformer(model.transformer, param_dtype=compute, offload=offload)
+                if self._ref is not None:
+                    shard_transformer(self._ref.transformer, param_dtype=compute, offload=offload)
         #: the model's own trained parameters (compute dtype)
         self.model_params: list[torch.Tensor] = list(model.trainable_parameters())
         if not self.model_params:
@@ -122,14 +130,8 @@ class Policy:
                                            weight_decay=train_cfg.weight_decay)
         #: two experts (Wan2.2 A14B): the indices in :attr:`params` of each held expert's
         self.expert_index: dict[str, list[int]] = _expert_index(model, self.model_params)
-        #: trainer ranks holding different experts (rl/experts.py; None: every rank holds every
-        #: trained expert): gradients reduce per expert, rank 0 gathers what it lacks
-        self.placement = placement if placement is not None and placement.partial else None
-        self.rank = rank
         self._holder_groups: dict[str, Any] = {}
-        if self.placement is not None:
-            if shard:
-                raise ValueError("a sharded (FSDP) policy with experts placed over ranks: not implemented")
+        if self.placement is not None and not shard:  # sharded, FSDP reduces within each expert's mesh
             from digenrl.rl.experts import holder_groups
             self._holder_groups = holder_groups(self.placement)
         self.version = 0
@@ -306,10 +308,21 @@ class Policy:
             x = torch.zeros(1, *self.model.latent_shape, dtype=p.dtype, device=p.device)
             self._idle_input = (x, {k: v.to(p.device) for k, v in cond.items()})
         x, cond = self._idle_input
-        v = self._velocity(self.model, x, 0.5, cond)
+        sigma = self._idle_sigma()
+        v = self._velocity(self.model, x, sigma, cond)
         if self.train_cfg.kl_beta > 0:
-            self._ref_velocity(x, 0.5, cond)
+            self._ref_velocity(x, sigma, cond)
         (v.sum() * 0.0).backward()
+
+    def _idle_sigma(self) -> float:
+        """An idle pass's noise level: 0.5, or one on this rank's expert's side of the boundary
+        (a rank holding one expert of two; its passes pair with that expert's holders only)."""
+        experts = getattr(self.model, "transformer", None)
+        held, boundary = getattr(experts, "held", None), getattr(experts, "boundary", None)
+        if held is None or boundary is None or len(held) != 1:
+            return 0.5
+        edge = boundary / 1000
+        return (1 + edge) / 2 if held[0] == "transformer" else edge / 2
 
     # -- the update ------------------------------------------------------------------------------
     def optimizer_step(self) -> dict[str, Any]:
@@ -323,7 +336,11 @@ class Policy:
         if self.placement is not None:  # the norm over both experts, which no rank holds alone
             grad_norm = self._placed_grad_norm()
             if max_norm > 0:
-                torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, grad_norm)
+                # the coefficient clip_grad_norm_ computes (float32), applied as a number: the
+                # gradients may be DTensors of one expert's mesh
+                coef = float((torch.tensor(max_norm, dtype=torch.float32, device=grad_norm.device)
+                              / (grad_norm + 1e-6)).clamp(max=1.0))
+                torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coef)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
         if self.sharded:
@@ -367,9 +384,18 @@ class Policy:
             if e in self.expert_index and pl.source(e) == self.rank:
                 grads = [g for i in self.expert_index[e] if (g := self.params[i].grad) is not None]
                 if grads:
-                    sq[j] = torch.nn.utils.get_total_norm(grads).float() ** 2
+                    sq[j] = self._norm(grads) ** 2
+            elif e in self.expert_index and self.sharded:
+                grads = [g for i in self.expert_index[e] if (g := self.params[i].grad) is not None]
+                if grads:
+                    self._norm(grads)  # the expert's other holders join its gathers
         dist.all_reduce(sq)
         return sq.sum().sqrt()
+
+    def _norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The norm of ``grads`` (sharded: whole, a collective over their mesh), float32."""
+        from digenrl.rl.sharding import full
+        return full(torch.nn.utils.get_total_norm(grads)).float()
 
     def reduce_expert_grads(self) -> None:
         """Sum each held expert's gradients over the ranks that hold it (its holders' group;
@@ -419,7 +445,10 @@ class Policy:
         :attr:`collective` (every rank calls it), else this rank's own state."""
         if self.placement is None:
             return self.state_dict_for_sync(keep=keep)
-        mine = self.state_dict_for_sync()
+        pl = self.placement
+        # sharded: every holder joins its expert's gathers; rank 0 and the senders keep them
+        sends = any(pl.source(e) == self.rank for e in self.expert_index)
+        mine = self.state_dict_for_sync(keep=self.rank == 0 or sends)
         return self._gather_to_rank0(lambda e: {k: v for k, v in mine.items() if k.startswith(e + ".")}, keep)
 
     def whole_optimizer_state(self, *, keep: bool = True) -> dict[str, Any]:
@@ -544,6 +573,8 @@ class Policy:
     def _load_sharded(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Whole tensors (a checkpoint) into this rank's shards; sync keys -> module keys."""
         from digenrl.rl.sharding import load_full_state
+        if self.placement is not None:  # a whole state (a checkpoint): this rank's experts of it
+            sd = {k: v for k, v in sd.items() if k.split(".", 1)[0] in self.expert_index}
         own = self.model.transformer.state_dict()
         if getattr(self.model, "lora_rank", 0):  # peft's keys drop the adapter name
             to_module = {k.replace(".default", ""): k for k in own if "lora_" in k}
