@@ -234,6 +234,8 @@ def _load_into_masters(folder: str | Path, policy: Any) -> None:
     policy.load_sync_state(sd)
     index_of = {fqn: masters[key] for fqn, key in to_key.items() if key in masters}
     optim = state["optim"]
+    # a trainer rank holding one of two experts (rl/experts.py) takes its expert's entries only
     policy.optimizer.load_state_dict({
-        "state": {index_of[fqn]: s for fqn, s in optim["state"].items()},
-        "param_groups": [{**g, "params": [index_of[fqn] for fqn in g["params"]]} for g in optim["param_groups"]]})
+        "state": {index_of[fqn]: s for fqn, s in optim["state"].items() if fqn in index_of},
+        "param_groups": [{**g, "params": [index_of[fqn] for fqn in g["params"] if fqn in index_of]}
+                         for g in optim["param_groups"]]})
