@@ -184,7 +184,10 @@ def comm_device(model_device: torch.device) -> torch.device:
     not the thread's current device: gathers may run off the compute thread), else the host."""
     import torch.distributed as dist
 
-    return model_device if dist.get_backend() == "nccl" else torch.device("cpu")
+    if dist.get_backend() != "nccl":
+        return torch.device("cpu")
+    # offloaded shards (model.offload = "params") live on the host: NCCL still needs the GPU
+    return model_device if model_device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
 
 
 def _buckets(meta: list[tuple[str, tuple[int, ...], str, int]]) -> Iterator[list[int]]:
