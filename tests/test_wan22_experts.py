@@ -144,7 +144,8 @@ def _fragment(folder: Path, cfg: ResolvedConfig) -> tuple[dict, dict, list[float
 EXTRA = ("train.lr=1e-2", "train.max_grad_norm=1e-3")  # a norm that clips: the clip uses both experts'
 
 
-def _placed_worker(rank: int, folder: str, store: str, out: str, lora: int, world: int) -> None:
+def _placed_worker(rank: int, folder: str, store: str, out: str, lora: int, world: int,
+                   extra: tuple[str, ...]) -> None:
     """One of two gloo trainer ranks of a placed run: its own indices of one fragment, the
     step's reduction and optimizer step, then the whole state gathered on rank 0, and a
     second placed policy loading that state back."""
@@ -157,7 +158,7 @@ def _placed_worker(rank: int, folder: str, store: str, out: str, lora: int, worl
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        cfg = _cfg(Path(folder), f"model.lora_rank={lora}", *EXTRA)
+        cfg = _cfg(Path(folder), f"model.lora_rank={lora}", *EXTRA, *extra)
         policy = build_policy(cfg, world_size=world, rank=rank)
         learner = Learner(policy, cfg)
         records, cond, rewards = _fragment(Path(folder), cfg)
@@ -191,9 +192,13 @@ def _placed_worker(rank: int, folder: str, store: str, out: str, lora: int, worl
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("lora", "world"), [(4, 2), (0, 2), (4, 3)], ids=["lora", "full", "lora-3-ranks"])
+EVAL = ("run.eval_every=1", "prompts.test_fraction=0.5")  # rank 0 evaluates: it holds both experts
+
+
+@pytest.mark.parametrize(("lora", "world", "extra"), [(4, 2, ()), (0, 2, ()), (4, 3, ()), (4, 2, EVAL)],
+                         ids=["lora", "full", "lora-3-ranks", "lora-rank0-both"])
 def test_placed_ranks_take_the_step_one_rank_holding_both_takes(folder: Path, tmp_path: Path, lora: int,
-                                                                  world: int) -> None:
+                                                                  world: int, extra: tuple[str, ...]) -> None:
     """Two ranks: rank 0 trains indices 0, 1 on transformer alone, rank 1 indices 2, 3 on
     transformer_2 alone (three: ranks 0 and 1 one index each of transformer, reduced over their
     group); the gradient norm that clips spans both. The whole state rank 0 gathers (weights and
@@ -204,21 +209,24 @@ def test_placed_ranks_take_the_step_one_rank_holding_both_takes(folder: Path, tm
     from digenrl.rl.policy import build_policy
 
     torch.multiprocessing.spawn(_placed_worker, args=(str(folder), str(tmp_path / "store"), str(tmp_path), lora,
-                                                      world), nprocs=world)
+                                                      world, extra), nprocs=world)
     from safetensors.torch import load_file
 
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     # 3 ranks own indices [0], [1], [2, 3]: ranks 0 and 1 share transformer, whose gradients
     # then sum over their group of two
-    held = [["transformer"], ["transformer_2"]] if world == 2 else [["transformer"], ["transformer"], ["transformer_2"]]
+    held = {2: [["transformer"], ["transformer_2"]], 3: [["transformer"], ["transformer"], ["transformer_2"]]}[world]
+    if extra == EVAL:  # rank 0 trains transformer and, with rank 1 (the whole group), transformer_2
+        held = [list(BOTH), ["transformer_2"]]
     assert [r["held"] for r in ranks] == [r["trained"] for r in ranks] == held
     assert all(r["reloaded"] for r in ranks)  # each rank took its own expert back from the whole files
     metrics = ranks[0]["metrics"]
     assert {k: v for k, v in metrics.items() if k.startswith("expert/")} == {
         "expert/t0": 0, "expert/t1": 0, "expert/t2": 1, "expert/t3": 1,
-        **{f"expert/held/r{r}": 1 if h == ["transformer"] else 2 for r, h in enumerate(held)}}
+        **{f"expert/held/r{r}": {("transformer",): 1, ("transformer_2",): 2, BOTH: 3}[tuple(h)]
+           for r, h in enumerate(held)}}
 
-    cfg = _cfg(folder, f"model.lora_rank={lora}", *EXTRA)
+    cfg = _cfg(folder, f"model.lora_rank={lora}", *EXTRA, *extra)
     ref = build_policy(cfg, world_size=1)
     assert ref.placement is None and ref.model.transformer.held == BOTH
     learner = Learner(ref, cfg)
