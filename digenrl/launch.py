@@ -188,8 +188,7 @@ def check_runtime_support(cfg: Config) -> None:
         raise ConfigError(f"cluster.rewards = {cfg.cluster.rewards}: reward workers serve rollout "
                           "nodes; colocated mode has none (use digenrl or disagg-sync, or 0)")
     if cfg.model.fsdp and _two_experts(cfg):
-        raise ConfigError(f"model.fsdp = true with {cfg.model.path}: a two-expert (Wan2.2 A14B) folder is "
-                          "not sharded yet; train it unsharded (model.fsdp = false)")
+        check_sharded_experts(cfg)
     if cfg.model.fsdp and cfg.runtime.tag == "always" and cfg.run.mode != "colocated":
         raise ConfigError("model.fsdp = true with runtime.tag = 'always': a sharded trainer rank "
                           "cannot generate alone (its passes are collectives over all ranks); "
@@ -249,6 +248,37 @@ def _two_experts(cfg: Config) -> bool:
     from digenrl.models.folder import PipelineFolder, is_pipeline_folder
     path = Path(cfg.model.path)
     return is_pipeline_folder(path) and PipelineFolder(path).entry("transformer_2") is not None
+
+
+def check_sharded_experts(cfg: Config) -> None:
+    """``model.fsdp`` with two experts shards each expert over the trainer ranks that hold it
+    (rl/experts.py), so a rank may hold only one: its passes pair with that expert's other
+    holders only. Refused where a rank would hold both, naming it and why."""
+    from digenrl.rl.experts import placement_for
+
+    ranks = cfg.cluster.trainers
+    placement = placement_for(cfg, ranks)
+    if placement is None or ranks < 2:
+        return
+    both = [r for r in range(ranks) if len(placement.held[r]) > 1]
+    if not both:
+        return
+    r = both[0]
+    if cfg.run.mode == "colocated":
+        why = "colocated ranks generate whole trajectories"
+    elif cfg.runtime.tag == "always":
+        why = "runtime.tag = 'always' has every rank generate whole trajectories"
+    elif cfg.train.ema_decay > 0:
+        why = "an EMA is kept whole on every rank"
+    elif cfg.train.algorithm != "grpo":
+        why = f"train.algorithm = {cfg.train.algorithm!r} draws noise levels over both experts' range"
+    elif r == 0 and cfg.run.eval_every > 0:
+        why = "rank 0 evaluates (run.eval_every > 0), denoising whole trajectories"
+    else:
+        why = "the step indices TSP gives it fall on both sides of the boundary"
+    raise ConfigError(f"model.fsdp = true with {cfg.model.path}: trainer rank {r} of {ranks} would hold both "
+                      f"experts ({why}); FSDP shards each expert over the ranks that hold only it: "
+                      "change that, or train unsharded (model.fsdp = false)")
 
 
 def check_expert_timesteps(cfg: Config) -> None:

@@ -205,19 +205,56 @@ def test_an_unmerged_export_loads_each_experts_lora_into_wan_pipeline(lora_run: 
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.slow
-def test_two_tsp_trainer_ranks_report_every_trained_timesteps_expert(folder: Path, tmp_path: Path) -> None:
-    """digenrl mode, real processes: with TSP each rank trains its own step indices; the
-    experts they used are summed with the gradients, so rank 0's row names all of them."""
-    run_dir = _run(tmp_path / "run", folder, "model.lora_rank=4", "cluster.trainers=2", mode="digenrl")
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["unsharded", "fsdp"])
+def test_two_tsp_trainer_ranks_each_hold_and_train_only_their_expert(folder: Path, tmp_path: Path, fsdp: bool) -> None:
+    """digenrl mode, real processes, K = 0: with TSP rank 0 trains step indices 0, 1 and rank 1
+    indices 2, 3, so rank 0 loads only transformer and rank 1 only transformer_2
+    (rl/experts.py). Each rank says so in its log and in the step's all-reduce (``expert/held/r<i>``,
+    from the modules it loaded); the experts the trained indices used are where the folder's
+    boundary_ratio puts their sigmas; rank 0 gathers transformer_2 from rank 1 for final/.
+    With ``model.fsdp = true`` each expert is sharded over its one holder, and the checkpoint
+    is DCP shards of both ranks."""
+    from safetensors.torch import load_file
+
+    from digenrl.rl.sde import sigma_schedule
+    from digenrl.telemetry.logging import node_log_path
+
+    # runtime.tag as by default (bts): a rank holding one expert offers no trainer-assisted generation
+    run_dir = _run(tmp_path / "run", folder, "model.lora_rank=4", "cluster.trainers=2", "runtime.staleness=0",
+                   f"model.fsdp={str(fsdp).lower()}", mode="digenrl")
+    from digenrl.rl.checkpoint import latest_checkpoint
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None and ckpt.version == 2 and ckpt.trainer["layout"] == ("dcp" if fsdp else "whole")
     summary = json.loads((run_dir / "summary.json").read_text())
     acc = summary["accounting"]
     assert acc["admitted"] == acc["trained"] + sum(acc["discarded"].values()) and acc["in_flight"] == 0
+    assert acc["trained"] == 2 * 4 and not acc["discarded"]  # 2 steps x 4 trajectories
     rows = read_metrics(run_dir)
     assert len(rows) == 2
+    cfg = load_config(run_dir / "config.toml")
+    ratio = json.loads((folder / "model_index.json").read_text())["boundary_ratio"]
+    sig = sigma_schedule(cfg.sampler.num_steps, cfg.sampler.shift)
+    want = {f"expert/t{t}": 0 if float(sig[t]) * 1000 >= ratio * 1000 else 1 for t in range(4)}
+    assert set(want.values()) == {0, 1}  # the schedule crosses the boundary
     for r in rows:
-        assert {k: v for k, v in r.items() if k.startswith("expert/t")} == \
-            {"expert/t0": 0, "expert/t1": 0, "expert/t2": 1, "expert/t3": 1}
+        assert {k: v for k, v in r.items() if k.startswith("expert/t")} == want
+        assert (r["expert/held/r0"], r["expert/held/r1"]) == (1, 2)  # 1: transformer, 2: transformer_2
+        assert all(is_documented(k, documented_keys()) for k in r)
+    # K = 0: the first ratio of each step is the rollout's own sample recomputed by a trainer
+    # rank in another process, from the same weights: 1 within 1e-6 (float32 on one CPU)
+    assert all(r["ratio_max_dev"] <= 1e-6 for r in rows)
+    held = sorted((e["rank"], e["experts"], list(e["trained"])) for n in ("trainer-0", "trainer-1")
+                  for line in node_log_path(run_dir, n).read_text().splitlines() if '"experts held"' in line
+                  for e in [json.loads(line)])  # ranks go by the order the nodes joined
+    assert held == [(0, ["transformer"], ["transformer"]), (1, ["transformer_2"], ["transformer_2"])]
+    final = run_dir / "final"
+    assert (final / "pytorch_lora_weights.safetensors").is_file()
+    assert (final / "transformer_2" / "pytorch_lora_weights.safetensors").is_file()
+    trained = load_file(final / "policy.safetensors")
+    base = _model(folder, lora_rank=4).sync_state_dict()
+    assert trained.keys() == base.keys()
+    for expert in ("transformer.", "transformer_2."):  # both moved off their initial LoRA
+        assert any(not torch.equal(v, base[k]) for k, v in trained.items() if k.startswith(expert))
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,7 @@ def run_colocated(cfg: ResolvedConfig, run_dir: Path, *, rank: int = 0, world_si
     if P % world_size:
         raise ValueError(f"train.prompts_per_step = {P}: colocated mode with {world_size} ranks "
                          "needs a multiple of the rank count")
-    policy = build_policy(cfg, world_size, device=device)
+    policy = build_policy(cfg, world_size, device=device, rank=rank)
     from digenrl.models.text import free_text_encoders
     free_text_encoders(policy.model, cfg)  # model.free_text_encoders: the run's prompts, then no encoders
     learner = Learner(policy, cfg)

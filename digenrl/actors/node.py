@@ -370,8 +370,14 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                 from digenrl.devices import init_process_group
                 await asyncio.to_thread(init_process_group, device, init_method=endpoints["dist"],
                                         rank=msg.rank, world_size=msg.world_size)
-            policy = await asyncio.to_thread(build_policy, cfg, msg.world_size, gpu, device=device)
+            policy = await asyncio.to_thread(partial(build_policy, cfg, msg.world_size, gpu, device=device,
+                                                     rank=msg.rank))
             await _free_text_encoders(policy.model, cfg, log)
+            held = getattr(policy.model.transformer, "held", None)
+            if held is not None:  # two experts: what this rank loaded and trains (rl/experts.py)
+                log.info("experts held", rank=msg.rank, experts=list(held),
+                         trained={e: sum(policy.params[i].numel() for i in idx)
+                                  for e, idx in policy.expert_index.items()})
             test_set = eval_reward = None
             if cfg.run.eval_every and (msg.rank == 0 or policy.sharded):
                 from digenrl.data.prompts import load_splits

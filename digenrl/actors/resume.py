@@ -105,7 +105,9 @@ def sharded_vote(learner: Learner, all_reduce: Callable[[torch.Tensor], None], *
     learner.pad(pad_to)
     # on the parameters' device (NCCL needs one); a plain tensor, not a sharded one's DTensor
     flags = torch.tensor([float(stop), float(drain)], device=learner.policy.params[0].device)
+    flags = torch.cat([flags, learner.reports(flags)])  # two experts: what each rank used and holds
     all_reduce(flags)
+    learner.take_reports(flags[2:])
     return bool(flags[0] > 0), bool(flags[1] > 0)
 
 
@@ -316,8 +318,8 @@ class TrainerResume:
         return [int(t.item()) for t in out]
 
     async def at_boundary(self, version: int, counters: dict[str, Any]) -> None:
-        """The step boundary ``version`` (rank 0, or every sharded rank: their writes are
-        collectives): write this rank's part of a due checkpoint before the version is
+        """The step boundary ``version`` (rank 0, or every rank of a sharded policy or of
+        experts placed over ranks: their writes are collectives): write this rank's part of a due checkpoint before the version is
         announced (the coordinator completes it on the announcement), else keep the boundary
         for a drain checkpoint."""
         if checkpoint_due(version, steps=self.cfg.run.steps, every=self.cfg.run.checkpoint_every):
@@ -340,6 +342,12 @@ class TrainerResume:
         was a drain; each decides alike (the vote's result, the boundary every rank keeps)."""
         b = self.boundary
         if b is None or b[0] != self.policy.version:
+            return None
+        if getattr(self.policy, "placement", None) is not None:
+            # rank 0 lacks experts another rank holds, and the ranks stop at different moments
+            if self.rank == 0 and signalled:
+                self.log.warning("drain checkpoint not written: experts are placed over trainer ranks; "
+                                 "a resume starts from the last due checkpoint", version=b[0])
             return None
         if self.policy.sharded:
             if not self.drain_voted:

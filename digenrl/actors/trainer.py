@@ -166,12 +166,13 @@ class TrainerActor(Actor):
     async def main(self) -> None:
         if not await self.restore():
             return
-        if self.rank == 0 or self.policy.sharded:
+        if self.rank == 0 or self.policy.collective:
             await self._publish(self.policy.version)
         await self._maybe_eval(self.policy.version)
         F = self.cfg.runtime.fragments_per_step
-        # a sharded rank generating alone would leave the other ranks' collectives unmatched
-        offers = self.cfg.runtime.tag != "never" and not self.policy.sharded
+        # a sharded rank generating alone would leave the other ranks' collectives unmatched;
+        # a rank holding one of two experts (rl/experts.py) cannot denoise a whole trajectory
+        offers = self.cfg.runtime.tag != "never" and not self.policy.sharded and self._generates()
         while not self.stopping and self.policy.version < self.cfg.run.steps:
             self.wake.clear()  # before looking, so a wake set while we look (or send) is not lost
             step = self.policy.version
@@ -469,10 +470,11 @@ class TrainerActor(Actor):
             self.pending_eval = {}
             # metrics first: the coordinator may stop as soon as the last version is announced
             await self.peers.control.send(StepDone(step=step, version=version, metrics=metrics))
-        if not (rank0 or self.policy.sharded):
+        if not (rank0 or self.policy.collective):
             return True
-        # Rank 0 saves and publishes. A sharded policy's gathers are collectives, so then every
-        # rank runs them, in this order, and only rank 0 writes.
+        # Rank 0 saves and publishes. A sharded policy's gathers are collectives, and so are
+        # those of experts placed over ranks (rank 0 receives the experts it lacks), so then
+        # every rank runs them, in this order, and only rank 0 writes.
         if version == self.cfg.run.steps:
             await asyncio.to_thread(partial(save_final, self.policy, self.run_dir, write=rank0))
         # before the announcement: the coordinator completes a due checkpoint on it
@@ -501,10 +503,20 @@ class TrainerActor(Actor):
             await self.peers.control.send(Samples(step=version, kind=kind, grid=grid, prompt_ids=[],
                                                   caption=caption))
 
+    def _generates(self) -> bool:
+        """Whether this rank's model can denoise whole trajectories (a two-expert model whose
+        rank holds one expert cannot)."""
+        held = getattr(self.policy.model.transformer, "held", None)
+        return held is None or len(held) == 2
+
     async def _publish(self, version: int) -> None:
-        """Rank 0 serves ``version`` and announces it; sharded ranks all join the gather."""
+        """Rank 0 serves ``version`` and announces it; sharded ranks all join the gather, and
+        ranks of experts placed over ranks send rank 0 those it lacks."""
         with self.working("weight_publish", version=version):
-            if self.policy.sharded:  # ranks other than 0 join each gather and keep nothing
+            if self.policy.placement is not None:  # the experts rank 0 lacks come from their holders
+                full = await self.submit("weight_gather", partial(self.policy.whole_sync_state,
+                                                                  keep=self.rank == 0))
+            elif self.policy.sharded:  # ranks other than 0 join each gather and keep nothing
                 full = await asyncio.to_thread(partial(self.policy.state_dict_for_sync, keep=self.rank == 0))
             elif self.rank == 0:
                 full = self.policy.state_dict_for_sync()

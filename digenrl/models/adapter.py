@@ -164,19 +164,20 @@ class DiffusersFlowModel:
         """Apply a :meth:`sync_state_dict` from a peer; raises :class:`SyncStateError` on key
         mismatch (and on a shape mismatch, naming the tensor). A rollout does this every step,
         so the full-weights path copies straight into the live tensors (no state_dict rebuild)."""
+        parts = self._parts_in(sd)
         if self.lora_rank:
-            expected = set(self.sync_state_dict())
+            expected = {k for k in self.sync_state_dict() if any(k.startswith(p) for p in parts)}
             self._check_sync_keys(set(sd), expected)
             from peft.utils import set_peft_model_state_dict
 
             with torch.no_grad():
-                for prefix, module in self.parts().items():
+                for prefix, module in parts.items():
                     set_peft_model_state_dict(module, _strip(sd, prefix))
             return
         if self._sync_targets is None:
             self._sync_targets = {prefix + k: t for prefix, module in self.parts().items()
                                   for k, t in module.state_dict(keep_vars=True).items()}
-        targets = self._sync_targets
+        targets = {k: t for k, t in self._sync_targets.items() if any(k.startswith(p) for p in parts)}
         self._check_sync_keys(set(sd), set(targets))
         for k, dst in targets.items():
             if sd[k].shape != dst.shape:
@@ -188,6 +189,15 @@ class DiffusersFlowModel:
             else:  # host tensors off the wire into device weights: one upload each
                 for k, t in targets.items():
                     t.data.copy_(sd[k])
+
+    def _parts_in(self, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.nn.Module]:
+        """The parts ``sd`` updates: every part, or, for a two-expert model, the experts it has
+        keys of (a version carries only the experts the run trains: one no step trains keeps
+        the folder's weights; each expert it does carry must be whole)."""
+        parts = self.parts()
+        if "" in parts or not sd:
+            return parts
+        return {p: m for p, m in parts.items() if any(k.startswith(p) for k in sd)} or parts
 
     def _check_sync_keys(self, got: set[str], expected: set[str]) -> None:
         if got != expected:
@@ -216,8 +226,10 @@ class DiffusersFlowModel:
         parts = self.parts()
         if len(parts) > 1 or "" not in parts:  # a two-expert model: each trained expert in its place
             subfolder = getattr(self.transformer, "SUBFOLDER", {})
+            # every trained expert ``sd`` holds, also one gathered from another trainer rank
+            saved = getattr(self.transformer, "saved_parts", parts)
             written = [self._save_part(module, folder / subfolder[prefix.rstrip(".")], _strip(sd, prefix))
-                       for prefix, module in parts.items()]
+                       for prefix, module in saved.items() if any(k.startswith(prefix) for k in sd)]
             return written[0]
         return self._save_part(self.transformer, folder, sd, same_as=same_as if dtype is None else None)
 

@@ -46,6 +46,8 @@ from digenrl.models.pixels import (
 from digenrl.models.text import HashPromptEncoder, PipelinePromptEncoder
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from digenrl.models.adapter import DiffusersFlowModel
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -133,7 +135,8 @@ def _one_expert(model_cfg: ModelConfig, what: str) -> None:
 
 def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu",
                 tiny_overrides: dict | None = None, embedded_guidance: float = 0.0,
-                gpu: str | None = None, in_trainer: bool = False) -> DiffusersFlowModel:
+                gpu: str | None = None, in_trainer: bool = False,
+                experts: tuple[Sequence[str], Sequence[str]] | None = None) -> DiffusersFlowModel:
     """The adapter for ``model_cfg`` (see the module docstring for ``path``), on ``device``.
 
     ``seed`` initialises random weights (path ``"random"``) and LoRA matrices; ``tiny_overrides``
@@ -142,7 +145,8 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
     encoders are in ``model.dtype``; the VAE decodes in float32 (as flow_grpo and the Wan
     model card do). ``gpu`` (the node's declared GPU type) and ``in_trainer`` matter only to
     ``path = "emulated"`` (:mod:`digenrl.models.emulated`), whose work takes that GPU's
-    cost-model time.
+    cost-model time. ``experts``: a two-expert folder's (held, trained) experts on a trainer
+    rank (:mod:`digenrl.rl.experts`); None holds both.
     """
     if model_cfg.path == "emulated":
         from digenrl.models.emulated import build_emulated
@@ -163,9 +167,10 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
             folder = _folder(model_cfg)
             if is_pipeline_folder(folder):
                 pf = PipelineFolder(folder)
-                transformer = pf.load("transformer", dtype=dtype, frozen=False)
                 if pf.entry("transformer_2") is not None:
-                    transformer = _two_experts(pf, transformer, dtype, model_cfg.train_experts)
+                    transformer = _two_experts(pf, dtype, model_cfg.train_experts, experts)
+                else:
+                    transformer = pf.load("transformer", dtype=dtype, frozen=False)
             else:
                 transformer = spec.cls.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
         module: torch.nn.Module = transformer  # (diffusers wraps .to, which hides its signature)
@@ -210,17 +215,21 @@ def build_model(model_cfg: ModelConfig, *, seed: int = 0, device: str | torch.de
     return model
 
 
-#: model.train_experts -> the experts a two-expert model trains
-TRAINED_EXPERTS = {"both": ("transformer", "transformer_2"), "high": ("transformer",), "low": ("transformer_2",)}
-
-
-def _two_experts(pf: PipelineFolder, transformer: Any, dtype: torch.dtype, train: str) -> Any:
+def _two_experts(pf: PipelineFolder, dtype: torch.dtype, train: str,
+                 experts: tuple[Sequence[str], Sequence[str]] | None) -> Any:
     """Wan2.2 A14B's experts as one module (:class:`~digenrl.models.video.WanExperts`); the
-    expert that is not trained is frozen. Experts of different shapes are refused, naming both."""
-    from digenrl.models.video import WanExperts
+    expert that is not trained is frozen. Experts of different shapes are refused, naming both.
 
-    transformer_2 = pf.load("transformer_2", dtype=dtype, frozen=False)
-    a, b = transformer.state_dict(), transformer_2.state_dict()
+    ``experts``: (held, trained) of a trainer rank (rl/experts.py): an expert not held is not
+    loaded (its module is built on the meta device, for the shape check and its config); None
+    holds both and trains what ``train`` names."""
+    from digenrl.models.video import EXPERTS, TRAINED_EXPERTS, WanExperts
+
+    held, trained = (EXPERTS, TRAINED_EXPERTS[train]) if experts is None else experts
+    lora_seed = int(torch.randint(0, 2**62, (1,)).item())  # before any loading (build_model's seed)
+    modules = {name: pf.load(name, dtype=dtype, frozen=False) if name in held else _meta_component(pf, name)
+               for name in EXPERTS}
+    a, b = modules["transformer"].state_dict(), modules["transformer_2"].state_dict()
     differ = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or a[k].shape != b[k].shape)
     if differ:
         k = differ[0]
@@ -228,11 +237,25 @@ def _two_experts(pf: PipelineFolder, transformer: Any, dtype: torch.dtype, train
             f"{pf.root}: transformer/ and transformer_2/ disagree in shape ({len(differ)} tensors, e.g. "
             f"{k}: {tuple(a[k].shape) if k in a else 'absent'} vs {tuple(b[k].shape) if k in b else 'absent'}); "
             "the two experts of a Wan2.2 folder have one architecture")
-    trained = TRAINED_EXPERTS[train]
-    for name, expert in (("transformer", transformer), ("transformer_2", transformer_2)):
+    for name, expert in modules.items():
         if name not in trained:
             expert.requires_grad_(False)
-    return WanExperts(transformer, transformer_2, float(pf.index["boundary_ratio"]), trained=trained)
+    high, low = (modules[n] if n in held else None for n in EXPERTS)
+    return WanExperts(high, low, float(pf.index["boundary_ratio"]), trained=tuple(trained),
+                      absent={n: m for n, m in modules.items() if n not in held}, lora_seed=lora_seed)
+
+
+def _meta_component(pf: PipelineFolder, name: str) -> Any:
+    """Component ``name`` built from its config on the meta device: shapes and config, no
+    storage, nothing read but its config file."""
+    import importlib
+
+    entry = pf.entry(name)
+    assert entry is not None  # check_model_path requires both experts
+    cls = getattr(importlib.import_module(entry[0]), entry[1])
+    with torch.device("meta"):
+        module = cls.from_config(cls.load_config(pf.root / name))
+    return module.requires_grad_(False).eval()
 
 
 def _cast(transformer: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -138,7 +138,9 @@ def save_trainer_state(run_dir: Path, policy: Any, counters: dict[str, Any], *,
 
     A sharded (FSDP) policy writes through torch.distributed.checkpoint: every trainer rank
     calls this and writes its own shard (a collective, nothing gathered), then the one with
-    ``write`` (rank 0) writes trainer.json naming every rank's files.
+    ``write`` (rank 0) writes trainer.json naming every rank's files. Experts placed over
+    ranks (rl/experts.py): every rank calls this, rank 0 receives the experts it lacks and
+    writes the whole layout, as one rank training both would (any rank count loads it).
     """
     from safetensors.torch import save_file
 
@@ -157,8 +159,12 @@ def save_trainer_state(run_dir: Path, policy: Any, counters: dict[str, Any], *,
             files = sorted(str(p.relative_to(d)) for p in shards.rglob("*") if p.is_file())
             _write_trainer_json(d, policy, counters, files, layout="dcp", rng=rng)
         return d
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict_for_sync().items()}
-    optimizer_state = policy.optimizer_state()
+    if getattr(policy, "placement", None) is not None:  # experts placed over ranks: a collective
+        sd = {k: v.detach().to("cpu").contiguous() for k, v in policy.whole_sync_state(keep=write).items()}
+        optimizer_state = policy.whole_optimizer_state(keep=write)
+    else:
+        sd = {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict_for_sync().items()}
+        optimizer_state = policy.optimizer_state()
     ema = getattr(policy, "ema", None)
     ema_sd = None if ema is None else ema.state_dict()
     if not write:

@@ -69,6 +69,7 @@ class StepStats:
     fragments: list[str] = field(default_factory=list)  # each trained fragment's source label
     nonfinite_loss: list[str] = field(default_factory=list)  # those whose loss was not finite
     experts: dict[int, str] = field(default_factory=dict)  # trained step index -> expert (two-expert models)
+    held: dict[int, int] = field(default_factory=dict)  # trainer rank -> the experts it holds (code)
 
 
 class Learner:
@@ -218,21 +219,57 @@ class Learner:
         so all of them stay at the same version (the boundary a drain checkpoint keeps)."""
         self._spread_nonfinite_loss()
         params = self.policy.params  # the float32 masters where the model computes in bf16
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        vote = grads[0].new_full((1,), 1.0 if stop else 0.0)
-        experts = self._expert_counts(grads[0])  # two experts: which one each rank's timesteps used
-        flat = torch.cat([*(g_.reshape(-1) for g_ in grads), experts, vote])
+        placed = getattr(self.policy, "placement", None) is not None
+        like = params[0].detach()
+        # experts placed over ranks (rl/experts.py): this all-reduce carries the counts and the
+        # vote; each expert's gradients then sum over its holders (Policy.reduce_expert_grads)
+        grads = [] if placed else [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        vote = like.new_full((1,), 1.0 if stop else 0.0)
+        reports = self.reports(like)  # two experts: which one each rank's timesteps used, held
+        flat = torch.cat([*(g_.reshape(-1) for g_ in grads), reports, vote])
         all_reduce(flat)
         if float(flat[-1]) > 0:
             return False
-        if experts.numel():
-            self._set_experts(flat[-1 - experts.numel():-1])
+        self.take_reports(flat[flat.numel() - 1 - reports.numel():-1])
+        if placed:
+            self.policy.reduce_expert_grads()
+            return True
         offset = 0
         for p in params:
             numel = p.numel()
             p.grad = flat[offset:offset + numel].view_as(p).clone()
             offset += numel
         return True
+
+    def reports(self, like: torch.Tensor) -> torch.Tensor:
+        """What each rank adds to the step's all-reduce besides gradients (two experts: which
+        expert its trained timesteps used, which experts it holds); empty otherwise."""
+        return torch.cat([self._expert_counts(like), self._held_codes(like)])
+
+    def take_reports(self, summed: torch.Tensor) -> None:
+        """The summed :meth:`reports` into this step's stats (its metrics)."""
+        if not self._two_experts:
+            return
+        n = 2 * self.cfg.sampler.num_steps
+        self._set_experts(summed[:n])
+        self.stats.held = {r: int(v) for r, v in enumerate(summed[n:].tolist())}
+
+    def _held_codes(self, like: torch.Tensor) -> torch.Tensor:
+        """(W,) the experts each of the W ranks holds (rank r's entry: 1 = transformer, 2 =
+        transformer_2, 3 = both; rl/experts.py), set by each rank from the modules it has
+        loaded and summed over ranks; empty for a one-expert model."""
+        if not self._two_experts:
+            return like.new_zeros(0)
+        import torch.distributed as dist
+
+        on = dist.is_available() and dist.is_initialized()
+        codes = like.new_zeros(dist.get_world_size() if on else 1)
+        codes[dist.get_rank() if on else 0] = self._held_code()
+        return codes
+
+    def _held_code(self) -> int:
+        held = getattr(self.policy.model.transformer, "held", ())
+        return sum(1 << i for i, e in enumerate(("transformer", "transformer_2")) if e in held)
 
     def _expert_counts(self, like: torch.Tensor) -> torch.Tensor:
         """(2 T,) this rank's trained timesteps per expert (high-noise, low-noise; T = the
@@ -310,6 +347,9 @@ class Learner:
         }
         for t, name in sorted(st.experts.items()):  # 0: transformer (high noise), 1: transformer_2
             metrics[f"expert/t{t}"] = 0 if name == "transformer" else 1
+        if self._two_experts:  # one rank alone: its own; several: what each reported in the reduction
+            for r, code in sorted((st.held or {0: self._held_code()}).items()):
+                metrics[f"expert/held/r{r}"] = code
         for k, v in st.reward_terms.items():
             metrics[f"reward/{k}"] = sum(v) / max(len(v), 1)
         for k, v in st.adv_terms.items():
@@ -330,11 +370,13 @@ def save_final(policy: Policy, run_dir: Path, *, write: bool = True) -> Path:
     a hard link to policy.safetensors). Each file appears whole (written aside, then renamed).
     With an EMA (``train.ema_decay``), ``final/ema/`` holds the same files for the EMA weights.
 
-    Sharded: a collective (every rank gathers), only the caller with ``write`` writes.
+    Sharded, or experts placed over ranks (rl/experts.py): a collective (every rank gathers
+    or sends), only the caller with ``write`` (rank 0) writes.
     """
     out = run_dir / "final"
     # a rank that does not write joins the gathers and keeps nothing
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict_for_sync(keep=write).items()}
+    whole = getattr(policy, "whole_sync_state", policy.state_dict_for_sync)  # test fakes: their own
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in whole(keep=write).items()}
     if not write:
         return out / "policy.safetensors"
     _write_weights(policy, out, sd, aside=run_dir / "final.tmp")

@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -60,6 +60,9 @@ from digenrl.rl.grpo import (
 from digenrl.rl.offload import HostMasters, grad_leaf
 from digenrl.rl.sampler import guided_velocity
 from digenrl.rl.sde import sde_step, sigma_schedule
+
+if TYPE_CHECKING:
+    from digenrl.rl.experts import ExpertPlacement
 
 
 class StepLike(Protocol):
@@ -87,7 +90,8 @@ class Policy:
     """
 
     def __init__(self, model: FlowModel, train_cfg: TrainConfig, sampler_cfg: SamplerConfig, *,
-                 shard: bool = False, keep_versions: int = 0, offload: str = "none") -> None:
+                 shard: bool = False, keep_versions: int = 0, offload: str = "none",
+                 placement: ExpertPlacement | None = None, rank: int = 0) -> None:
         self.model, self.train_cfg, self.sampler_cfg = model, train_cfg, sampler_cfg
         self.keep_versions = keep_versions if algorithm_for(train_cfg).needs_behaviour else 0
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
@@ -100,15 +104,23 @@ class Policy:
         #: FSDP2: parameters, gradients and optimizer state are DTensor shards over the trainer
         #: ranks (see digenrl.rl.sharding); every pass must then run in lockstep on all ranks
         self.sharded = shard
+        #: trainer ranks holding different experts (rl/experts.py; None: every rank holds every
+        #: trained expert): gradients reduce per expert, rank 0 gathers what it lacks
+        self.placement = placement if placement is not None and placement.partial else None
+        self.rank = rank
         compute = getattr(model, "dtype", torch.float32)
         if shard:
-            from digenrl.rl.sharding import shard_transformer
+            from digenrl.rl.sharding import shard_experts, shard_transformer
             with torch.no_grad():  # the sharded trained parameters are the float32 masters
                 for p in model.trainable_parameters():
                     p.data = p.data.float()
-            shard_transformer(model.transformer, param_dtype=compute, offload=offload)
-            if self._ref is not None:
-                shard_transformer(self._ref.transformer, param_dtype=compute, offload=offload)
+            if self.placement is not None:  # each expert over the ranks that hold it
+                shard_experts(model.transformer, self.placement, param_dtype=compute, offload=offload,
+                              ref=None if self._ref is None else self._ref.transformer)
+            else:
+                shard_transformer(model.transformer, param_dtype=compute, offload=offload)
+                if self._ref is not None:
+                    shard_transformer(self._ref.transformer, param_dtype=compute, offload=offload)
         #: the model's own trained parameters (compute dtype)
         self.model_params: list[torch.Tensor] = list(model.trainable_parameters())
         if not self.model_params:
@@ -131,6 +143,12 @@ class Policy:
         self.masters: list[torch.Tensor] = self.params if self.host is None else self.host.masters
         self.optimizer = torch.optim.AdamW(self.masters, lr=train_cfg.lr, betas=train_cfg.adam_betas,
                                            weight_decay=train_cfg.weight_decay)
+        #: two experts (Wan2.2 A14B): the indices in :attr:`params` of each held expert's
+        self.expert_index: dict[str, list[int]] = _expert_index(model, self.model_params)
+        self._holder_groups: dict[str, Any] = {}
+        if self.placement is not None and not shard:  # sharded, FSDP reduces within each expert's mesh
+            from digenrl.rl.experts import holder_groups
+            self._holder_groups = holder_groups(self.placement)
         self.version = 0
         self.sigma_max = float(sigma_schedule(sampler_cfg.num_steps, sampler_cfg.shift)[1])
         self.uncond: Cond | None = None
@@ -305,10 +323,21 @@ class Policy:
             x = torch.zeros(1, *self.model.latent_shape, dtype=p.dtype, device=p.device)
             self._idle_input = (x, {k: v.to(p.device) for k, v in cond.items()})
         x, cond = self._idle_input
-        v = self._velocity(self.model, x, 0.5, cond)
+        sigma = self._idle_sigma()
+        v = self._velocity(self.model, x, sigma, cond)
         if self.train_cfg.kl_beta > 0:
-            self._ref_velocity(x, 0.5, cond)
+            self._ref_velocity(x, sigma, cond)
         (v.sum() * 0.0).backward()
+
+    def _idle_sigma(self) -> float:
+        """An idle pass's noise level: 0.5, or one on this rank's expert's side of the boundary
+        (a rank holding one expert of two; its passes pair with that expert's holders only)."""
+        experts = getattr(self.model, "transformer", None)
+        held, boundary = getattr(experts, "held", None), getattr(experts, "boundary", None)
+        if held is None or boundary is None or len(held) != 1:
+            return 0.5
+        edge = boundary / 1000
+        return (1 + edge) / 2 if held[0] == "transformer" else edge / 2
 
     # -- the update ------------------------------------------------------------------------------
     def optimizer_step(self) -> dict[str, Any]:
@@ -319,7 +348,16 @@ class Policy:
         step, so versions keep counting steps.
         """
         max_norm = self.train_cfg.max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
+        if self.placement is not None:  # the norm over both experts, which no rank holds alone
+            grad_norm = self._placed_grad_norm()
+            if max_norm > 0:
+                # the coefficient clip_grad_norm_ computes (float32), applied as a number: the
+                # gradients may be DTensors of one expert's mesh
+                coef = float((torch.tensor(max_norm, dtype=torch.float32, device=grad_norm.device)
+                              / (grad_norm + 1e-6)).clamp(max=1.0))
+                torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coef)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
         if self.sharded:
             from digenrl.rl.sharding import full
             grad_norm = full(grad_norm)
@@ -347,6 +385,141 @@ class Policy:
         self.version += 1
         return {"grad_norm": float(grad_norm), "skipped": skipped, "version": self.version,
                 "lr": self.optimizer.param_groups[0]["lr"]}
+
+    # -- experts placed over ranks (rl/experts.py) -------------------------------------------------
+    @property
+    def collective(self) -> bool:
+        """Publishing, saving and checkpointing are collectives every trainer rank joins
+        (sharded: gathers of shards; experts placed over ranks: rank 0 receives those it lacks)."""
+        return self.sharded or self.placement is not None
+
+    def _placed_grad_norm(self) -> torch.Tensor:
+        """The gradient norm over every trained expert: each expert's squared norm from its
+        lowest holder (the holders' gradients are equal after :meth:`reduce_expert_grads`),
+        summed over ranks."""
+        import torch.distributed as dist
+
+        from digenrl.rl.experts import EXPERTS
+        pl = self.placement
+        assert pl is not None
+        sq = torch.zeros(len(EXPERTS), dtype=torch.float32, device=self.params[0].device)
+        for j, e in enumerate(EXPERTS):
+            if e in self.expert_index and pl.source(e) == self.rank:
+                grads = [g for i in self.expert_index[e] if (g := self.params[i].grad) is not None]
+                if grads:
+                    sq[j] = self._norm(grads) ** 2
+            elif e in self.expert_index and self.sharded:
+                grads = [g for i in self.expert_index[e] if (g := self.params[i].grad) is not None]
+                if grads:
+                    self._norm(grads)  # the expert's other holders join its gathers
+        dist.all_reduce(sq)
+        return sq.sum().sqrt()
+
+    def _norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The norm of ``grads`` (sharded: whole, a collective over their mesh), float32."""
+        from digenrl.rl.sharding import full
+        return full(torch.nn.utils.get_total_norm(grads)).float()
+
+    def reduce_expert_grads(self) -> None:
+        """Sum each held expert's gradients over the ranks that hold it (its holders' group;
+        an expert one rank holds needs nothing), expert by expert in a fixed order."""
+        import torch.distributed as dist
+        pl = self.placement
+        assert pl is not None
+        for e in pl.trained:
+            if e not in self.expert_index:
+                continue
+            params = [self.params[i] for i in self.expert_index[e]]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            if e in self._holder_groups:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=self._holder_groups[e])
+                offset = 0
+                for i, p in enumerate(params):
+                    grads[i] = flat[offset:offset + p.numel()].view_as(p).clone()
+                    offset += p.numel()
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+
+    def _gather_to_rank0(self, own: Callable[[str], dict[str, torch.Tensor]], keep: bool) -> dict[str, torch.Tensor]:
+        """Rank 0 (``keep``): ``own(e)`` of every trained expert, its own and, for those it
+        lacks, received from their lowest holder; the holders that send return ``{}``."""
+        from digenrl.rl.experts import comm_device, recv_state, send_state
+        pl = self.placement
+        assert pl is not None
+        device = comm_device(self.model_params[0].device)
+        out: dict[str, torch.Tensor] = {}
+        for e in pl.trained:
+            src = pl.source(e)
+            if e in self.expert_index:
+                if self.rank == 0 or (src == self.rank and 0 not in pl.holders(e)):
+                    part = own(e)
+                    if self.rank == 0:
+                        out.update(part)
+                    else:
+                        send_state(part, 0, device)
+            elif self.rank == 0:
+                out.update(recv_state(src, device))
+        return out if keep else {}
+
+    def whole_sync_state(self, *, keep: bool = True) -> dict[str, torch.Tensor]:
+        """:meth:`state_dict_for_sync` of every trained expert, on the rank that ``keep``s it
+        (rank 0): what is published, saved and checkpointed. A collective where
+        :attr:`collective` (every rank calls it), else this rank's own state."""
+        if self.placement is None:
+            return self.state_dict_for_sync(keep=keep)
+        pl = self.placement
+        # sharded: every holder joins its expert's gathers; rank 0 and the senders keep them
+        sends = any(pl.source(e) == self.rank for e in self.expert_index)
+        mine = self.state_dict_for_sync(keep=self.rank == 0 or sends)
+        return self._gather_to_rank0(lambda e: {k: v for k, v in mine.items() if k.startswith(e + ".")}, keep)
+
+    def whole_optimizer_state(self, *, keep: bool = True) -> dict[str, Any]:
+        """:meth:`optimizer_state` as one policy training every expert keeps it (parameters
+        indexed expert by expert, high-noise first); a collective where experts are placed."""
+        if self.placement is None:
+            return self.optimizer_state()
+        local = self.optimizer.state_dict()
+        n = self._per_expert()
+
+        def own(e: str) -> dict[str, torch.Tensor]:
+            return {f"{e}/{i}/{name}": t for i, idx in enumerate(self.expert_index[e])
+                    for name, t in local["state"].get(idx, {}).items()}
+
+        parts = self._gather_to_rank0(own, keep)
+        if not keep:
+            return {}
+        trained = self.placement.trained
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, t in parts.items():
+            e, i, name = key.split("/")
+            state.setdefault(trained.index(e) * n + int(i), {})[name] = t
+        return {"state": state, "param_groups": [{**g, "params": list(range(len(trained) * n))}
+                                                 for g in local["param_groups"]]}
+
+    def _per_expert(self) -> int:
+        """Trained parameters per expert (the two experts have one architecture)."""
+        counts = {len(v) for v in self.expert_index.values()}
+        if len(counts) != 1:
+            raise ValueError(f"experts with different trained parameter counts: {self.expert_index}")
+        return counts.pop()
+
+    def _load_placed_optimizer(self, state: dict[str, Any]) -> None:
+        """A :meth:`whole_optimizer_state` into this rank's optimizer: its experts' entries."""
+        assert self.placement is not None
+        n, trained = self._per_expert(), self.placement.trained
+        total = sum(len(g["params"]) for g in state["param_groups"])
+        if total != len(trained) * n:
+            raise ValueError(f"optimizer state of {total} parameters: this run trains {len(trained)} "
+                             f"expert(s) of {n}")
+        local: dict[int, Any] = {}
+        for e, idx in self.expert_index.items():
+            for i, li in enumerate(idx):
+                s = state["state"].get(trained.index(e) * n + i)
+                if s is not None:
+                    local[li] = s
+        self.optimizer.load_state_dict({"state": local, "param_groups": [
+            {**g, "params": list(range(len(self.params)))} for g in state["param_groups"]]})
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (an aborted step)."""
@@ -405,6 +578,8 @@ class Policy:
             if self.host is not None:
                 self.host.refresh()
             return
+        if self.placement is not None:  # a whole state (a checkpoint): this rank's experts of it
+            sd = {k: v for k, v in sd.items() if k.split(".", 1)[0] in self.expert_index}
         if hasattr(self.model, "load_sync_state_dict"):
             self.model.load_sync_state_dict(dict(sd))
         else:
@@ -426,6 +601,8 @@ class Policy:
     def _load_sharded(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Whole tensors (a checkpoint) into this rank's shards; sync keys -> module keys."""
         from digenrl.rl.sharding import load_full_state
+        if self.placement is not None:  # a whole state (a checkpoint): this rank's experts of it
+            sd = {k: v for k, v in sd.items() if k.split(".", 1)[0] in self.expert_index}
         own = self.model.transformer.state_dict()
         if getattr(self.model, "lora_rank", 0):  # peft's keys drop the adapter name
             to_module = {k.replace(".default", ""): k for k in own if "lora_" in k}
@@ -459,6 +636,9 @@ class Policy:
         Sharded, it also takes an unsharded trainer's state (keyed by parameter index: a
         single trainer's checkpoint resumed on several sharded ranks); the indices follow
         :attr:`params`, the same parameters in the same order sharded or not."""
+        if self.placement is not None:
+            self._load_placed_optimizer(state)
+            return
         if not self.sharded:
             self.optimizer.load_state_dict(state)
             return
@@ -537,18 +717,35 @@ class Policy:
 
 
 def build_policy(cfg: ResolvedConfig, world_size: int = 1, gpu: str | None = None, *,
-                 device: str | torch.device = "cpu") -> Policy:
+                 device: str | torch.device = "cpu", rank: int = 0) -> Policy:
     """The trainer's policy on ``device`` (its transformer, reference, text encoders and VAE);
     with ``model.fsdp`` and several ranks (process group initialised) its transformer is
     sharded over them (FSDP2). One rank has nothing to shard. ``gpu``: the node's declared GPU
-    type (default the config's trainer GPU; read by emulated models)."""
+    type (default the config's trainer GPU; read by emulated models). ``rank``: this trainer
+    rank (two experts: which it holds, :mod:`digenrl.rl.experts`)."""
     from digenrl.models import build_model
+    from digenrl.rl.experts import placement_for
 
     gpu = gpu or cfg.cluster.trainer_gpu or cfg.cluster.gpu
+    placement = placement_for(cfg, world_size)  # two experts: which this rank holds
     model = build_model(cfg.model, seed=cfg.run.seed, gpu=gpu, in_trainer=True, device=device,
-                        embedded_guidance=cfg.sampler.embedded_guidance)
+                        embedded_guidance=cfg.sampler.embedded_guidance,
+                        experts=None if placement is None else (placement.held[rank], placement.trained))
     return Policy(model, cfg.train, cfg.sampler, shard=cfg.model.fsdp and world_size > 1, offload=cfg.model.offload,
-                  keep_versions=cfg.runtime.staleness)
+                  keep_versions=cfg.runtime.staleness, placement=placement, rank=rank)
+
+
+def _expert_index(model: FlowModel, params: list[torch.Tensor]) -> dict[str, list[int]]:
+    """Expert name -> indices in ``params`` of its parameters (two-expert models; else {})."""
+    transformer = getattr(model, "transformer", None)
+    if not hasattr(transformer, "expert_of"):
+        return {}
+    index = {id(p): i for i, p in enumerate(params)}
+    out: dict[str, list[int]] = {}
+    for name, p in transformer.named_parameters():  # type: ignore[union-attr]
+        if id(p) in index:
+            out.setdefault(name.split(".", 1)[0], []).append(index[id(p)])
+    return out
 
 
 def _to_master(master: torch.Tensor, param: torch.Tensor) -> None:

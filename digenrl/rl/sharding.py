@@ -45,7 +45,7 @@ def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_transformer(transformer: torch.nn.Module, param_dtype: torch.dtype = torch.float32,
-                      offload: str = "none") -> torch.nn.Module:
+                      offload: str = "none", mesh: Any = None) -> torch.nn.Module:
     """Wrap ``transformer`` in place with FSDP2 (per block, then the root); returns it.
 
     ``param_dtype`` other than float32 computes with parameters all-gathered in that dtype
@@ -57,6 +57,8 @@ def shard_transformer(transformer: torch.nn.Module, param_dtype: torch.dtype = t
     and so the optimizer state in host memory (FSDP2's ``CPUOffloadPolicy``, pinned when there
     is a GPU): each block's shard is copied to the device for its all-gather and the optimizer
     step runs on the CPU.
+
+    ``mesh``: the device mesh to shard over (default: every rank of the default group).
     """
     import torch.distributed as dist
     from torch.distributed.fsdp import (
@@ -77,13 +79,35 @@ def shard_transformer(transformer: torch.nn.Module, param_dtype: torch.dtype = t
     offload_policy = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload == "params"
                       else OffloadPolicy())
     for block in _blocks(transformer):
-        fully_shard(block, mp_policy=mp_policy, offload_policy=offload_policy)
-    fully_shard(transformer, mp_policy=mp_policy, offload_policy=offload_policy)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(transformer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for m in transformer.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # sum over ranks, as the unsharded all-reduce does
             m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     return transformer
+
+
+def shard_experts(experts: Any, placement: Any, *, param_dtype: torch.dtype = torch.float32,
+                  offload: str = "none", ref: Any = None) -> None:
+    """Wan2.2's experts placed over ranks (rl/experts.py): each expert this rank holds sharded
+    over the ranks that hold it (a device mesh of its own), as :func:`shard_transformer`
+    shards one transformer; ``ref`` (a frozen copy, the KL reference) alike. Every rank calls
+    this: each expert's group is created on all ranks, in the same order."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rank = dist.get_rank()
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    for name in placement.trained:
+        ranks = placement.holders(name)
+        group = dist.new_group(ranks)  # a collective over the default group: every rank
+        if rank not in ranks:
+            continue
+        mesh = DeviceMesh.from_group(group, device_type)
+        for module in (experts, ref):
+            if module is not None:
+                shard_transformer(getattr(module, name), param_dtype=param_dtype, offload=offload, mesh=mesh)
 
 
 def is_sharded(module: torch.nn.Module) -> bool:
@@ -182,14 +206,16 @@ def load_sharded(folder: str | Path, policy: object) -> None:
         return
     state = _dcp_state(policy)
     dcp.load(state, checkpoint_id=str(folder))
+    # not strict: ``state`` is this model's own trained keys (dcp.load fails on any the
+    # checkpoint lacks), and the frozen weights a two-expert model's root holds are not in it
     if host is not None:  # the optimizer's host shards were loaded in place
         set_model_state_dict(policy.model.transformer, state["model"],  # type: ignore[attr-defined,arg-type]
-                             options=StateDictOptions(ignore_frozen_params=True))
+                             options=StateDictOptions(ignore_frozen_params=True, strict=False))
         host.refresh()
         return
     set_state_dict(policy.model.transformer, policy.optimizer,  # type: ignore[attr-defined]
                    model_state_dict=state["model"], optim_state_dict=state["optim"],  # type: ignore[arg-type]
-                   options=StateDictOptions(ignore_frozen_params=True))
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
 
 def whole_state(folder: str | Path) -> dict[str, Any]:
@@ -228,6 +254,8 @@ def _load_into_masters(folder: str | Path, policy: Any) -> None:
     policy.load_sync_state(sd)
     index_of = {fqn: masters[key] for fqn, key in to_key.items() if key in masters}
     optim = state["optim"]
+    # a trainer rank holding one of two experts (rl/experts.py) takes its expert's entries only
     policy.optimizer.load_state_dict({
-        "state": {index_of[fqn]: s for fqn, s in optim["state"].items()},
-        "param_groups": [{**g, "params": [index_of[fqn] for fqn in g["params"]]} for g in optim["param_groups"]]})
+        "state": {index_of[fqn]: s for fqn, s in optim["state"].items() if fqn in index_of},
+        "param_groups": [{**g, "params": [index_of[fqn] for fqn in g["params"] if fqn in index_of]}
+                         for g in optim["param_groups"]]})
