@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: (text tokens, text width, pooled width) of the families' real text encoders.
@@ -59,15 +58,18 @@ def count_saved_bytes() -> Iterator[list[int]]:
             total[0] += base.numel() * base.element_size()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield total
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield total
+    finally:
+        seen.clear()  # the block's tensors are the caller's again (freed with their graph)
 
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages ops create inside the block that are still alive, and their peak.
 
-    Each new storage an op returns is counted once (views and in-place results share their
-    input's storage and add nothing) and taken off when it is freed (a finalizer on the
+    Each new storage an op returns is counted once (views and in-place results share an input's
+    storage and add nothing) and taken off when it is freed (a finalizer on the
     storage). ``mark(t, kind)`` files a tracked storage under ``kind`` ("grads", "activations"),
     so :attr:`at_peak` says what the peak was made of; the rest is "other". Works on real
     devices and on the meta device alike.
@@ -126,9 +128,14 @@ class LiveBytes(TorchDispatchMode):
         self.peak, self.at_peak = self.live, dict(self.by_kind)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_leaves
+
         out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(t, torch.Tensor):
+        # a view or an in-place / out= result is an input's storage: nothing new (even where the
+        # input was made before the block: a weight's transpose is not an allocation)
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in inputs:
                 self._add(t)
         return out
 
@@ -136,15 +143,12 @@ class LiveBytes(TorchDispatchMode):
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-class _FlashSDPA(TorchFunctionMode):
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention:
-            return func(*args, **kwargs)
+def _flash_sdpa(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
         a = {**dict(zip(_SDPA_ARGS, args)), **kwargs}
         q, k, v = a["query"], a["key"], a["value"]
         if q.dim() != 4 or a.get("dropout_p", 0.0):
-            return func(*args, **kwargs)
+            return original(*args, **kwargs)
         mask = a.get("attn_mask")
         if k.shape[1] != q.shape[1]:  # grouped-query attention: keys repeated per query head
             k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
@@ -153,17 +157,25 @@ class _FlashSDPA(TorchFunctionMode):
             mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, bool(a.get("is_causal", False)), attn_mask=mask, scale=a.get("scale"))[0]
+    return sdpa
 
 
 @contextmanager
 def flash_attention(on: bool = True) -> Iterator[None]:
-    """Within the block ``scaled_dot_product_attention`` keeps what a flash kernel keeps (the
-    output and its log-sum-exp, no score matrix), on every device; ``on = False``: unchanged."""
+    """Within the block ``torch.nn.functional.scaled_dot_product_attention`` keeps what a flash
+    kernel keeps (the output and its log-sum-exp, no score matrix), on every device; ``on =
+    False``: unchanged. The function is replaced for the whole process while the block runs (so
+    a gradient-checkpointing recompute in the backward sees it too): a planning process's
+    context, not one to run beside training."""
     if not on:
         yield
         return
-    with _FlashSDPA():
+    original = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = _flash_sdpa(original)
+    try:
         yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
 
 
 @contextmanager
@@ -222,7 +234,7 @@ def build_transformer(family: str, config: dict[str, Any], dtype: torch.dtype,
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # made in the compute dtype: no float32 copy first
         try:
-            transformer = cls.from_config(config)
+            transformer: torch.nn.Module = cls.from_config(config)  # type: ignore[assignment]
         finally:
             torch.set_default_dtype(prev)
     _cast(transformer, dtype)
@@ -288,8 +300,13 @@ class StepTrace:
     """live after the forward (saved tensors, checkpointed blocks' inputs, the output)"""
     saved: int
     """of those, what autograd saved for the backward (:func:`count_saved_bytes`)"""
-    at_peak: dict[str, int]
-    """the peak by kind: grads, activations (of the forward, still alive), other (workspace)"""
+    fb_peak: int = 0
+    """the forward + backward's peak"""
+    fb_at_peak: dict[str, int] = field(default_factory=dict)
+    """that peak by kind: grads, activations (of the forward, still alive), other (workspace)"""
+    opt_peak: int = 0
+    """the optimizer step's peak (gradient clipping, AdamW, the masters' copy into the model)"""
+    opt_at_peak: dict[str, int] = field(default_factory=dict)
     optimizer_state: int = 0
     masters: int = 0
 
@@ -317,17 +334,19 @@ def trace_training_step(model: Any, rows: int, *, guidance_scale: float = 1.0, k
     from digenrl.rl.policy import _to_master
 
     dev = model.device
-    compute = model.dtype
     params = [p for p in model.transformer.parameters() if p.requires_grad]
     masters = params
+    trace = LiveBytes()
     if any(p.dtype != torch.float32 for p in params):
         masters = [p.detach().float().requires_grad_(True) for p in params]
         for p, m in zip(params, masters):
             p.register_post_accumulate_grad_hook(partial(_to_master, m))
+    for p, m in zip(params, masters):  # a gradient is filed as one as soon as it is made
+        p.register_post_accumulate_grad_hook(lambda _p, m=m: trace.mark(m.grad, "grads"))
     opt = torch.optim.AdamW(masters, lr=lr, foreach=foreach)
     uncond = model.encode_prompts([""]) if guidance_scale != 1.0 else None
     shape = model.latent_shape
-    trace = LiveBytes()
+    phases: dict[str, tuple[int, dict[str, int]]] = {}
 
     def one_step(tracked: bool) -> tuple[int, int]:
         x = torch.zeros(rows, *shape, device=dev, dtype=torch.float32)
@@ -347,27 +366,31 @@ def trace_training_step(model: Any, rows: int, *, guidance_scale: float = 1.0, k
                     model.velocity(x, 0.5, cond)  # the frozen copy runs the same shapes
         with flash_attention(attention == "flash"):
             loss.backward()
-        for m in masters:
-            trace.mark(m.grad, "grads")
         del loss, x, x_next, cond
+        phases["fb"] = (trace.peak, dict(trace.at_peak))
+        trace.reset_peak()
         torch.nn.utils.clip_grad_norm_(masters, max_grad_norm, foreach=foreach and dev.type != "meta")
         opt.step()
         if masters is not params:
             with torch.no_grad():
                 torch._foreach_copy_(params, masters)
+        phases["opt"] = (trace.peak, dict(trace.at_peak))
         opt.zero_grad(set_to_none=True)
         return after_forward, saved[0]
 
-    with meta_masks():
-        one_step(False)
+    for m in masters:  # AdamW's state as its first step makes it (the steady state is measured)
+        m.grad = torch.zeros_like(m)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     with trace, meta_masks():
         trace.reset_peak()
         activations, saved = one_step(True)
     state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor) and t.device == dev)
     master_bytes = sum(m.numel() * m.element_size() for m in masters) if masters is not params else 0
-    return StepTrace(peak=trace.peak, activations=activations, saved=saved, at_peak=trace.at_peak,
-                     optimizer_state=state, masters=master_bytes)
+    (fb, fb_at), (op, op_at) = phases["fb"], phases["opt"]
+    return StepTrace(peak=max(fb, op), activations=activations, saved=saved, fb_peak=fb, fb_at_peak=fb_at,
+                     opt_peak=op, opt_at_peak=op_at, optimizer_state=state, masters=master_bytes)
 
 
 def trace_inference(model: Any, rows: int, *, guidance_scale: float = 1.0, attention: str = "flash") -> int:
@@ -428,3 +451,63 @@ def _on(encode: Callable[[Any], dict[str, torch.Tensor]], device: torch.device) 
         return {k: torch.zeros(v.shape, dtype=v.dtype, device=device) if v.is_floating_point()
                 else torch.ones(v.shape, dtype=v.dtype, device=device) for k, v in encode(prompts).items()}
     return moved
+
+
+# -- measured: the trainer's own step on a real device ----------------------------------------
+
+
+def resident_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes of the distinct storages under ``tensors``."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen.setdefault(id(storage), storage.nbytes())
+    return sum(seen.values())
+
+
+def measure_trainer_step(cfg: Any, *, device: str | torch.device = "cpu") -> dict[str, int]:
+    """Bytes the trainer's real step (:func:`~digenrl.rl.policy.build_policy`'s policy over the
+    config's model: :meth:`~digenrl.rl.policy.Policy.fragment_loss_backward` on one fragment's
+    rows at one trained timestep, then :meth:`~digenrl.rl.policy.Policy.optimizer_step`) holds at
+    the peak of its second step on ``device``: the resident bytes (every parameter and buffer of
+    the transformer, its KL reference copy, text encoders and VAE, the float32 masters)
+    plus the peak of what the two steps allocated that is alive during the second (AdamW's state,
+    the model's caches, the step's own tensors: :class:`LiveBytes` over real tensors)."""
+    from digenrl.config import resolve_mode
+    from digenrl.rl.policy import build_policy
+    from digenrl.rl.sampler import StepRecord
+
+    rcfg = resolve_mode(cfg, "colocated")
+    policy = build_policy(rcfg, device=device)
+    model: Any = policy.model
+    t = cfg.train
+    rows = t.prompts_per_step // cfg.runtime.fragments_per_step * t.group_size
+    adv = torch.linspace(-1.0, 1.0, rows)
+    keep = torch.ones(rows, dtype=torch.bool)
+
+    with torch.no_grad():  # a trainer takes the conditioning with the fragment: encoded elsewhere
+        cond = model.encode_prompts([f"prompt {i}" for i in range(rows)])
+
+    def step() -> None:
+        x = torch.randn(rows, *model.latent_shape, device=device)
+        x_next = torch.randn(rows, *model.latent_shape, device=device)
+        rec = StepRecord(0, 0.75, 0.5, x, x_next, torch.zeros(rows, device=device), True)
+        policy.fragment_loss_backward({0: rec}, cond, adv, keep, batch_size_total=rows, n_trained_total=1,
+                                      sigma_max=0.75)
+        del rec, x, x_next
+        policy.optimizer_step()
+
+    modules: list[Any] = [model.transformer, getattr(model.decoder, "vae", None)]
+    pipe = getattr(model.encoder, "pipe", None)
+    if pipe is not None:  # the text encoders the pipeline object holds
+        modules += [getattr(pipe, name, None) for name in ("text_encoder", "text_encoder_2", "text_encoder_3")]
+    tensors = [t for m in modules if isinstance(m, torch.nn.Module) for t in [*m.parameters(), *m.buffers()]]
+    if policy._ref is not None:
+        tensors += [*policy._ref.transformer.parameters(), *policy._ref.transformer.buffers()]
+    resident = resident_bytes(*tensors, *policy.params, *cond.values())
+    trace = LiveBytes()
+    with trace:  # what the first step leaves (AdamW's state, caches of the model) stays counted
+        step()
+        trace.reset_peak()
+        step()
+    return {"resident": resident, "step_peak": trace.peak, "peak": resident + trace.peak, "rows": rows}
