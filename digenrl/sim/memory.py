@@ -247,7 +247,7 @@ class MemoryPlanner:
         self.text_bytes = sum(module_bytes(e) for e in self.shapes.text_encoders)
         self.vae_bytes = module_bytes(self.vae)
         self._traces: dict[tuple[int, int, bool], Any] = {}
-        self._rollout: dict[str, int] | None = None
+        self._rollout: dict[int, dict[str, int]] = {}
         t = cfg.train
         self.fragment_rows = t.prompts_per_step // cfg.runtime.fragments_per_step * t.group_size
 
@@ -323,7 +323,10 @@ class MemoryPlanner:
         if optimizer_dev:
             parts["AdamW state"] = optimizer_dev
         fb = st.fb_peak - int(grads_fb * (1 - grads_kept))
-        opt = st.opt_peak - int(st.opt_at_peak.get("grads", 0) * (1 - grads_kept)) if opt_on_device else 0
+        # the optimizer step's tensors (gradients, AdamW's temporaries) are parameter-sized: shards
+        # under FSDP; what else is alive then (the model's caches) is not
+        opt_params = st.opt_peak - st.opt_at_peak.get("activations", 0)
+        opt = int(opt_params * grads_kept) + st.opt_at_peak.get("activations", 0) if opt_on_device else 0
         acts = st.fb_at_peak.get("activations", 0)
         if fb >= opt:
             parts["activations (saved for the backward)"] = acts
@@ -331,19 +334,22 @@ class MemoryPlanner:
             parts["workspace (backward transients)"] = fb - acts - int(grads_fb * grads_kept)
         else:
             parts["gradients"] = int(st.opt_at_peak.get("grads", 0) * grads_kept)
-            parts["workspace (optimizer-step temporaries)"] = opt - parts["gradients"]
+            parts["workspace (optimizer-step temporaries, caches)"] = opt - parts["gradients"]
         parts["reserve (CUDA context, cuBLAS, NCCL)"] = RESERVE_GPU if self.trainer_gpu != "cpu" else 0
         parts = {k: v for k, v in parts.items() if v}
         return RolePlan("trainer", self.trainer_gpu, gpu_capacity(self.trainer_gpu), parts, sum(parts.values()),
                         {**dataclasses.asdict(s), "latent": list(self.latent), "trainable_params": trainable,
                          "saved_bytes": st.saved})
 
-    def rollout(self) -> RolePlan:
-        from digenrl.models.memplan import trace_decode, trace_inference
+    def rollout(self, rows: int = 0) -> RolePlan:
+        """The rollout's plan, its denoising forward over ``rows`` (default: ``sampler.max_batch``,
+        else a fragment's rows) and its decode over a fragment's rows (no more than ``rows``)."""
+        from digenrl.models.memplan import module_bytes, trace_decode, trace_inference
 
         c = self.cfg
-        rows = c.sampler.max_batch or self.fragment_rows
-        if self._rollout is None:
+        rows = rows or c.sampler.max_batch or self.fragment_rows
+        decode_rows = min(rows, self.fragment_rows)
+        if rows not in self._rollout:
             model = self._model(False, self.latent)
             infer = trace_inference(model, rows, guidance_scale=c.sampler.guidance_scale)
             decode = 0
@@ -352,20 +358,32 @@ class MemoryPlanner:
                     for switch in ("enable_tiling", "enable_slicing"):
                         if hasattr(self.vae, switch):
                             getattr(self.vae, switch)()
-                decode = trace_decode(self.vae, self.shapes.family, self.fragment_rows, self.latent)
-            self._rollout = {"weights": module_bytes_with_lora(model) * self.shapes.experts,
-                             "infer": infer, "decode": decode}
-        r = self._rollout
+                decode = trace_decode(self.vae, self.shapes.family, decode_rows, self.latent)
+            self._rollout[rows] = {"weights": module_bytes(model.transformer) * self.shapes.experts,
+                                   "infer": infer, "decode": decode}
+        r = self._rollout[rows]
         parts = {"weights": r["weights"], "text encoders": self.text_bytes, "VAE": self.vae_bytes}
+        cfg_note = ", x2 for CFG" if c.sampler.guidance_scale != 1.0 else ""
         if r["infer"] >= r["decode"]:
-            parts[f"denoising forward ({rows} rows)"] = r["infer"]
+            parts[f"denoising forward ({rows} rows{cfg_note})"] = r["infer"]
         else:
-            parts[f"VAE decode ({self.fragment_rows} rows)"] = r["decode"]
+            parts[f"VAE decode ({decode_rows} rows)"] = r["decode"]
         parts["reserve (CUDA context, cuBLAS, NCCL)"] = RESERVE_GPU if self.rollout_gpu != "cpu" else 0
         parts = {k: v for k, v in parts.items() if v}
         return RolePlan("rollout", self.rollout_gpu, gpu_capacity(self.rollout_gpu), parts, sum(parts.values()),
-                        {"rows": rows, "decode_rows": self.fragment_rows, "latent": list(self.latent),
+                        {"rows": rows, "decode_rows": decode_rows, "latent": list(self.latent),
                          "denoise_peak_bytes": r["infer"], "decode_peak_bytes": r["decode"]})
+
+    def rollout_fit(self) -> tuple[int, RolePlan] | None:
+        """The most rows per forward (whole prompts) with which the rollout fits, or None."""
+        t = self.cfg.train
+        rows = self.cfg.sampler.max_batch or self.fragment_rows
+        for d in range(rows // t.group_size - 1, 0, -1):
+            if t.prompts_per_step % d == 0:
+                plan = self.rollout(d * t.group_size)
+                if plan.fits:
+                    return d * t.group_size, plan
+        return None
 
     def candidates(self, s: Setting) -> list[Setting]:
         """Settings that take less trainer memory than ``s``, nearest first: fewest changed keys,
@@ -425,12 +443,6 @@ def _block_trainable(transformer: torch.nn.Module) -> int:
     return best
 
 
-def module_bytes_with_lora(model: Any) -> int:
-    from digenrl.models.memplan import module_bytes
-
-    return module_bytes(model.transformer)
-
-
 def describe_change(old: Setting, new: Setting, cfg: Config) -> str:
     out = []
     if new.gradient_checkpointing != old.gradient_checkpointing:
@@ -471,6 +483,11 @@ def memory_plan(cfg: Config, cluster_path: str | None = None) -> dict[str, Any]:
             found = planner.smallest_fit(s)
             row["fits_with"] = (None if found is None else
                                 {"change": describe_change(s, found[0], cfg), "peak_bytes": found[1].total})
+        elif not plan.fits:
+            fit = planner.rollout_fit()
+            row["fits_with"] = (None if fit is None else {"change": (
+                f"runtime.fragments_per_step = {cfg.train.prompts_per_step * cfg.train.group_size // fit[0]} "
+                f"and sampler.max_batch = 0 ({fit[0]} rows per forward)"), "peak_bytes": fit[1].total})
         out["roles"][plan.role] = row
     return out
 
@@ -483,8 +500,8 @@ def verdict(role: str, row: dict[str, Any]) -> str:
     found = row.get("fits_with")
     if found is None:
         return head + ("; nothing searched fits (activation checkpointing, sequence parallelism up to 8, "
-                       "offload, fewer rows)" if role == "trainer" else "; fewer rows per forward "
-                       "(sampler.max_batch, runtime.fragments_per_step) or model.vae_tiling = true")
+                       "offload, fewer rows per forward down to one prompt's group)" if role == "trainer" else
+                       "; nothing searched fits (fewer rows per forward down to one prompt's group)")
     return head + f"; fits with {found['change']} ({gib(found['peak_bytes'])})"
 
 
