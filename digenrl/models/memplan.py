@@ -10,8 +10,8 @@ the trainer's own: the family adapter's velocity (LoRA on ``model.lora_targets``
 checkpointing when asked), the loss head (the SDE step's Gaussian log-prob of ``x_next``), the
 backward with :mod:`digenrl.rl.policy`'s float32 master-gradient hook, gradient clipping and
 ``torch.optim.AdamW`` (foreach on a GPU, as torch picks there; one tensor at a time on a CPU).
-The first step is taken untraced (AdamW creates its state there); the second is the one
-measured: the steady state.
+AdamW's state is made first, untraced, as its first step makes it; the step traced is then the
+steady state.
 
 Attention: on the meta device ``scaled_dot_product_attention`` would take the math path and
 save the score matrix; a GPU's flash / memory-efficient / cuDNN kernels and the CPU's flash
