@@ -129,3 +129,18 @@ def test_a_published_size_model_that_does_not_fit_names_the_smallest_setting_tha
     assert trainer["fits_with"]["peak_bytes"] <= trainer["capacity_bytes"] < trainer["peak_bytes"]
     line = verdict("trainer", trainer)
     assert "> 80 GiB on H100; fits with" in line and trainer["fits_with"]["change"] in line
+
+
+def test_sequence_parallelism_divides_the_image_tokens_activations_and_keeps_the_text(folders: dict[str, Path]) -> None:
+    """train.sequence_parallel = N plans a rank's forward over 1/N of the latent's tokens with the
+    whole prompt: the activations shrink, by less than N (the replicated text, the weights' LoRA)."""
+    import dataclasses
+
+    cfg = _cfg(folders["wan"], "wan", [])
+    planner = MemoryPlanner(cfg, trainer_gpu="cpu", rollout_gpu="cpu")
+    one = planner.setting()
+    assert one.sequence_parallel == 1  # read with a default where the config has no such key
+    a1 = planner.trace(one.rows, 1, False)[0].activations
+    a2 = planner.trace(one.rows, 2, False)[0].activations
+    assert a1 / 2 < a2 < a1
+    assert planner.trainer(dataclasses.replace(one, sequence_parallel=2)).total < planner.trainer(one).total
