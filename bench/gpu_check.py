@@ -19,13 +19,14 @@ what finished:
                  SD3.5-medium (2.5B) and FLUX.1-dev (12B) transformer at 512 and 1024 px, bf16,
                  batch 2: seconds and peak GPU memory; also the first ratio of the trained
                  step, which must be exactly 1 (the same instance recomputes its own sample).
-``memory``       one LoRA training forward (batch 2, rank 32, bf16) of a random-weight
-                 SD3.5-medium and FLUX.1-dev transformer at 512 and 1024 px, built on the
-                 device: ``torch.cuda.max_memory_allocated`` beside the prediction of
-                 ``digenrl/models/memplan.py`` (parameters + the saved activations counted on
-                 the meta device; its count is the math-attention path's, an upper bound where
-                 flash attention runs). ``--cpu``: the tiny configs, the meta count against the
-                 bytes the CPU forward saves (math attention), which must be equal.
+``memory``       one LoRA training step (rank 32, bf16, AdamW over float32 masters) of a
+                 random-weight SD3.5-medium and FLUX.1-dev transformer at 512 and 1024 px (2
+                 rows) and a Wan2.1-T2V-14B one at 480 x 832 x 81 frames (1 row), built on the
+                 device: ``torch.cuda.max_memory_allocated`` beside the plan of the same step
+                 traced on the meta device (``digenrl plan --memory``'s trainer terms); an
+                 out-of-memory is recorded beside the plan. ``--cpu``: the tiny configs, the plan
+                 against the step measured on the CPU (within 10 %) and the meta count of a
+                 forward's saved bytes against the CPU's with math attention (equal).
 ``offload``      ``bench/offload.py``: a bf16 full fine-tune step of a random SD3 transformer
                  (12 blocks, 1536 wide, ~0.35B parameters) with ``model.offload = "optimizer"``
                  against ``"none"``: device bytes per trained parameter (measured), pass and
@@ -280,46 +281,90 @@ def _one_case(family: str, spec: Any, transformer: torch.nn.Module, px: int, rea
     return case
 
 
+def _memory_case(family: str, kwargs: dict[str, Any], px: tuple[int, int], frames: int, rows: int, text: tuple[int, int, int],
+                 vae: Any, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """One LoRA (rank 32) training step of ``rows`` latents: the plan (traced on the meta device,
+    what ``digenrl plan --memory`` adds up for a trainer) beside the peak measured on ``device``."""
+    from digenrl.models import catalog
+    from digenrl.models.memplan import (
+        adapt,
+        build_transformer,
+        module_bytes,
+        trace_training_step,
+        training_forward_saved_bytes,
+    )
+
+    def step(dev: torch.device) -> tuple[int, Any]:
+        torch.manual_seed(0)
+        transformer = build_transformer(family, kwargs, dtype, dev)
+        shape = catalog.GEOMETRY[family](transformer.config, vae).latent_shape(*px, frames)
+        model = adapt(family, transformer, shape, text, lora_rank=32, dtype=dtype)
+        if dev.type != "meta":
+            from digenrl.models.memplan import _on
+            model.encoder = _on(model.encoder, dev)
+        st = trace_training_step(model, rows, foreach=device.type == "cuda",
+                                 attention="flash" if dev.type == "meta" else "none")
+        return module_bytes(transformer) + st.masters + st.optimizer_state + st.peak, shape
+
+    planned, shape = step(torch.device("meta"))
+    case: dict[str, Any] = {"latent": list(shape), "rows": rows, "planned_peak_bytes": planned,
+                            "planned_peak_gib": round(planned / 2**30, 3)}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        try:
+            step(device)
+            torch.cuda.synchronize(device)
+            measured = torch.cuda.max_memory_allocated(device) - base
+            case.update(measured_peak_bytes=measured, measured_peak_gib=round(measured / 2**30, 3),
+                        plan_error=round(planned / measured - 1, 4))
+        except torch.cuda.OutOfMemoryError as e:
+            case["error"] = f"out of memory: {e}"[:300]
+        torch.cuda.empty_cache()
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        measured, _ = step(device)  # the same step on real CPU tensors, the CPU's own attention
+        case.update(measured_peak_bytes=measured, plan_error=round(planned / measured - 1, 4))
+        # the meta count of a forward's saved bytes equals the CPU's with math attention
+        kw = dict(transformer_kwargs=kwargs, px=px[0], batch=2, text=text, lora_rank=32, frames=frames)
+        case["planned_saved_bytes"] = training_forward_saved_bytes(family, **kw)  # type: ignore[arg-type]
+        with sdpa_kernel(SDPBackend.MATH):
+            case["measured_saved_bytes"] = training_forward_saved_bytes(family, **kw, device=device)  # type: ignore[arg-type]
+    return case
+
+
 def memory_peaks(device: torch.device, real: bool) -> dict[str, Any]:
+    """SD3.5-medium and FLUX.1-dev at 512 and 1024 px (2 rows), Wan2.1-T2V-14B at 480 x 832 x 81
+    frames (1 row), random weights built on the device in bf16 (``--cpu``: the tiny configs in
+    float32): the plan beside ``torch.cuda.max_memory_allocated`` of one LoRA training step (an
+    out-of-memory is recorded beside the plan that predicted it)."""
     from types import SimpleNamespace as NS
 
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from digenrl.models import catalog, families
+    from digenrl.models.memplan import REAL_TEXT
 
-    from digenrl.models import families
-    from digenrl.models.memplan import REAL_TEXT, training_forward_saved_bytes
-
-    vae = NS(config=NS(block_out_channels=(128, 256, 512, 512))) if real else None
-    cases = {"sd3": SD35_MEDIUM if real else families.TINY_CONFIGS["sd3"],
-             "flux": FLUX_DEV if real else families.TINY_CONFIGS["flux"]}
+    kl8 = NS(config=NS(block_out_channels=(128, 256, 512, 512))) if real else None
+    wan_vae = NS(config=NS(scale_factor_spatial=8, scale_factor_temporal=4)) if real else None
     dtype = torch.bfloat16 if real else torch.float32
-    out: dict[str, Any] = {"real_size": real, "batch": 2, "lora_rank": 32, "cases": {}}
-    ok = True
-    for family, kwargs in cases.items():
-        text = REAL_TEXT[family] if real else (16, 32, 32)
+    cases: list[tuple[str, str, dict[str, Any], tuple[int, int], int, int, tuple[int, int, int], Any]] = []
+    for family, kwargs in (("sd3", SD35_MEDIUM if real else families.TINY_CONFIGS["sd3"]),
+                           ("flux", FLUX_DEV if real else families.TINY_CONFIGS["flux"])):
         for px in ((512, 1024) if real else (32, 64)):
-            planned = training_forward_saved_bytes(family, kwargs, px, 2, text, lora_rank=32, dtype=dtype, vae=vae)
-            case: dict[str, Any] = {"planned_saved_bytes": planned, "planned_saved_gib": round(planned / 2**30, 3)}
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
-                base = torch.cuda.memory_allocated(device)
-                try:
-                    n = training_forward_saved_bytes(family, kwargs, px, 2, text, lora_rank=32, dtype=dtype,
-                                                     vae=vae, device=device)
-                    torch.cuda.synchronize(device)
-                    case.update(peak_gib=round((torch.cuda.max_memory_allocated(device) - base) / 2**30, 3),
-                                measured_saved_bytes=n, measured_saved_gib=round(n / 2**30, 3))
-                except torch.cuda.OutOfMemoryError as e:
-                    case["error"] = f"out of memory: {e}"[:300]
-                    ok = False
-            else:
-                with sdpa_kernel(SDPBackend.MATH):
-                    n = training_forward_saved_bytes(family, kwargs, px, 2, text, lora_rank=32, dtype=dtype,
-                                                     device=device)
-                case.update(measured_saved_bytes=n, measured_saved_gib=round(n / 2**30, 3))
-                ok &= n == planned
-            out["cases"][f"{family}@{px}"] = case
-            print(f"gpu_check:   memory {family} {px}px {case}", flush=True)
+            cases.append((f"{family}@{px}", family, kwargs, (px, px), 0, 2,
+                          REAL_TEXT[family] if real else (16, 32, 32), kl8))
+    cases.append(("wan@480x832x81" if real else "wan@16x16x5", "wan",
+                  catalog.REAL_CONFIGS["wan"] if real else families.TINY_CONFIGS["wan"],
+                  (480, 832) if real else (16, 16), 81 if real else 5, 1, (226, 4096, 0) if real else (16, 32, 0), wan_vae))
+    out: dict[str, Any] = {"real_size": real, "lora_rank": 32, "dtype": str(dtype), "cases": {}}
+    ok = True
+    for name, family, kwargs, px, frames, rows, text, vae in cases:
+        case = _memory_case(family, kwargs, px, frames, rows, text, vae, device, dtype)
+        out["cases"][name] = case
+        if device.type != "cuda":
+            ok &= case["planned_saved_bytes"] == case["measured_saved_bytes"] and abs(case["plan_error"]) <= 0.1
+        print(f"gpu_check:   memory {name} {case}", flush=True)
     out["ok"] = ok
     return out
 

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-only", default=None, metavar="RECORDING",
                    help="debug: run trainers alone fed from a recording")
 
-    p = sub.add_parser("plan", help="predict throughput and bubbles with the simulator")
+    p = sub.add_parser("plan", help="predict throughput and bubbles with the simulator, or (--memory) "
+                                    "each role's peak device memory")
     p.add_argument("--config", default=None, help="model / run config TOML")
     p.add_argument("--cluster", default=None, help="cluster TOML (GPU types per role)")
     p.add_argument("--modes", default="colocated,disagg-sync,digenrl")
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", default=None, metavar="PNG")
     p.add_argument("--search", action="store_true", help="search the rollout/trainer split")
     p.add_argument("--calibrate", default=None, metavar="RUN_DIR", help="fit the cost model to a run")
+    p.add_argument("--memory", action="store_true",
+                   help="predict each role's peak device memory (trainer, rollout) from the model's real "
+                        "shapes on the meta device, whether it fits the GPU, and the smallest setting that does")
 
     p = sub.add_parser("report", help="summary table and plots of a run dir")
     p.add_argument("run_dir")
@@ -200,6 +204,9 @@ def _plan(args: argparse.Namespace) -> int:
     if args.calibrate:
         return calibrate_run(args.calibrate)
     cfg = load_config(args.config)
+    if args.memory:
+        from digenrl.sim.memory import run_memory_plan
+        return run_memory_plan(cfg, args.cluster, args.json)
     if args.steps is not None:
         if args.steps < 2:
             raise ConfigError(f"--steps {args.steps}: expected at least 2 (steady state needs two)")

@@ -129,5 +129,7 @@ def test_the_memory_section_counts_on_the_meta_device_what_the_cpu_forward_saves
     out = tmp_path / "check.json"
     assert gpu_check.main(["--cpu", "--out", str(out), "--only", "memory"]) == 0
     cases = json.loads(out.read_text())["sections"]["memory"]["cases"]
-    assert set(cases) == {"sd3@32", "sd3@64", "flux@32", "flux@64"}
+    assert set(cases) == {"sd3@32", "sd3@64", "flux@32", "flux@64", "wan@16x16x5"}
     assert all(c["planned_saved_bytes"] == c["measured_saved_bytes"] > 0 for c in cases.values())
+    # the plan of a whole step (meta device) beside the step measured on the CPU
+    assert all(c["measured_peak_bytes"] > 0 and abs(c["plan_error"]) <= 0.1 for c in cases.values())

@@ -201,3 +201,74 @@ TINY_CONFIGS: dict[str, dict] = {
     "flux2": flux2.TINY_FLUX2,
     "zimage": zimage.TINY_ZIMAGE,
 }
+
+# -- the published models' shapes (``digenrl plan --memory`` builds them on the meta device) --------
+
+#: SD3.5-medium's transformer/config.json (the Flow-GRPO base).
+SD35_MEDIUM: dict[str, Any] = dict(
+    sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+    joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
+    pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+
+REAL_CONFIGS: dict[str, dict[str, Any]] = {
+    "sd3": SD35_MEDIUM,
+    "flux": {"guidance_embeds": True},            # FLUX.1-dev: the class defaults + guidance embedding
+    "flux_kontext": {"guidance_embeds": True},
+    "qwenimage": {},                              # Qwen-Image (20B): the class defaults
+    "wan": {},                                    # Wan2.1-T2V-14B: the class defaults
+    "hunyuanvideo": {},                           # HunyuanVideo (13B): the class defaults
+    "flux2": {},                                  # FLUX.2-dev (32B): the class defaults
+    "zimage": {},                                 # Z-Image (6B): the class defaults
+}
+"""family -> the published model's transformer constructor kwargs over its class defaults (what a
+``model.path = "random"`` or ``"emulated"`` config is planned at, as the throughput plan prices it)"""
+
+_KL_8X: dict[str, Any] = dict(
+    in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2, block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+    use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5305, shift_factor=0.0609)
+
+REAL_VAES: dict[str, dict[str, Any]] = {
+    "sd3": _KL_8X, "flux": _KL_8X, "flux_kontext": _KL_8X, "zimage": _KL_8X,
+    "qwenimage": {}, "wan": {}, "hunyuanvideo": {}, "flux2": {},
+}
+"""family -> its pipeline VAE's constructor kwargs (class ``VAE_CLASS[family]``) over the class defaults"""
+
+_CLIP_L = ("CLIPTextModel", "CLIPTextConfig", dict(
+    vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+    max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu"))
+_T5_XXL: dict[str, Any] = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                               feed_forward_proj="gated-gelu")
+
+REAL_TEXT_ENCODERS: dict[str, tuple[tuple[str, str, dict[str, Any]], ...]] = {
+    "sd3": (("CLIPTextModelWithProjection", "CLIPTextConfig", {**_CLIP_L[2]}),
+            ("CLIPTextModelWithProjection", "CLIPTextConfig", dict(
+                vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                num_attention_heads=20, max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")),
+            ("T5EncoderModel", "T5Config", _T5_XXL)),
+    "flux": (_CLIP_L, ("T5EncoderModel", "T5Config", _T5_XXL)),
+    "flux_kontext": (_CLIP_L, ("T5EncoderModel", "T5Config", _T5_XXL)),
+    "wan": (("UMT5EncoderModel", "UMT5Config", {**_T5_XXL, "vocab_size": 256384}),),
+    "qwenimage": (("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig", dict(text_config=dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4), vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420,
+                                                   num_heads=16, out_hidden_size=3584))),),
+    "hunyuanvideo": (("LlamaModel", "LlamaConfig", dict(
+        vocab_size=128320, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8)), _CLIP_L),
+    "flux2": (("Mistral3ForConditionalGeneration", "Mistral3Config", dict(text_config=dict(
+        model_type="mistral", vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128), vision_config=dict(
+        model_type="pixtral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+        num_attention_heads=16, patch_size=14, image_size=1540))),),
+    "zimage": (("Qwen3Model", "Qwen3Config", dict(
+        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128)),),
+}
+"""family -> its pipeline's text encoders as (transformers model class, config class, config kwargs):
+CLIP-L / CLIP-G / T5-XXL (SD3), CLIP-L + T5-XXL (FLUX), umT5-XXL (Wan), Qwen2.5-VL-7B (Qwen-Image),
+LLaVA-Llama-3-8B's language model + CLIP-L (HunyuanVideo), Mistral Small 3.1 24B (FLUX.2-dev),
+Qwen3-4B (Z-Image)"""
+
+REAL_POOLED: dict[str, int] = {"sd3": 2048, "flux": 768, "flux_kontext": 768, "hunyuanvideo": 768}
+"""family -> the pooled text embedding width of its pipeline (0 where there is none)"""

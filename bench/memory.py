@@ -1,6 +1,15 @@
-"""Per-rank activation memory of Ulysses sequence parallelism, measured on the CPU.
+"""Device memory: ``digenrl plan --memory`` against measured peaks, and Ulysses sequence
+parallelism's per-rank activations, on the CPU.
 
-One transformer block (qkv projection, attention, output projection, MLP) runs over a
+``plan_error_max``: for several family pipeline folders (tiny random weights, the real diffusers
+classes) and settings (LoRA and full fine-tune, float32 and bfloat16, activation checkpointing,
+two sizes), the trainer's plan (:class:`digenrl.sim.memory.MemoryPlanner`, traced on the meta
+device) against the trainer's own step measured on the CPU
+(:func:`digenrl.models.memplan.measure_trainer_step`: resident bytes plus the peak of tracked
+allocations of the second step); the largest ``|plan / measured - 1|``. Deterministic (byte
+counts), so one run each.
+
+Sequence parallelism: one transformer block (qkv projection, attention, output projection, MLP) runs over a
 sequence whose activations dominate the weights, once in one process (SP = 1) and over two
 gloo ranks (SP = 2, each rank holding half the tokens, Ulysses attention between). The
 bytes of the distinct tensors autograd saves for backward are counted with
@@ -8,9 +17,10 @@ bytes of the distinct tensors autograd saves for backward are counted with
 the one-process bytes. ``sp_max_rel_dev`` is the largest relative deviation of the SP = 2
 block output from the one-process output.
 
-    python bench/memory_sp.py --json
+    python bench/memory.py --json
 
-``measure()`` returns the same dict for other benchmarks to join.
+``measure()`` returns the sequence-parallel figures for other benchmarks to join;
+``plan_errors()`` the plan's.
 """
 from __future__ import annotations
 
@@ -96,9 +106,51 @@ def measure(json: bool = True) -> dict[str, float]:
             "sp1_saved_bytes": float(one_bytes), "sp2_saved_bytes": float(two["bytes"])}
 
 
+#: (family, settings) the plan is checked on; each also at a second size (more rows, larger image)
+PLAN_CASES = [("sd3", []), ("sd3", ["model.lora_rank=0"]), ("flux", ['model.dtype="bfloat16"']),
+              ("qwenimage", ["model.gradient_checkpointing=true"]), ("wan", []), ("wan", ["model.lora_rank=0"]),
+              ("hunyuanvideo", ["model.gradient_checkpointing=true"]), ("flux2", ['model.dtype="bfloat16"']),
+              ("zimage", ["model.lora_rank=0"])]
+SIZES = {"small": ["model.height=32", "model.width=48", "train.group_size=2"],
+         "large": ["model.height=64", "model.width=64", "train.group_size=4"]}
+
+
+def plan_errors() -> dict[str, float]:
+    """``{"family[settings]@size": plan / measured - 1}`` over :data:`PLAN_CASES` x :data:`SIZES`."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from pipelines import MAX_TEXT_TOKENS, write_pipeline_folder
+
+    from digenrl.config import load_config
+    from digenrl.models.memplan import measure_trainer_step
+    from digenrl.sim.memory import MemoryPlanner
+
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as d:
+        for family, extra in PLAN_CASES:
+            folder = Path(d) / family
+            if not folder.exists():
+                write_pipeline_folder(family, folder)
+            for size, sets in SIZES.items():
+                cfg = load_config(None, [f'model.family="{family}"', f'model.path="{folder}"',
+                                         f"model.max_text_tokens={MAX_TEXT_TOKENS}", "model.lora_rank=4",
+                                         "train.prompts_per_step=2", "sampler.base_tail=0", *sets,
+                                         *(["model.num_frames=5"] if family in ("wan", "hunyuanvideo") else []),
+                                         *extra])
+                planner = MemoryPlanner(cfg, trainer_gpu="cpu", rollout_gpu="cpu")
+                planned = planner.trainer(planner.setting()).total
+                measured = measure_trainer_step(cfg)["peak"]
+                out[f"{family}[{','.join(extra)}]@{size}"] = planned / measured - 1
+    return out
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    got = measure()
-    print(json.dumps(got) if args.json else "\n".join(f"{k}: {v:.6g}" for k, v in got.items()))
+    errors = plan_errors()
+    got = {**measure(), "plan_error_max": max(abs(e) for e in errors.values()), "plan_errors": errors}
+    if args.json:
+        print(json.dumps(got))
+    else:
+        for k, v in got.items():
+            print(f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {v}")
