@@ -290,6 +290,7 @@ def test_the_step_engine_streams_each_fragment_in_order_and_a_halted_one_stops_a
         engine = StepEngine(model=model, cfg=cfg, submit=lambda name, fn: loop.run_in_executor(pool, fn),
                             stager=DeviceToHost("cpu"), clock=lambda: 0, span="denoise_step")
         queues = {n: asyncio.Queue() for n in range(3)}
+        rows: dict[int, list] = {n: [] for n in range(3)}  # (span, rows its step carried) handed
         halts = {n: threading.Event() for n in range(3)}
         futs = {}
 
@@ -298,6 +299,8 @@ def test_the_step_engine_streams_each_fragment_in_order_and_a_halted_one_stops_a
             job = FragmentJob(model=model, cfg=cfg, prompts=prompts, seeds=seeds, sde_steps=[0, 1],
                               trained_steps=[0, 1], reward_fn=None)
             def hand(item, q=queues[n]):
+                if item is not None:
+                    rows[n].append((item[0], item[4]))
                 if n == 1 and item is not None and item[3] is not None:
                     halts[1].set()  # as a Revoke would, deterministically right after its first chunk
                 loop.call_soon_threadsafe(q.put_nowait, item)
@@ -323,9 +326,12 @@ def test_the_step_engine_streams_each_fragment_in_order_and_a_halted_one_stops_a
         await asyncio.gather(*drains)
         results = {n: await f for n, f in futs.items()}
         await engine.wait_idle()
-        return chunks, results, engine
+        return chunks, results, engine, rows
 
-    chunks, results, engine = asyncio.run(go())
+    chunks, results, engine, rows = asyncio.run(go())
+    # fragments 0 and 1 joined together: their first step carried both; a reward is no step
+    assert rows[0][0] == rows[1][0] == ("denoise_step", 2 * GROUP)
+    assert rows[0][-1] == ("reward", 0) and all(r > 0 for name, r in rows[2] if name == "denoise_step")
     pool.shutdown()
     assert results[1] is None and len(chunks[1]) == 1
     assert engine.in_flight == 0 and len(engine.batcher) == 0

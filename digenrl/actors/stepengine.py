@@ -5,7 +5,9 @@ run each fragment as its own whole-trajectory job; it :meth:`StepEngine.join`\\ 
 here. While any fragment is in flight one job holds the holder's compute thread and loops:
 take the fragments that arrived (they join at the next step), drop the halted ones, run one
 :meth:`~digenrl.rl.batching.StepBatcher.step` (one denoiser forward for all of them), stage
-each fragment's trained step as its chunk and hand it to that fragment's queue, and finish
+each fragment's trained step as its chunk and hand it to that fragment's queue (with the rows
+the step carried: the trace's ``denoise_step`` spans of a batched node say ``rows``, what
+``digenrl plan --calibrate`` fits the batching curve to), and finish
 (decode, score) each fragment whose last step it was. When no fragment is left the job ends;
 the next join starts a new one. Weights are loaded on the same thread, so they land only
 between jobs, when nothing is in flight (TCSS: the actor waits for :meth:`wait_idle` before a
@@ -142,6 +144,7 @@ class StepEngine:
                 t0 = self.clock()
                 out = self.batcher.step()
                 t1 = self.clock()
+                rows = sum(rec.x_t.shape[0] for _, rec, _ in out)  # the trace's batching curve
                 for key, rec, last in out:
                     e = entries[key]
                     if e.nan:
@@ -149,14 +152,14 @@ class StepEngine:
                     if e.job.record_batched(rec):
                         staged = self.stager.stage([rec.x_t.to(self.wire), rec.x_next.to(self.wire),
                                                     rec.log_prob])
-                        e.hand((self.span, t0, t1, (rec.index, rec.sigma, rec.sigma_next, staged)))
+                        e.hand((self.span, t0, t1, (rec.index, rec.sigma, rec.sigma_next, staged), rows))
                     else:
-                        e.hand((self.span, t0, t1, None))
+                        e.hand((self.span, t0, t1, None, rows))
                     if last:
                         del entries[key]
                         f0 = self.clock()
                         result = e.finish(e.job)
-                        e.hand(("reward", f0, self.clock(), None))
+                        e.hand(("reward", f0, self.clock(), None, 0))
                         e.done.set_result(result)
                         e.hand(None)
         except BaseException as err:
