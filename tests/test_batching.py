@@ -304,7 +304,7 @@ def test_the_step_engine_streams_each_fragment_in_order_and_a_halted_one_stops_a
                 if n == 1 and item is not None and item[3] is not None:
                     halts[1].set()  # as a Revoke would, deterministically right after its first chunk
                 loop.call_soon_threadsafe(q.put_nowait, item)
-            futs[n] = engine.join(n, job, nan=False, halt=halts[n], finish=lambda j: j.finish(), hand=hand)
+            futs[n] = engine.join(n, job, nan=False, halt=halts[n], finish=lambda j, images: j.finish(images), hand=hand)
         join(0)
         join(1)
         chunks: dict[int, list] = {0: [], 1: [], 2: []}
@@ -343,3 +343,38 @@ def test_the_step_engine_streams_each_fragment_in_order_and_a_halted_one_stops_a
             assert i == rec.index
             torch.testing.assert_close(x_next, rec.x_next, atol=ATOL, rtol=0)
             torch.testing.assert_close(lp, rec.log_prob, atol=LP_ATOL, rtol=0)
+
+
+def test_fragments_arriving_together_are_encoded_in_one_call_and_finishing_together_decoded_in_one(model):
+    """encode_many / decode_many: one encoder call and one decoder call for several fragments,
+    each fragment's share equal to its own encode (1e-6) and decode (uint8, at most 1 apart:
+    the decoder's batch-size rounding)."""
+    cfg = _cfg()
+    b = StepBatcher(model, cfg.sampler, max_batch=8)
+    calls = {"encode": 0, "decode": 0}
+    enc, dec = model.encode_prompts, model.decode
+
+    def counted(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    lists = [p for p, _ in FRAGMENTS]
+    own = [b.encode(p, GROUP) for p in lists]
+    finals = [torch.randn(GROUP, *model.latent_shape, generator=torch.Generator().manual_seed(n)) for n in range(3)]
+    alone = [dec(x) for x in finals]
+    model.encode_prompts, model.decode = counted("encode", enc), counted("decode", dec)
+    try:
+        many = b.encode_many(lists, GROUP)
+        images = b.decode_many(finals)
+    finally:
+        del model.encode_prompts, model.decode
+    assert calls == {"encode": 1, "decode": 1}
+    for got, ref in zip(many, own, strict=True):
+        assert got.keys() == ref.keys()
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], atol=1e-6, rtol=0, msg=k)
+    for got, ref in zip(images, alone, strict=True):
+        assert got.shape == ref.shape and got.dtype == torch.uint8
+        assert (got.int() - ref.int()).abs().max() <= 1

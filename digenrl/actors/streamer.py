@@ -170,8 +170,8 @@ class FragmentStreamer:
         stager = self._stager(model)
         job_done: asyncio.Future[FragmentResult | None]
         if cfg.sampler.max_batch:  # step-level batching: the fragment joins the node's batch
-            def finish(j: FragmentJob) -> FragmentResult:
-                result = j.finish().to_host()
+            def finish(j: FragmentJob, images: torch.Tensor) -> FragmentResult:
+                result = j.finish(images).to_host()
                 algorithm.finish_on_thread(result, wire)
                 return result
             job_done = self.engine_for(model).join(task.task_id, job, hand=hand, halt=halt,
