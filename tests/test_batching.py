@@ -164,8 +164,11 @@ def test_a_launch_with_step_batching_trains_the_same_update_as_one_fragment_at_a
     from digenrl.telemetry.trace import read_trace
     from tests.conftest import SMALL, final_weights
 
-    runs, shared = {}, {}
-    for name, extra in (("one", []), ("batched", ["sampler.max_batch=8", "sampler.cond_cache_mb=16"])):
+    runs, shared, occupancy = {}, {}, {}
+    # the batched run beats often enough for a 2-step run's occupancy to reach the coordinator
+    batched = ["sampler.max_batch=8", "sampler.cond_cache_mb=16", "runtime.heartbeat_s=0.05",
+               "runtime.heartbeat_misses=400"]
+    for name, extra in (("one", []), ("batched", batched)):
         cfg = resolve_mode(load_config(None, [*SMALL, "run.steps=2", "train.prompts_per_step=4",
                                               "runtime.fragments_per_step=4", "runtime.staleness=0",
                                               *extra]), "digenrl")
@@ -178,7 +181,15 @@ def test_a_launch_with_step_batching_trains_the_same_update_as_one_fragment_at_a
         _, spans = read_trace(run_dir / "trace.json")
         steps = [(x.start, x.end) for x in spans if x.name == "denoise_step" and x.node.startswith("rollout")]
         shared[name] = len(steps) - len(set(steps))
+        occupancy[name] = summary["batch_rows_per_forward"]
+        if name == "batched":  # the run's occupancy, and the batching curve a calibration fits
+            from digenrl.sim.calibrate import calibrate
+
+            curve = calibrate(run_dir, warmup_steps=0)["batch_curve"]
+            assert curve and all(int(rows) % GROUP == 0 for rows in curve)
     assert shared["one"] == 0 and shared["batched"] > 0
+    # a fragment is 2 rows; some forwards carried two fragments, none more than max_batch
+    assert occupancy["one"] == {} and GROUP < occupancy["batched"]["rollout-0"] <= 8
     assert runs["one"].keys() == runs["batched"].keys()
     for k in runs["one"]:
         torch.testing.assert_close(runs["batched"][k], runs["one"][k], rtol=0, atol=1e-5, msg=k)
