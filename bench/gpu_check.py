@@ -39,6 +39,16 @@ what finished:
                  16 MiB a tensor against the bare copies through raw pyzmq
                  (``bench/transport.py``'s ``staged_chunk_goodput``, the same code the CPU bench
                  runs with the CUDA parts off).
+``rollout``      ``bench/rollout.py``'s comparison (its ``measure``): four fragments of 1 prompt x 2
+                 trajectories, 4 steps, bf16, one at a time through the rollout's FragmentJob
+                 vs through one StepBatcher vs the diffusers pipeline's ``__call__``:
+                 ``rollout_over_pipeline``, ``batched_over_fragment``, each one's samples/s, the
+                 time split and one forward's milliseconds at 1, 2, 4 and 8 rows. The folder:
+                 FluxPipeline of the real classes, FLUX.1-dev's transformer geometry (width 3072,
+                 24 heads of 128, guidance embedding) cut to 2 double and 4 single blocks
+                 (~1.2 B parameters), FLUX's VAE (8x, 16 channels), tiny text encoders of the
+                 widths it reads, at 512 px (1024 image tokens); ``--cpu``: the tiny FLUX folder
+                 with an 8x VAE at 64 px. ``ok``: every figure finite and positive.
 ``default_run``  ``digenrl launch`` with the embedded default config (digenrl mode, 500 steps
                  of a LoRA on the shapes judge, 640-sample evaluations at the start and the end)
                  on the GPU: wall, samples/s, accounting, each node's device.
@@ -79,7 +89,7 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
 #: FLUX.1-dev's transformer/config.json: FluxTransformer2DModel's defaults plus the guidance
 #: embedding (FLUX.1-dev is guidance-distilled: its config has ``guidance_embeds: true``).
 FLUX_DEV: dict[str, Any] = {"guidance_embeds": True}
-SECTIONS = ("build", "nvml", "k0_bf16", "transformers", "memory", "offload", "staging", "default_run")
+SECTIONS = ("build", "nvml", "k0_bf16", "transformers", "memory", "offload", "staging", "rollout", "default_run")
 NEEDED = ["diffusers", "transformers", "peft", "safetensors", "zmq", "msgpack", "structlog", "uvloop", "PIL",
           "pynvml", "tomli_w", "numpy", "matplotlib"]
 
@@ -460,6 +470,50 @@ def staging(device: torch.device, real: bool) -> dict[str, Any]:
     return {**trips, "goodput": goodput, "ok": trips["exact"] and reused > 0}
 
 
+def _rollout_folder(folder: Path, real: bool) -> tuple[Path, int]:
+    """The rollout section's pipeline folder and image size (module doc)."""
+    from tests.pipelines import write_pipeline_folder
+
+    if not real:
+        return write_pipeline_folder("flux", folder, vae_factor=8), 64
+    import shutil
+
+    import diffusers
+
+    from tests.pipelines import clip_encoder, clip_tokenizer, t5_encoder, t5_tokenizer
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        pipe: Any = diffusers.FluxPipeline(
+            transformer=diffusers.FluxTransformer2DModel(num_layers=2, num_single_layers=4, guidance_embeds=True),
+            vae=diffusers.AutoencoderKL(
+                in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                layers_per_block=2, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+                use_post_quant_conv=False),
+            text_encoder=clip_encoder(False, hidden=768), tokenizer=clip_tokenizer(folder / "_clip"),
+            text_encoder_2=t5_encoder(4096), tokenizer_2=t5_tokenizer(),
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
+    pipe.to(torch.bfloat16).save_pretrained(folder)
+    shutil.rmtree(folder / "_clip", ignore_errors=True)
+    return folder, 512
+
+
+def rollout_engine(work: Path, device: torch.device, real: bool) -> dict[str, Any]:
+    """The rollout section (module doc)."""
+    import math
+
+    spec = importlib.util.spec_from_file_location("digenrl_bench_rollout", ROOT / "bench" / "rollout.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    folder, size = _rollout_folder(work / "rollout-flux", real)
+    res = bench.measure(folder, size, repeats=3 if real else 1, device=device,
+                        dtype="bfloat16" if real else "float32")
+    figures = [v for k, v in res.items() if isinstance(v, float)] + list(res["forward_ms_by_rows"].values())
+    return {**res, "size": size, "ok": all(math.isfinite(v) and v > 0 for v in figures)}
+
+
 def _run_report(proc: subprocess.CompletedProcess[str], run_dir: Path) -> dict[str, Any]:
     """What a launched run says about itself: exit code, summary.json's figures, each metrics
     row's ratio_max_dev, each node's device; ``ok`` when it ran to the end with nothing in flight."""
@@ -520,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
                 "memory": lambda: memory_peaks(device, real=not args.cpu),
                 "offload": lambda: optimizer_offload(device, real=not args.cpu),
                 "staging": lambda: staging(device, real=not args.cpu),
+                "rollout": lambda: rollout_engine(work, device, real=not args.cpu),
                 "default_run": lambda: default_run(work, 1 if args.cpu else None)}
             for name, fn in sections.items():
                 if name not in skip and not (name == "nvml" and args.cpu):

@@ -164,8 +164,11 @@ def test_a_launch_with_step_batching_trains_the_same_update_as_one_fragment_at_a
     from digenrl.telemetry.trace import read_trace
     from tests.conftest import SMALL, final_weights
 
-    runs, shared = {}, {}
-    for name, extra in (("one", []), ("batched", ["sampler.max_batch=8", "sampler.cond_cache_mb=16"])):
+    runs, shared, occupancy = {}, {}, {}
+    # the batched run beats often enough for a 2-step run's occupancy to reach the coordinator
+    batched = ["sampler.max_batch=8", "sampler.cond_cache_mb=16", "runtime.heartbeat_s=0.05",
+               "runtime.heartbeat_misses=400"]
+    for name, extra in (("one", []), ("batched", batched)):
         cfg = resolve_mode(load_config(None, [*SMALL, "run.steps=2", "train.prompts_per_step=4",
                                               "runtime.fragments_per_step=4", "runtime.staleness=0",
                                               *extra]), "digenrl")
@@ -178,7 +181,15 @@ def test_a_launch_with_step_batching_trains_the_same_update_as_one_fragment_at_a
         _, spans = read_trace(run_dir / "trace.json")
         steps = [(x.start, x.end) for x in spans if x.name == "denoise_step" and x.node.startswith("rollout")]
         shared[name] = len(steps) - len(set(steps))
+        occupancy[name] = summary["batch_rows_per_forward"]
+        if name == "batched":  # the run's occupancy, and the batching curve a calibration fits
+            from digenrl.sim.calibrate import calibrate
+
+            curve = calibrate(run_dir, warmup_steps=0)["batch_curve"]
+            assert curve and all(int(rows) % GROUP == 0 for rows in curve)
     assert shared["one"] == 0 and shared["batched"] > 0
+    # a fragment is 2 rows; some forwards carried two fragments, none more than max_batch
+    assert occupancy["one"] == {} and GROUP < occupancy["batched"]["rollout-0"] <= 8
     assert runs["one"].keys() == runs["batched"].keys()
     for k in runs["one"]:
         torch.testing.assert_close(runs["batched"][k], runs["one"][k], rtol=0, atol=1e-5, msg=k)
@@ -290,6 +301,7 @@ def test_the_step_engine_streams_each_fragment_in_order_and_a_halted_one_stops_a
         engine = StepEngine(model=model, cfg=cfg, submit=lambda name, fn: loop.run_in_executor(pool, fn),
                             stager=DeviceToHost("cpu"), clock=lambda: 0, span="denoise_step")
         queues = {n: asyncio.Queue() for n in range(3)}
+        rows: dict[int, list] = {n: [] for n in range(3)}  # (span, rows its step carried) handed
         halts = {n: threading.Event() for n in range(3)}
         futs = {}
 
@@ -298,10 +310,12 @@ def test_the_step_engine_streams_each_fragment_in_order_and_a_halted_one_stops_a
             job = FragmentJob(model=model, cfg=cfg, prompts=prompts, seeds=seeds, sde_steps=[0, 1],
                               trained_steps=[0, 1], reward_fn=None)
             def hand(item, q=queues[n]):
+                if item is not None:
+                    rows[n].append((item[0], item[4]))
                 if n == 1 and item is not None and item[3] is not None:
                     halts[1].set()  # as a Revoke would, deterministically right after its first chunk
                 loop.call_soon_threadsafe(q.put_nowait, item)
-            futs[n] = engine.join(n, job, nan=False, halt=halts[n], finish=lambda j: j.finish(), hand=hand)
+            futs[n] = engine.join(n, job, nan=False, halt=halts[n], finish=lambda j, images: j.finish(images), hand=hand)
         join(0)
         join(1)
         chunks: dict[int, list] = {0: [], 1: [], 2: []}
@@ -323,9 +337,12 @@ def test_the_step_engine_streams_each_fragment_in_order_and_a_halted_one_stops_a
         await asyncio.gather(*drains)
         results = {n: await f for n, f in futs.items()}
         await engine.wait_idle()
-        return chunks, results, engine
+        return chunks, results, engine, rows
 
-    chunks, results, engine = asyncio.run(go())
+    chunks, results, engine, rows = asyncio.run(go())
+    # fragments 0 and 1 joined together: their first step carried both; a reward is no step
+    assert rows[0][0] == rows[1][0] == ("denoise_step", 2 * GROUP)
+    assert rows[0][-1] == ("reward", 0) and all(r > 0 for name, r in rows[2] if name == "denoise_step")
     pool.shutdown()
     assert results[1] is None and len(chunks[1]) == 1
     assert engine.in_flight == 0 and len(engine.batcher) == 0
@@ -337,3 +354,38 @@ def test_the_step_engine_streams_each_fragment_in_order_and_a_halted_one_stops_a
             assert i == rec.index
             torch.testing.assert_close(x_next, rec.x_next, atol=ATOL, rtol=0)
             torch.testing.assert_close(lp, rec.log_prob, atol=LP_ATOL, rtol=0)
+
+
+def test_fragments_arriving_together_are_encoded_in_one_call_and_finishing_together_decoded_in_one(model):
+    """encode_many / decode_many: one encoder call and one decoder call for several fragments,
+    each fragment's share equal to its own encode (1e-6) and decode (uint8, at most 1 apart:
+    the decoder's batch-size rounding)."""
+    cfg = _cfg()
+    b = StepBatcher(model, cfg.sampler, max_batch=8)
+    calls = {"encode": 0, "decode": 0}
+    enc, dec = model.encode_prompts, model.decode
+
+    def counted(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    lists = [p for p, _ in FRAGMENTS]
+    own = [b.encode(p, GROUP) for p in lists]
+    finals = [torch.randn(GROUP, *model.latent_shape, generator=torch.Generator().manual_seed(n)) for n in range(3)]
+    alone = [dec(x) for x in finals]
+    model.encode_prompts, model.decode = counted("encode", enc), counted("decode", dec)
+    try:
+        many = b.encode_many(lists, GROUP)
+        images = b.decode_many(finals)
+    finally:
+        del model.encode_prompts, model.decode
+    assert calls == {"encode": 1, "decode": 1}
+    for got, ref in zip(many, own, strict=True):
+        assert got.keys() == ref.keys()
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], atol=1e-6, rtol=0, msg=k)
+    for got, ref in zip(images, alone, strict=True):
+        assert got.shape == ref.shape and got.dtype == torch.uint8
+        assert (got.int() - ref.int()).abs().max() <= 1

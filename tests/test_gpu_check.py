@@ -31,7 +31,7 @@ def test_gpu_check_cpu_subset_runs_and_reports_every_section(tmp_path: Path) -> 
     report = json.loads(out.read_text())
     sections = report["sections"]
     assert report["ok"] and report["device"] == "cpu" and report["cpu_mode"]
-    assert set(sections) == {"build", "k0_bf16", "transformers", "memory", "offload", "staging"}  # no NVML here
+    assert set(sections) == {"build", "k0_bf16", "transformers", "memory", "offload", "staging", "rollout"}  # no NVML here
     # optimizer offload: a third of the device bytes per trained parameter, the same weights
     offload = sections["offload"]
     assert offload["device_bytes_per_param"] == {"none": 18.0, "optimizer": 6.0}
@@ -50,6 +50,10 @@ def test_gpu_check_cpu_subset_runs_and_reports_every_section(tmp_path: Path) -> 
     staged = sections["staging"]
     assert staged["exact"] and staged["pools"]["device_to_host"]["reused"] > 0
     assert staged["goodput"]["256k"]["staged_MBps"] > 0 and staged["goodput"]["256k"]["raw_MBps"] > 0
+    # the rollout comparison ran all three contenders on the tiny FLUX folder
+    roll = sections["rollout"]
+    assert roll["rollout_over_pipeline"] > 0 and roll["batched_over_fragment"] > 0 and roll["pixels"] == 64 * 64
+    assert set(roll["forward_ms_by_rows"]) == {"1", "2", "4", "8"}
 
 
 # Distribution name -> the module it installs, where they differ.
@@ -122,6 +126,18 @@ def test_the_flux_dev_case_is_flux_1_dev_shaped_with_its_guidance_embedding() ->
     assert flux.config.guidance_embeds
     assert any("guidance_embedder" in name for name, _ in flux.named_parameters())
     assert 11.5e9 < sum(p.numel() for p in flux.parameters()) < 12.5e9
+
+
+def test_the_rollout_section_compares_the_rollout_batching_and_the_pipeline(tmp_path: Path) -> None:
+    gpu_check = _gpu_check()
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--cpu", "--out", str(out), "--only", "rollout"]) == 0
+    roll = json.loads(out.read_text())["sections"]["rollout"]
+    assert roll["ok"] and roll["size"] == 64 and roll["device"] == "cpu"
+    for key in ("fragment", "batched", "pipeline"):
+        assert roll[f"{key}_samples_per_s"] > 0 and roll[f"{key}_forward_s"] > 0 and roll[f"{key}_decode_s"] > 0
+    assert roll["rollout_over_pipeline"] == pytest.approx(
+        roll["fragment_samples_per_s"] / roll["pipeline_samples_per_s"])
 
 
 def test_the_memory_section_counts_on_the_meta_device_what_the_cpu_forward_saves(tmp_path: Path) -> None:

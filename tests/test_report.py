@@ -87,7 +87,7 @@ def make_run_dir(run_dir: Path, steps: int = 6, seed: int = 0) -> Path:
             discarded=4 * (s % 2), reward_terms={"jpeg_compressibility": mean},
             adv_terms={"jpeg_compressibility/std": 0.9, "jpeg_compressibility/mean_abs": 0.8},
             staleness_hist={str(min(s, 1)): 16},
-            busy=busy_by_node(spans, *window),
+            busy=busy_by_node(spans, *window), batch={"rollout-1": 4.0 - 0.5 * (s % 2)},
             gpu_util={n.node_id: 90.0 for n in trainers}, gpu_mem_used_mb={"trainer-0": 4096.0}))
         if s in (0, steps - 1):  # held-out evaluations of versions 0 and the last one, policy and EMA
             v = 0 if s == 0 else steps
@@ -112,6 +112,7 @@ def make_run_dir(run_dir: Path, steps: int = 6, seed: int = 0) -> Path:
         "staleness_hist": {"0": 16, "1": 16 * (steps - 1)},
         "busy": busy_by_node(everything, min(x.start for x in everything),
                              max(x.end for x in everything)),
+        "batch_rows_per_forward": {"rollout-1": 3.75},
     }
     (run_dir / "summary.json").write_text(json.dumps(summary))
     (run_dir / "config.toml").write_text(f'[run]\nsteps = {steps}\nmode = "digenrl"\n')
@@ -151,6 +152,45 @@ def test_summary_table_shows_throughput_busy_staleness_and_balanced_accounting(r
         assert node in table
     assert "    1        80   83.3%" in table
     assert "trained 96 + discarded 24 (stale 0, zero_adv_group 24) + in flight 0   OK" in table
+
+
+def test_summary_table_shows_each_batching_rollouts_occupancy(report):
+    lines = report[1]["table"].splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("rollout batch occupancy"))
+    assert lines[i + 1].split() == ["rollout-1", "3.75"]
+
+
+def test_step_rows_carry_each_batching_rollouts_rows_per_forward_since_the_last_row(tmp_path):
+    from digenrl.telemetry.steprows import StepRows
+
+    written = []
+
+    class Ledger:
+        def step_consumed(self, step):
+            return 1
+
+        def pop_trained_staleness(self, step):
+            return {}
+
+    class Sink:
+        def write(self, m):
+            written.append(m.to_record())
+
+    rows = StepRows(Sink())
+    base = {"busy_s": 1.0, "wall_s": 2.0}
+    rows.node_stats("rollout-0", {**base, "batch_forwards": 10.0, "batch_rows": 40.0})
+    rows.node_stats("rollout-1", base)  # one fragment at a time: no batch stats
+    metrics = {k: 0 for k in ("step_seconds", "samples_per_s", "reward_mean", "reward_std", "loss", "kl",
+                              "clipfrac", "ratio_max_dev", "grad_norm", "max_staleness", "mean_staleness",
+                              "zero_adv_groups", "trained", "discarded")}
+    rows.step_done(0, 1, metrics, wall_time=1.0, traffic=(0, 0))
+    rows.node_stats("rollout-0", {**base, "batch_forwards": 14.0, "batch_rows": 64.0})
+    rows.step_done(1, 2, metrics, wall_time=2.0, traffic=(0, 0))
+    rows.step_done(2, 3, metrics, wall_time=3.0, traffic=(0, 0))  # no forward since the last row
+    rows.flush(Ledger(), 1)
+    assert [{k: v for k, v in r.items() if k.startswith("batch/")} for r in written] == [
+        {"batch/rollout-0": 4.0}, {"batch/rollout-0": 6.0}, {}]
+    assert rows.batch_occupancy() == {"rollout-0": 64.0 / 14.0}
 
 
 def test_busy_fractions_from_trace_json_equal_the_summary(report):

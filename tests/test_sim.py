@@ -296,3 +296,39 @@ def test_the_planner_prices_rank_0_serving_every_rollout_as_slower_than_the_rela
     steps = {r["name"]: r["s_per_step"] for r in report["modes"] + report["ablation"]}
     # 47 GB at 1 GB/s: relayed, ~47 s per version in the background; from rank 0, 8 x that
     assert steps["digenrl -relay"] > 1.2 * steps["digenrl"]
+
+
+def test_calibration_fits_a_batching_rollouts_curve_and_the_planner_prices_its_occupancy(tmp_path):
+    """A batching rollout's steps carry 4, 8 and 12 rows (one span per fragment it stepped, as
+    actors/stepengine.py hands them): the fit is the line through them, and node_costs prices a
+    sample-step at the planned rows per forward."""
+    from digenrl.config import resolve_mode
+    from digenrl.sim.calibrate import calibrate
+    from digenrl.sim.simulator import rows_per_forward, workload_from_config
+
+    fixed, per_row = 0.03, 0.005
+    cfg = resolve_mode(_cfg(4, "sampler.max_batch=16", "runtime.fragments_per_step=4"), "digenrl")
+    tr, t = _Trace(), 1.0
+    for s in range(4):
+        for rows in (4, 8, 12, 8):
+            dur = (fixed + per_row * rows) * (WARM if s == 0 else 1.0)
+            for task in range(rows // 4):  # the same step, recorded once per fragment in it
+                tr.span("rollout-0", "denoise_step", t, dur, step=s, task=10 * s + task, rows=rows)
+            t += dur + 0.001
+    tr.write(tmp_path, cfg)
+    fit = calibrate(tmp_path)
+    assert fit["batch_curve"] == pytest.approx({"4": fixed + 4 * per_row, "8": fixed + 8 * per_row,
+                                                "12": fixed + 12 * per_row}, rel=1e-6)
+    c = fit["costs"]
+    assert c["forward_fixed_s"] == pytest.approx(fixed, rel=1e-5)
+    assert c["forward_row_s"] == pytest.approx(per_row, rel=1e-5)
+    (tmp_path / "fit.json").write_text(json.dumps(fit))
+    cal = load_calibration(tmp_path / "fit.json")
+    wl = workload_from_config(cfg)
+    frag = cfg.batch_size // cfg.runtime.fragments_per_step
+    assert wl.rows_per_forward == rows_per_forward(cfg) == 16 and frag == 4
+    assert node_costs("cpu", wl, calibration=cal).gen_step_s == pytest.approx((fixed + 16 * per_row) / 16, rel=1e-5)
+    one = dataclasses.replace(wl, rows_per_forward=frag)  # one fragment a forward costs more a sample
+    assert node_costs("cpu", one, calibration=cal).gen_step_s == pytest.approx((fixed + 4 * per_row) / 4, rel=1e-5)
+    # without the curve (a run one fragment at a time) the measured gen_step_s stands
+    assert node_costs("cpu", wl, calibration={"gen_step_s": 0.2}).gen_step_s == 0.2

@@ -594,6 +594,7 @@ class CoordinatorActor(Actor):
             "nodes": stats["nodes"],
             "staleness_hist": self.staleness_hist,
             "busy": self.rows.busy(),
+            "batch_rows_per_forward": self.rows.batch_occupancy(),
             "traffic": dict(zip(("messages", "bytes"), self.traffic(), strict=True)),
             "weights": self.weights.summary(self.latest_announce.version if self.latest_announce else 0),
             "restarts": dict(restarts),

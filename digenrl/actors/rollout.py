@@ -79,12 +79,12 @@ class RolloutActor(Actor):
 
     def heartbeat_stats(self) -> dict[str, float]:
         """The actor's stats, plus step-batching occupancy when ``sampler.max_batch > 0``:
-        ``batch_forwards``, ``batch_rows_per_forward`` (trajectory rows one denoiser forward
-        carried, mean so far) and ``batch_fragments_in_flight`` (now)."""
+        ``batch_forwards``, ``batch_rows`` (trajectory rows those forwards carried, so far),
+        ``batch_rows_per_forward`` (their mean) and ``batch_fragments_in_flight`` (now)."""
         out = super().heartbeat_stats()
         engine = self.streamer.engine
         if engine is not None:
-            out.update(batch_forwards=float(engine.stats.forwards),
+            out.update(batch_forwards=float(engine.stats.forwards), batch_rows=float(engine.stats.rows),
                        batch_rows_per_forward=engine.stats.rows_per_forward,
                        batch_fragments_in_flight=float(engine.in_flight))
         return out

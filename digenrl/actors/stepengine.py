@@ -5,9 +5,12 @@ run each fragment as its own whole-trajectory job; it :meth:`StepEngine.join`\\ 
 here. While any fragment is in flight one job holds the holder's compute thread and loops:
 take the fragments that arrived (they join at the next step), drop the halted ones, run one
 :meth:`~digenrl.rl.batching.StepBatcher.step` (one denoiser forward for all of them), stage
-each fragment's trained step as its chunk and hand it to that fragment's queue, and finish
-(decode, score) each fragment whose last step it was. When no fragment is left the job ends;
-the next join starts a new one. Weights are loaded on the same thread, so they land only
+each fragment's trained step as its chunk and hand it to that fragment's queue (with the rows
+the step carried: the trace's ``denoise_step`` spans of a batched node say ``rows``, what
+``digenrl plan --calibrate`` fits the batching curve to), and finish each fragment whose last
+step it was (the fragments that finish at one step decoded in one call, then scored); the
+fragments that arrive together have their prompts encoded in one call. When no fragment is
+left the job ends; the next join starts a new one. Weights are loaded on the same thread, so they land only
 between jobs, when nothing is in flight (TCSS: the actor waits for :meth:`wait_idle` before a
 version change).
 
@@ -27,7 +30,6 @@ from typing import Any
 import torch
 
 from digenrl.config import Config
-from digenrl.data.prompts import prompt_images
 from digenrl.faults import poison
 from digenrl.models.base import FlowModel
 from digenrl.rl.batching import BatcherStats, CondCache, Denoiser, StepBatcher
@@ -41,7 +43,7 @@ class _Entry:
     job: FragmentJob
     hand: Callable[[Any], None]
     halt: threading.Event
-    finish: Callable[[FragmentJob], FragmentResult]
+    finish: Callable[[FragmentJob, torch.Tensor], FragmentResult]
     nan: bool
     done: concurrent.futures.Future[FragmentResult | None]
 
@@ -94,10 +96,12 @@ class StepEngine:
         await self._idle.wait()
 
     def join(self, key: int, job: FragmentJob, *, hand: Callable[[Any], None], halt: threading.Event,
-             finish: Callable[[FragmentJob], FragmentResult], nan: bool) -> asyncio.Future[FragmentResult | None]:
+             finish: Callable[[FragmentJob, torch.Tensor], FragmentResult],
+             nan: bool) -> asyncio.Future[FragmentResult | None]:
         """Queue ``job`` (on the event loop); it joins the batch at the next step. The future
         resolves to its result after its last step (None if halted); ``hand`` gets its spans
-        and chunks as :meth:`FragmentStreamer.generate_and_stream` expects, then None."""
+        and chunks as :meth:`FragmentStreamer.generate_and_stream` expects, then None;
+        ``finish(job, images)`` scores the job's decoded final latents."""
         done: concurrent.futures.Future[FragmentResult | None] = concurrent.futures.Future()
         entry = _Entry(key=key, job=job, hand=hand, halt=halt, finish=finish, nan=nan, done=done)
         self._in_flight += 1
@@ -117,8 +121,22 @@ class StepEngine:
             self._idle.set()
 
     # ------------------------------------------------------------------ compute thread
+    def _join(self, arrived: list[_Entry], g: int) -> None:
+        """The fragments that arrived join the batch: their prompts encoded in one call (an
+        edit prompt set, whose conditioning carries its input images, on its own)."""
+        text = [e for e in arrived if e.job.input_images() is None]
+        conds = dict(zip([e.key for e in text],
+                         self.batcher.encode_many([list(e.job.prompts) for e in text], g), strict=True))
+        for e in arrived:
+            cond = conds.get(e.key)
+            if cond is None:  # rows cached per prompt and its images (sampler.cond_cache_mb)
+                cond = self.batcher.encode(list(e.job.prompts), g, e.job.input_images())
+            e.job.start_batched(cond)
+            self.batcher.add(e.key, cond, list(e.job.seeds), set(e.job.sde_steps))
+
     def _run(self) -> None:
         entries: dict[Hashable, _Entry] = {}
+        finished: list[tuple[_Entry, torch.Tensor]] = []
         g = self.cfg.train.group_size
         try:
             while True:
@@ -127,13 +145,9 @@ class StepEngine:
                     if not arrived and not entries:
                         self._running = False
                         return
-                for e in arrived:
-                    images = (None if e.job.metadata is None
-                              else [prompt_images(m) for m in e.job.metadata])  # an edit's input images
-                    cond = self.batcher.encode(list(e.job.prompts), g, images)
-                    e.job.start_batched(cond)
-                    self.batcher.add(e.key, cond, list(e.job.seeds), set(e.job.sde_steps))
-                    entries[e.key] = e
+                if arrived:
+                    self._join(arrived, g)
+                    entries.update((e.key, e) for e in arrived)
                 for key, e in list(entries.items()):
                     if e.halt.is_set():
                         self.batcher.remove(key)
@@ -145,6 +159,7 @@ class StepEngine:
                 t0 = self.clock()
                 out = self.batcher.step()
                 t1 = self.clock()
+                rows = sum(rec.x_t.shape[0] for _, rec, _ in out)  # the trace's batching curve
                 for key, rec, last in out:
                     e = entries[key]
                     if e.nan:
@@ -152,19 +167,24 @@ class StepEngine:
                     if e.job.record_batched(rec):
                         staged = self.stager.stage([rec.x_t.to(self.wire), rec.x_next.to(self.wire),
                                                     rec.log_prob])
-                        e.hand((self.span, t0, t1, (rec.index, rec.sigma, rec.sigma_next, staged)))
+                        e.hand((self.span, t0, t1, (rec.index, rec.sigma, rec.sigma_next, staged), rows))
                     else:
-                        e.hand((self.span, t0, t1, None))
+                        e.hand((self.span, t0, t1, None, rows))
                     if last:
-                        del entries[key]
-                        f0 = self.clock()
-                        result = e.finish(e.job)
-                        e.hand(("reward", f0, self.clock(), None))
+                        finished.append((entries.pop(key), rec.x_next))
+                if finished:  # one decoder call for every fragment that finished at this step
+                    f0 = self.clock()
+                    images = self.batcher.decode_many([x for _, x in finished])
+                    for img in images:
+                        e, _ = finished[0]
+                        result = e.finish(e.job, img)
+                        finished.pop(0)
+                        e.hand(("reward", f0, self.clock(), None, 0))
                         e.done.set_result(result)
                         e.hand(None)
         except BaseException as err:
             with self._lock:
-                left = [*entries.values(), *self._incoming]
+                left = [*entries.values(), *(e for e, _ in finished), *self._incoming]
                 self._incoming = []
                 self._running = False
             for e in left:

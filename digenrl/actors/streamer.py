@@ -45,9 +45,10 @@ from digenrl.transport.staging import DeviceToHost, Staged
 _EMPTY_IMAGES = torch.zeros(0, dtype=torch.uint8)
 
 
-_Handed = tuple[str, int, int, tuple[int, float, float, Staged] | None]
-"""(span name, start ns, end ns, (t index, sigma, sigma next, staged chunk) or None), from
-the compute thread to the loop."""
+_Handed = tuple[str, int, int, tuple[int, float, float, Staged] | None, int]
+"""(span name, start ns, end ns, (t index, sigma, sigma next, staged chunk) or None, rows), from
+the compute thread to the loop; ``rows``: the trajectory rows a step batcher's step carried
+(recorded in the span's args), 0 for a fragment's own steps."""
 
 
 class FragmentStreamer:
@@ -152,16 +153,16 @@ class FragmentStreamer:
                     if extra > 0:  # TEST-ONLY ([faults]): an emulated slower GPU
                         time.sleep(extra)
                     if rec is None:
-                        hand((span, t0, t1, None))
+                        hand((span, t0, t1, None, 0))
                         t0 = clock()
                         result = job.finish().to_host()  # on this thread, not the event loop
                         algorithm.finish_on_thread(result, wire)
-                        hand(("reward", t0, clock(), None))
+                        hand(("reward", t0, clock(), None, 0))
                         return result
                     # queued here, on the sampler's thread: a side-stream copy into a pooled
                     # pinned buffer (transport/staging.py); the sampler's stream never waits
                     staged = stager.stage([rec.x_t.to(wire), rec.x_next.to(wire), rec.log_prob])
-                    hand((span, t0, t1, (rec.index, rec.sigma, rec.sigma_next, staged)))
+                    hand((span, t0, t1, (rec.index, rec.sigma, rec.sigma_next, staged), 0))
                 return None
             finally:
                 hand(None)
@@ -169,8 +170,8 @@ class FragmentStreamer:
         stager = self._stager(model)
         job_done: asyncio.Future[FragmentResult | None]
         if cfg.sampler.max_batch:  # step-level batching: the fragment joins the node's batch
-            def finish(j: FragmentJob) -> FragmentResult:
-                result = j.finish().to_host()
+            def finish(j: FragmentJob, images: torch.Tensor) -> FragmentResult:
+                result = j.finish(images).to_host()
                 algorithm.finish_on_thread(result, wire)
                 return result
             job_done = self.engine_for(model).join(task.task_id, job, hand=hand, halt=halt,
@@ -181,9 +182,11 @@ class FragmentStreamer:
         sender = self.recorder.named_lane(self.lane)
         try:
             while (item := await handed.get()) is not None:
-                name, t0, t1, chunk = item
+                name, t0, t1, chunk, rows = item
                 if name == "reward":
                     self.recorder.record(name, t0, t1, task=task.task_id)
+                elif rows:  # a step batcher's step: the rows it carried
+                    self.recorder.record(name, t0, t1, step=task.step, task=task.task_id, rows=rows)
                 else:
                     self.recorder.record(name, t0, t1, step=task.step, task=task.task_id)
                 if chunk is None:

@@ -223,6 +223,9 @@ class Workload:
     kl: bool
     lora_rank: int
     fsdp: bool = True
+    rows_per_forward: int = 0
+    """Trajectory rows a rollout's denoiser forward carries (a fragment's, or a step batcher's
+    occupancy); 0: unknown. Used only with a calibrated batching curve."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -317,7 +320,11 @@ def step_sync_s(model: str, lora_rank: int, trainer_gpus: list[str] | tuple[str,
 
 def node_costs(gpu: str, wl: Workload, *, trainer_ranks: int = 1,
                calibration: dict[str, Any] | None = None) -> NodeCosts:
-    """Per-unit seconds of ``wl`` on ``gpu``; a calibration (``plan --calibrate`` JSON) overrides."""
+    """Per-unit seconds of ``wl`` on ``gpu``; a calibration (``plan --calibrate`` JSON) overrides.
+
+    With a calibrated batching curve (``forward_fixed_s``, ``forward_row_s``) and a known
+    ``wl.rows_per_forward`` = r, a rollout's seconds per sample and step are
+    ``(forward_fixed_s + forward_row_s * r) / r``."""
     g, m = _specs(gpu, wl.model)
     cfg_gen = 2 if wl.cfg_gen else 1
     # cm 0: 3x fwd (fwd+bwd), 4x with checkpointing, +1 fwd reference when KL > 0, x2 with CFG.
@@ -346,6 +353,10 @@ def node_costs(gpu: str, wl: Workload, *, trainer_ranks: int = 1,
         reward = float(calibration.get("reward_s", reward))
         optimizer = float(calibration.get("optimizer_s", optimizer))
         switch = float(calibration.get("switch_s", switch))
+        if wl.rows_per_forward and "forward_row_s" in calibration:
+            # a batching run's curve: one step of r rows takes fixed + row * r, shared by r samples
+            r = wl.rows_per_forward
+            gen = (float(calibration.get("forward_fixed_s", 0.0)) + float(calibration["forward_row_s"]) * r) / r
     return NodeCosts(gen_step_s=gen, colo_gen_step_s=colo_gen, train_step_s=train,
                      reward_s=reward, optimizer_s=optimizer, switch_s=switch)
 
@@ -419,10 +430,11 @@ def chunk_bytes(model: str, wire_fp32: bool) -> int:
     return 2 * MODELS[model].latent_bytes * elem_scale + 4
 
 
-CLUSTER_CALIBRATION = ("weight_fetch_s", "weight_apply_s", "latency_s")
-"""Calibration keys that are not per node: a rollout's background fetch of one version
-(replaces :func:`weight_sync_s`), its apply at a trajectory boundary (0 without a fit), and
-one message's latency (replaces ``Network.latency_s``)."""
+CLUSTER_CALIBRATION = ("weight_fetch_s", "weight_apply_s", "latency_s", "forward_fixed_s", "forward_row_s")
+"""Calibration keys that are not NodeCosts fields: a rollout's background fetch of one version
+(replaces :func:`weight_sync_s`), its apply at a trajectory boundary (0 without a fit), one
+message's latency (replaces ``Network.latency_s``), and a batching rollout's curve (one
+step-batcher step = ``forward_fixed_s + forward_row_s * rows``; :func:`node_costs`)."""
 
 
 def load_calibration(path: str | Path) -> dict[str, Any]:

@@ -23,6 +23,11 @@ to power-of-two buckets so a changing number of fragments in flight does not rec
 step; any failure to compile is logged (``compile_fallback`` with the reason) and the batcher
 runs eager.
 
+Per-fragment fixed costs are shared too: :meth:`StepBatcher.encode_many` encodes the prompts of
+every fragment that arrives at a step in one text-encoder call, :meth:`StepBatcher.decode_many`
+decodes the fragments that finish at a step in one VAE call (images equal the per-fragment
+decode's up to the decoder's batch-size rounding, at most 1 in 255 in a uint8 pixel).
+
 Sans threads: the caller (a rollout's compute thread, a benchmark) drives :meth:`step`.
 """
 
@@ -250,6 +255,23 @@ class StepBatcher:
                 cond = encode_inputs(self.model, list(prompts), images)
         return cond_repeat(cond, group_size)
 
+    def encode_many(self, prompt_lists: Sequence[Sequence[str]], group_size: int) -> list[Cond]:
+        """:meth:`encode` of several fragments in **one** text-encoder call (what arrives at a
+        step joins together): each fragment's conditioning, its rows repeated ``group_size`` times."""
+        flat = [p for prompts in prompt_lists for p in prompts]
+        if not flat:
+            return [{} for _ in prompt_lists]
+        if self.cond_cache is not None:
+            cond = self.cond_cache.encode(self.model, flat)
+        else:
+            with torch.no_grad():
+                cond = self.model.encode_prompts(flat)
+        out, start = [], 0
+        for prompts in prompt_lists:
+            out.append(cond_repeat(cond_select(cond, slice(start, start + len(prompts))), group_size))
+            start += len(prompts)
+        return out
+
     def add(self, key: Hashable, cond: Cond, seeds: Sequence[int], sde_steps: set[int] | None) -> None:
         """Queue a fragment of ``len(seeds)`` trajectories; it joins at the next :meth:`step`
         with room for all its rows. ``sde_steps`` as in :func:`~digenrl.rl.sampler.rollout`."""
@@ -322,6 +344,14 @@ class StepBatcher:
         self.stats.fragment_steps += len(out)
         self.active = [t for t in self.active if t.pos < len(t.grid)]
         return out
+
+    def decode_many(self, finals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Images of several fragments' final latents in **one** decoder call (fragments that
+        finished at the same step), split back per fragment."""
+        if len(finals) == 1:
+            return [self.model.decode(finals[0])]
+        images = self.model.decode(torch.cat(list(finals)))
+        return list(images.split([f.shape[0] for f in finals]))
 
     def _advance(self, t: _Trajectories, v: torch.Tensor, sigma_max: float) -> tuple[Hashable, StepRecord, bool]:
         s = self.cfg

@@ -62,8 +62,7 @@ class FragmentJob:
         """Yield the records of the trained steps, in denoising order, as they are produced."""
         self._t0 = time.perf_counter()
         g = self.cfg.train.group_size
-        images = None if self.metadata is None else [prompt_images(m) for m in self.metadata]
-        cond = cond_repeat(encode_inputs(self.model, list(self.prompts), images), g)
+        cond = cond_repeat(encode_inputs(self.model, list(self.prompts), self.input_images()), g)
         self._cond = cond
         trained = set(self.trained_steps)
         for rec in rollout(self.model, cond, generator=seeded_generators(self.seeds),
@@ -71,6 +70,11 @@ class FragmentJob:
             self._final = rec.x_next
             if rec.index in trained:
                 yield rec
+
+    def input_images(self) -> list[list[str]] | None:
+        """Each prompt's input image paths (an edit prompt set), or None: text only."""
+        images = None if self.metadata is None else [prompt_images(m) for m in self.metadata]
+        return images if images is not None and any(images) else None
 
     def start_batched(self, cond: Cond) -> None:
         """Generation by a step batcher (``rl/batching.py``) instead of :meth:`steps`: ``cond``
@@ -83,12 +87,15 @@ class FragmentJob:
         self._final = rec.x_next
         return rec.index in set(self.trained_steps)
 
-    def finish(self) -> FragmentResult:
+    def finish(self, images: torch.Tensor | None = None) -> FragmentResult:
         """Decode the final latents and score them (after the last step; without a reward_fn
-        the rewards are empty and a reward worker scores the images)."""
+        the rewards are empty and a reward worker scores the images). ``images``: the final
+        latents already decoded (a step batcher decodes the fragments that finish together in
+        one call)."""
         assert self._final is not None and self._cond is not None, "steps() must run first"
         g = self.cfg.train.group_size
-        images = self.model.decode(self._final)
+        if images is None:
+            images = self.model.decode(self._final)
         prompts = [p for p in self.prompts for _ in range(g)]
         meta = None if self.metadata is None else [m for m in self.metadata for _ in range(g)]
         terms: dict[str, torch.Tensor]

@@ -29,9 +29,16 @@ weight_apply_s rollout: ``weight_apply`` start -> the first denoising pull that 
 latency_s      one message, the mean of two medians: commit (the rollout's commit sends end ->
                the waiting trainer's ``fragment_train`` start) and announce (rank 0
                ``weight_publish`` end -> the waiting rollout's ``weight_(pre)fetch`` start)
+forward_fixed_s a batching rollout (``sampler.max_batch > 0``): the batching curve, one
+forward_row_s  step-batcher step's seconds = fixed + row x rows, least squares over the
+               median seconds at each row count its ``denoise_step`` spans carry (``rows``
+               in the span's args; a span shared by several fragments counts once); needs
+               two or more row counts. ``batch_curve`` holds the medians by rows
 ============== ============================================================================
 
-The cost model is linear in samples (seconds per sample and step). On the tiny CPU model a
+The cost model is linear in samples (seconds per sample and step), except for a batching
+rollout's curve: with it, ``node_costs`` prices a denoising step at the rows the planned
+configuration puts in one forward (:func:`~digenrl.core.costmodel.node_costs`). On the tiny CPU model a
 batch of 4 costs nearly what a batch of 16 does (Python overhead per call), so a fit is only
 valid for the fragment size it was measured at; :func:`calibrate` records it
 (``samples_per_fragment``) and the planner predicts the same configuration.
@@ -170,6 +177,33 @@ def _latencies(spans: dict[str, list[_Ev]], warm: int) -> list[list[float]]:
     return [seen["commit"], seen["announce"]]
 
 
+def batch_curve(spans: dict[str, list[_Ev]], warm: int) -> dict[int, list[float]]:
+    """Rows -> seconds of each step-batcher step of steps >= ``warm`` (the span the batcher's
+    step hands every fragment it stepped, counted once per node)."""
+    out: dict[int, list[float]] = defaultdict(list)
+    for evs in spans.values():
+        seen: set[tuple[float, float]] = set()
+        for e in evs:
+            rows = e.args.get("rows")
+            if (e.name in GEN_SPANS and rows and e.args.get("step", 0) >= warm
+                    and (e.start, e.end) not in seen):
+                seen.add((e.start, e.end))
+                out[int(rows)].append(e.end - e.start)
+    return dict(out)
+
+
+def fit_line(points: dict[int, float]) -> tuple[float, float] | None:
+    """Least-squares ``(fixed, per_row)`` of seconds = fixed + per_row x rows through the
+    points (rows -> seconds), each clamped at 0; None with fewer than two row counts."""
+    if len(points) < 2:
+        return None
+    xs, ys = list(points), list(points.values())
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    slope = max(0.0, slope)
+    return max(0.0, my - slope * mx), slope
+
+
 def calibrate(run_dir: str | Path, *, warmup_steps: int = 1) -> dict[str, Any]:
     """Fit per-unit seconds (NodeCosts fields + CLUSTER_CALIBRATION keys) to a real run dir."""
     from digenrl.sim.simulator import trained_timesteps
@@ -193,6 +227,7 @@ def calibrate(run_dir: str | Path, *, warmup_steps: int = 1) -> dict[str, Any]:
 
     costs: dict[str, float] = {}
     samples: dict[str, int] = {}
+    batch: dict[str, float] = {}
 
     def put(key: str, values: list[float], per: float) -> None:
         m = _med(values)
@@ -237,6 +272,13 @@ def calibrate(run_dir: str | Path, *, warmup_steps: int = 1) -> dict[str, Any]:
                 pub = next((f for f in rank0[i + 1:] if f.name == "weight_publish"), None)
                 opt.append((pub.end if pub is not None else e.end) - e.start)
         put("optimizer_s", opt, 1)
+        curve = {r: statistics.median(v) for r, v in sorted(batch_curve(spans, warm).items())}
+        line = fit_line(curve)
+        if line is not None:
+            costs["forward_fixed_s"], costs["forward_row_s"] = line
+            samples["forward_fixed_s"] = samples["forward_row_s"] = sum(
+                len(v) for v in batch_curve(spans, warm).values())
+        batch = {str(r): m for r, m in curve.items()}
     per_rank = share * nt if colocated else share * max(1, nt // R if cfg.runtime.tsp else nt)
     put("train_step_s", steady("fragment_train"), per_rank)
     metrics = d / "metrics.jsonl"
@@ -252,5 +294,8 @@ def calibrate(run_dir: str | Path, *, warmup_steps: int = 1) -> dict[str, Any]:
         if m is not None:
             costs["switch_s"] = max(0.0, m / 2)
             samples["switch_s"] = len(rest)
-    return {"run_dir": str(d), "mode": cfg.run.mode, "model": cfg.model.family,
-            "samples_per_fragment": share, "warmup_steps": warm, "n": samples, "costs": costs}
+    out = {"run_dir": str(d), "mode": cfg.run.mode, "model": cfg.model.family,
+           "samples_per_fragment": share, "warmup_steps": warm, "n": samples, "costs": costs}
+    if not colocated and batch:
+        out["batch_curve"] = batch
+    return out

@@ -107,7 +107,19 @@ def workload_from_config(cfg: Config) -> Workload:
     return Workload(model=model, num_steps=cfg.sampler.num_steps,
                     trained_steps=len(trained_timesteps(cfg)), cfg_gen=cfg.sampler.guidance_scale > 1,
                     cfg_train=cfg.sampler.guidance_scale > 1, grad_ckpt=cfg.model.gradient_checkpointing,
-                    kl=cfg.train.kl_beta > 0, lora_rank=cfg.model.lora_rank, fsdp=cfg.model.fsdp)
+                    kl=cfg.train.kl_beta > 0, lora_rank=cfg.model.lora_rank, fsdp=cfg.model.fsdp,
+                    rows_per_forward=rows_per_forward(cfg))
+
+
+def rows_per_forward(cfg: Config) -> int:
+    """Trajectory rows a rollout's forward carries as planned: a fragment's (``sampler.max_batch
+    = 0``), else as many whole fragments as ``max_batch`` holds, at most those a node may have
+    in flight (a step's fragments times K + 1 versions)."""
+    frag = cfg.train.prompts_per_step // cfg.runtime.fragments_per_step * cfg.train.group_size
+    if not cfg.sampler.max_batch:
+        return frag
+    fragments = min(max(1, cfg.sampler.max_batch // frag), cfg.runtime.fragments_per_step * (cfg.runtime.staleness + 1))
+    return frag * fragments
 
 
 def trained_timesteps(cfg: Config) -> list[int]:

@@ -34,7 +34,8 @@ __all__ = ["DOCS_PATH", "MetricsWriter", "MissingExtraError", "StepMetrics", "do
 
 DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 # Dict-valued fields -> the key prefix of their entries: busy={"trainer-0": .9} -> "busy/trainer-0".
-_DICT_PREFIX = {"reward_terms": "reward", "adv_terms": "adv", "busy": "busy", "gpu_util": "gpu_util",
+_DICT_PREFIX = {"reward_terms": "reward", "adv_terms": "adv", "busy": "busy", "batch": "batch",
+                "gpu_util": "gpu_util",
                 "gpu_mem_used_mb": "gpu_mem_used_mb", "staleness_hist": "staleness"}
 _warned: set[str] = set()  # extra keys already logged (once per process is enough)
 
@@ -81,6 +82,7 @@ class StepMetrics:
     reward_terms: dict[str, float] = field(default_factory=dict)
     adv_terms: dict[str, float] = field(default_factory=dict)  # "<term>/std" -> adv/<term>/std
     busy: dict[str, float] = field(default_factory=dict)
+    batch: dict[str, float] = field(default_factory=dict)  # batching rollouts' rows per forward
     gpu_util: dict[str, float] = field(default_factory=dict)
     gpu_mem_used_mb: dict[str, float] = field(default_factory=dict)
     staleness_hist: dict[str, int] = field(default_factory=dict)

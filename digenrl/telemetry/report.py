@@ -111,6 +111,11 @@ def format_summary(run_dir: Path, summary: Mapping[str, Any], busy_trace: Mappin
             s = f"{busy[n]:6.1%}" if n in busy else "     –"
             t = f"{busy_trace[n]:6.1%}" if n in busy_trace else "     –"
             lines.append(f"  {n:<{width}}  {s} | {t}  {_bar(busy.get(n, busy_trace.get(n, 0.0)))}")
+    batch = dict(summary.get("batch_rows_per_forward") or {})
+    if batch:
+        lines.append("rollout batch occupancy (trajectory rows per denoiser forward, sampler.max_batch)")
+        width = max(len(n) for n in batch)
+        lines += [f"  {n:<{width}}  {batch[n]:6.2f}" for n in sorted(batch)]
     hist = {int(k): int(v) for k, v in (summary.get("staleness_hist") or {}).items()}
     if hist:
         total = sum(hist.values()) or 1

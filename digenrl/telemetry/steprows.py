@@ -2,7 +2,8 @@
 
 A row is trainer rank 0's StepDone metrics plus what only the coordinator sees: the run's
 wall time, the whole cluster's traffic, each node's busy share since the previous row (from
-the nodes' heartbeat stats) and ``staleness/<k>``, the credit ledger's count of the step's
+the nodes' heartbeat stats), each batching rollout's rows per denoiser forward since the
+previous row (``batch/<node>``) and ``staleness/<k>``, the credit ledger's count of the step's
 trained trajectories by staleness (docs/metrics.md). A row waits until the ledger has every
 fragment of its step consumed: another rank's Consumed may arrive after rank 0's StepDone.
 """
@@ -33,6 +34,8 @@ class StepRows:
         self.busy_last: dict[str, tuple[float, float]] = {}   # node -> (busy_s, wall_s) at the last row
         self.busy_total: dict[str, tuple[float, float]] = {}  # node -> (busy_s, wall_s) of its latest beat
         self.net_total: dict[str, tuple[float, float]] = {}   # node -> (messages, bytes) sent
+        self.batch_last: dict[str, tuple[float, float]] = {}  # node -> (forwards, rows) at the last row
+        self.batch_total: dict[str, tuple[float, float]] = {}  # node -> (forwards, rows) of its latest beat
         self.waiting: dict[int, dict[str, Any]] = {}          # step -> metrics row not yet written
 
     def node_stats(self, node_id: str, stats: Mapping[str, Any]) -> None:
@@ -41,6 +44,8 @@ class StepRows:
         self.busy_total[node_id] = (busy, wall)
         self.net_total[node_id] = (float(stats.get("net_messages", 0.0)),
                                    float(stats.get("net_bytes", 0.0)))
+        if "batch_forwards" in stats:  # a rollout with step-level batching (sampler.max_batch > 0)
+            self.batch_total[node_id] = (float(stats["batch_forwards"]), float(stats.get("batch_rows", 0.0)))
 
     def traffic(self, own: Iterable[tuple[int, int]]) -> tuple[float, float]:
         """(messages, frame bytes) the whole cluster sent so far: ``own``, the (messages,
@@ -52,6 +57,11 @@ class StepRows:
     def busy(self) -> dict[str, float]:
         """Each node's busy share over its whole run (summary.json ``busy``)."""
         return {n: busy_share(b, w) for n, (b, w) in self.busy_total.items()}
+
+    def batch_occupancy(self) -> dict[str, float]:
+        """Each batching rollout's trajectory rows per denoiser forward over its whole run
+        (summary.json ``batch_rows_per_forward``)."""
+        return {n: r / f for n, (f, r) in self.batch_total.items() if f > 0}
 
     def step_done(self, step: int, version: int, metrics: Mapping[str, Any], *, wall_time: float,
                   traffic: tuple[float, float]) -> None:
@@ -71,6 +81,11 @@ class StepRows:
             if wall > w0:
                 row[f"busy/{node}"] = busy_share(busy - b0, wall - w0)
             self.busy_last[node] = (busy, wall)
+        for node, (forwards, rows) in self.batch_total.items():
+            f0, r0 = self.batch_last.get(node, (0.0, 0.0))
+            if forwards > f0:
+                row[f"batch/{node}"] = (rows - r0) / (forwards - f0)
+            self.batch_last[node] = (forwards, rows)
         self.waiting[step] = row
 
     def flush(self, ledger: StepLedger, fragments_per_step: int, *, final: bool = False) -> None:
