@@ -1,0 +1,91 @@
+"""The sequence-parallel forward of the families' transformers (digenrl.models.seqpar) over
+real gloo process groups, on tiny folders saved by the real diffusers pipelines: one GRPO
+fragment (KL term on, PPO clip active) at SP = 2 for every family and SP = 4 for Wan (a
+4-head folder), against the same fragment with the plain forward in one process.
+
+Each worker launch (tests/sp_family_worker.py) runs a batch of cases in one process group,
+so imports and the group are paid once per batch: Wan and FLUX at SP = 2 (about 40 s), and,
+marked slow, SD3, Qwen-Image and HunyuanVideo at SP = 2 and Wan at SP = 4.
+"""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.pipelines import write_pipeline_folder
+
+WORKER = Path(__file__).parent / "sp_family_worker.py"
+#: case -> (family, degree, folder builder kwargs, the worker launch that runs it)
+CASES = {
+    "wan": ("wan", 2, {}, "sp2"), "flux": ("flux", 2, {}, "sp2"),
+    "sd3": ("sd3", 2, {}, "sp2-more"), "qwenimage": ("qwenimage", 2, {}, "sp2-more"),
+    "hunyuanvideo": ("hunyuanvideo", 2, {}, "sp2-more"),
+    "wan-4heads": ("wan", 4, {"heads": 4}, "sp4"),
+}
+SLOW = {"sp2-more", "sp4"}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, dict[str, Any]]]:
+    """case -> its {"sp": ..., "ref": ...}; a launch runs when one of its cases is first asked for."""
+    root = tmp_path_factory.mktemp("sp_families")
+    done: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def get(case: str) -> dict[str, dict[str, Any]]:
+        launch = CASES[case][3]
+        if case not in done:
+            todo = {c: v for c, v in CASES.items() if v[3] == launch}
+            args = [f"{c}={family}={write_pipeline_folder(family, root / c, **kw)}"
+                    for c, (family, _, kw, _) in todo.items()]
+            path = root / f"{launch}.pt"
+            subprocess.run([sys.executable, str(WORKER), str(todo[case][1]), str(_port()), str(path), *args],
+                           check=True, timeout=600)
+            done.update(torch.load(path))
+        return done[case]
+    return get
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if v[3] in SLOW else [])
+                                  for c, v in CASES.items()])
+def test_sharded_fragment_matches_the_one_process_forward(runs: Callable, case: str) -> None:
+    got, ref = runs(case)["sp"], runs(case)["ref"]
+    n = CASES[case][1]
+    # each rank carried 1/N of the tokens through the blocks: the sharding really ran
+    assert int(got["tokens"]) * n == int(ref["tokens"])
+    assert got.pop("refused") == (f"sequence parallelism: {2 * n + 1} image/video tokens, not "
+                                  f"divisible by train.sequence_parallel = {n}")
+    assert set(got) == set(ref)
+    # float32; the ranks attend over the same tokens per head but sum some terms (the text
+    # replicas' gradients, the all-reduce of the parameter gradients) in another order
+    for name in ("velocity", "logp0", "logp1", "loss", "kl"):
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert float(ref["kl"]) > 0  # the reference pass (adapter off) differs from the policy
+    grads = [k for k in ref if k.startswith("grad:")]
+    assert grads and max(float(ref[k].abs().max()) for k in grads) > 1e-5
+    for k in grads:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-8, msg=k)
+
+
+def test_a_degree_that_does_not_divide_the_heads_is_refused() -> None:
+    from diffusers import WanTransformer3DModel
+
+    from digenrl.models.seqpar import check_heads, heads_of
+
+    t = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                              text_dim=8, freq_dim=8, ffn_dim=8, num_layers=1)
+    with pytest.raises(ValueError, match="has 2 attention heads"):
+        check_heads(heads_of(t), 4)
+    check_heads(heads_of(t), 2)
