@@ -293,6 +293,12 @@ class TrainConfig:
                          "reference uses 1, i.e. hardly any clipping)", gt=0)
     nft_adaptive: bool = _f(True, "nft: DiffusionNFT's adaptive weighting (each branch's squared "
                             "x0 error over its detached mean absolute error)")
+    sequence_parallel: int = _f(
+        1, "N: trainer ranks that train each sample together (Ulysses sequence parallelism): "
+        "groups of N consecutive trainer ranks share their samples, each rank carrying 1/N of "
+        "the image/video tokens through the transformer; N must divide cluster.trainers and "
+        "the transformer's attention heads (sd3, flux, flux_kontext, qwenimage, wan, "
+        "hunyuanvideo; not colocated, not with model.fsdp)", ge=1, le=1024)
     ema_decay: float = _f(
         0.0, "decay d of an exponential moving average of the trained weights (float32, on the "
         "trainer ranks), after each applied optimizer step: ema = d * ema + (1 - d) * weights; "
@@ -653,6 +659,27 @@ def _check_base_tail(cfg: Config) -> None:
                           f"model's tail, at step {tail_from} (sampler.base_tail = {s.base_tail})")
 
 
+def _check_sequence_parallel(cfg: Config) -> None:
+    """What ``train.sequence_parallel`` cannot combine with, from the config alone (the trainer
+    count and the model's heads are checked at launch: ``digenrl.launch``)."""
+    n = cfg.train.sequence_parallel
+    if n == 1:
+        return
+    where = f"train.sequence_parallel = {n}"
+    if cfg.run.mode == "colocated":
+        raise ConfigError(f"{where} with run.mode = 'colocated': sequence-parallel groups are "
+                          "trainer nodes; use run.mode = 'digenrl' or 'disagg-sync'")
+    if cfg.model.fsdp:
+        raise ConfigError(f"{where} with model.fsdp = true: sharded sequence-parallel training "
+                          "is not implemented (set one of them off)")
+    if cfg.runtime.tag == "always":
+        raise ConfigError(f"{where} with runtime.tag = 'always': a sequence-parallel trainer rank "
+                          "does not generate (its passes pair with its group's); use 'bts' or 'never'")
+    if cfg.model.path == "emulated":
+        raise ConfigError(f"{where} with model.path = 'emulated': the emulated model has no "
+                          "transformer to shard")
+
+
 def _check_consistency(cfg: Config) -> None:
     t, s = cfg.train, cfg.sampler
     if t.timesteps == "window":
@@ -681,6 +708,7 @@ def _check_consistency(cfg: Config) -> None:
         if cfg.model.fsdp:
             raise ConfigError(f"model.fsdp = true with train.algorithm = {t.algorithm!r}: sharded "
                               "training of the forward-process losses is not implemented")
+    _check_sequence_parallel(cfg)
     if len(set(cfg.tracking.backends)) < len(cfg.tracking.backends):
         raise ConfigError(f"tracking.backends = {cfg.tracking.backends!r}: a tracker is listed twice")
     if cfg.model.offload != "none" and not cfg.model.fsdp:

@@ -126,6 +126,10 @@ def check_trainer_count(cfg: Config, where: str = "") -> None:
     if cfg.run.mode == "colocated" and P % n:
         raise ConfigError(f"{where}cluster.trainers = {n}: colocated ranks split "
                           f"train.prompts_per_step = {P} evenly; use a divisor of it")
+    sp = cfg.train.sequence_parallel
+    if n % sp:
+        raise ConfigError(f"{where}cluster.trainers = {n}: train.sequence_parallel = {sp} lays the "
+                          f"trainer ranks out in groups of {sp}; expected a multiple of {sp}")
 
 
 def _child_env(cfg: Config, index: int = 0) -> dict[str, str]:
@@ -208,6 +212,7 @@ def check_before_start(cfg: Config) -> None:
 
     check_runtime_support(cfg)
     check_model_path(cfg.model)
+    check_sequence_parallel(cfg)
     shape = latent_shape_of(cfg.model)
     from digenrl.models.footprint import check_footprint
     test = None
@@ -236,6 +241,26 @@ def check_before_start(cfg: Config) -> None:
         check_trackers(cfg.tracking)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_sequence_parallel(cfg: Config) -> None:
+    """Refuse a ``train.sequence_parallel`` the model cannot run: a family without a
+    sequence-parallel forward, or attention heads the degree does not divide (the folder's
+    transformer config; nothing is loaded)."""
+    n = cfg.train.sequence_parallel
+    if n == 1:
+        return
+    from digenrl.models.catalog import SEQUENCE_PARALLEL_FAMILIES
+    from digenrl.models.meta import transformer_config
+
+    if cfg.model.family not in SEQUENCE_PARALLEL_FAMILIES:
+        raise ConfigError(f"train.sequence_parallel = {n} with model.family = {cfg.model.family!r}: "
+                          f"no sequence-parallel forward; expected one of "
+                          f"{', '.join(SEQUENCE_PARALLEL_FAMILIES)}")
+    heads = int(transformer_config(cfg.model)[0].get("num_attention_heads", 0))
+    if heads % n or not heads:
+        raise ConfigError(f"train.sequence_parallel = {n}: the transformer has {heads} attention "
+                          f"heads; expected a divisor of {heads}")
 
 
 def _two_experts(cfg: Config) -> bool:

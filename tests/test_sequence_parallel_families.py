@@ -89,3 +89,40 @@ def test_a_degree_that_does_not_divide_the_heads_is_refused() -> None:
     with pytest.raises(ValueError, match="has 2 attention heads"):
         check_heads(heads_of(t), 4)
     check_heads(heads_of(t), 2)
+
+
+@pytest.mark.parametrize(("sets", "mode", "message"), [
+    (["run.mode=\"colocated\""], "colocated", r"train\.sequence_parallel = 2 with run\.mode = 'colocated'"),
+    (["model.fsdp=true"], "digenrl", r"train\.sequence_parallel = 2 with model\.fsdp = true: sharded"),
+    (["runtime.tag=\"always\""], "digenrl", r"train\.sequence_parallel = 2 with runtime\.tag = 'always'"),
+    (["model.path=\"emulated\""], "digenrl", r"train\.sequence_parallel = 2 with model\.path = 'emulated'"),
+])
+def test_what_sequence_parallelism_cannot_combine_with_is_refused_in_the_config(sets, mode, message) -> None:
+    from digenrl.config import ConfigError
+    from tests.factories import tiny_config
+
+    with pytest.raises(ConfigError, match=message):
+        tiny_config("train.sequence_parallel=2", *sets, mode=mode)
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["cluster.trainers=3", "train.sequence_parallel=2"],
+     r"^cluster\.trainers = 3: train\.sequence_parallel = 2 lays the trainer ranks out in groups "
+     r"of 2; expected a multiple of 2$"),
+    (["cluster.trainers=1", "train.sequence_parallel=2"], r"^cluster\.trainers = 1: .* expected a multiple of 2$"),
+    # the tiny random SD3 has 4 heads
+    (["cluster.trainers=3", "train.sequence_parallel=3"],
+     r"^train\.sequence_parallel = 3: the transformer has 4 attention heads; expected a divisor of 4$"),
+    (["cluster.trainers=2", "train.sequence_parallel=2", 'model.family="flux2"'],
+     r"^train\.sequence_parallel = 2 with model\.family = 'flux2': no sequence-parallel forward"),
+])
+def test_the_launcher_refuses_a_degree_the_trainers_or_the_model_cannot_take(tmp_path: Path, sets, message) -> None:
+    from digenrl.config import ConfigError
+    from digenrl.launch import launch, make_run_dir
+    from tests.factories import tiny_config
+
+    cfg = tiny_config(*sets, mode="digenrl")
+    run_dir = make_run_dir(cfg, str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=message):
+        launch(cfg, run_dir)
+    assert not list((run_dir / "logs").glob("*.stderr"))  # no child was ever started

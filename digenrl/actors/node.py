@@ -360,6 +360,10 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                 await asyncio.to_thread(init_process_group, device, init_method=endpoints["dist"],
                                         rank=msg.rank, world_size=msg.world_size)
             policy = await asyncio.to_thread(build_policy, cfg, msg.world_size, gpu, device=device)
+            if cfg.train.sequence_parallel > 1:  # groups of N consecutive ranks (models/seqpar.py)
+                from digenrl.models.seqpar import enable_sequence_parallel, group_of
+                group = await asyncio.to_thread(group_of, msg.rank, msg.world_size, cfg.train.sequence_parallel)
+                enable_sequence_parallel(policy.model, group)
             test_set = eval_reward = None
             if cfg.run.eval_every and (msg.rank == 0 or policy.sharded):
                 from digenrl.data.prompts import load_splits
@@ -377,6 +381,7 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
         unhandle = stop_on_signals(actor.request_stop, again=partial(hard_exit, 128 + signal.SIGINT))
         rss_ready = rss_mb()
         log.info("joined", rank=msg.rank, world_size=msg.world_size, rss_mb=rss_ready, device=str(device),
+                 sequence_parallel=cfg.train.sequence_parallel if trainer is not None else 1,
                  frozen_objects=frozen)
         sdnotify.ready()
         stuck: str | None = None

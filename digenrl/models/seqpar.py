@@ -48,10 +48,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from digenrl.models.catalog import SEQUENCE_PARALLEL_FAMILIES as FAMILIES
 from digenrl.models.ulysses import ulysses_attention
-
-FAMILIES = ("sd3", "flux", "flux_kontext", "qwenimage", "wan", "hunyuanvideo")
-"""Families with a sequence-parallel forward."""
 
 
 def heads_of(transformer: torch.nn.Module) -> int:
@@ -339,6 +337,30 @@ class _HunyuanProcessor(_Processor):
         if getattr(attn, "to_add_out", None) is not None:
             txt = attn.to_add_out(txt)
         return img, txt
+
+
+# ------------------------------------------------------------------------ groups
+
+def group_of(rank: int, world_size: int, n: int) -> dist.ProcessGroup:
+    """This rank's SP group: ranks ``[g n, (g + 1) n)`` for ``g = rank // n`` (the layout
+    :func:`~digenrl.core.plan.owners_for` plans over). A collective over the default group:
+    every rank creates every group, in the same order."""
+    if world_size % n:
+        raise ValueError(f"{world_size} trainer ranks: expected a multiple of train.sequence_parallel = {n}")
+    mine = None
+    for g in range(world_size // n):
+        group = dist.new_group(list(range(g * n, (g + 1) * n)))
+        if g == rank // n:
+            mine = group
+    assert mine is not None
+    return mine
+
+
+def sharded(model: Any) -> contextlib.AbstractContextManager[None]:
+    """``model.sp.active()`` for a model fitted by :func:`enable_sequence_parallel`, else a
+    no-op: the training passes of a trainer rank run under it."""
+    sp = getattr(model, "sp", None)
+    return sp.active() if isinstance(sp, SequenceParallel) else contextlib.nullcontext()
 
 
 # ------------------------------------------------------------------------ installing
