@@ -298,7 +298,7 @@ class TrainConfig:
         "groups of N consecutive trainer ranks share their samples, each rank carrying 1/N of "
         "the image/video tokens through the transformer; N must divide cluster.trainers and "
         "the transformer's attention heads (sd3, flux, flux_kontext, qwenimage, wan, "
-        "hunyuanvideo; not colocated, not with model.fsdp)", ge=1, le=1024)
+        "hunyuanvideo; not colocated)", ge=1, le=1024)
     ema_decay: float = _f(
         0.0, "decay d of an exponential moving average of the trained weights (float32, on the "
         "trainer ranks), after each applied optimizer step: ema = d * ema + (1 - d) * weights; "
@@ -669,9 +669,6 @@ def _check_sequence_parallel(cfg: Config) -> None:
     if cfg.run.mode == "colocated":
         raise ConfigError(f"{where} with run.mode = 'colocated': sequence-parallel groups are "
                           "trainer nodes; use run.mode = 'digenrl' or 'disagg-sync'")
-    if cfg.model.fsdp:
-        raise ConfigError(f"{where} with model.fsdp = true: sharded sequence-parallel training "
-                          "is not implemented (set one of them off)")
     if cfg.runtime.tag == "always":
         raise ConfigError(f"{where} with runtime.tag = 'always': a sequence-parallel trainer rank "
                           "does not generate (its passes pair with its group's); use 'bts' or 'never'")

@@ -4,7 +4,8 @@ velocity at a probe, each trained step's per-sample log-probs, the loss and the 
 gradients (summed over the ranks, as a trainer's all-reduce sums them).
 
 Rank 0 then runs the same fragment again on a fresh model in its own process with the
-plain forward (the reference). Run: python tests/sp_family_worker.py N PORT OUT.pt KEY=FAMILY=FOLDER ...
+plain forward (the reference). A KEY ending in -fsdp also shards the policy with FSDP2 over
+the same ranks. Run: python tests/sp_family_worker.py N PORT OUT.pt KEY=FAMILY=FOLDER ...
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ SIZES = {"height": 32, "width": 48, "num_frames": 5}
 PROMPTS = ["a red cat on a mat", "two blue dogs"]
 
 
-def run(family: str, folder: str, n: int, rank: int) -> dict[str, Any]:
+def run(family: str, folder: str, n: int, rank: int, fsdp: bool = False) -> dict[str, Any]:
     from digenrl.config import ModelConfig, load_config
     from digenrl.models import build_model
     from digenrl.rl.policy import Policy
@@ -38,7 +39,7 @@ def run(family: str, folder: str, n: int, rank: int) -> dict[str, Any]:
         for name, p in model.transformer.named_parameters():
             if "lora_B" in name:
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
-    policy = Policy(model, cfg.train, cfg.sampler)
+    policy = Policy(model, cfg.train, cfg.sampler, shard=fsdp)  # FSDP2 over the same ranks
     cond = model.encode_prompts(PROMPTS)
     x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # the rollout: the plain forward on every rank (the same samples)
@@ -77,7 +78,10 @@ def run(family: str, folder: str, n: int, rank: int) -> dict[str, Any]:
     for name, p in model.transformer.named_parameters():
         if p.requires_grad:
             g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-            if n > 1:
+            if fsdp:  # FSDP2 reduce-scattered (summed) the ranks' gradients: gather the shards
+                from digenrl.rl.sharding import full
+                g = full(g)
+            elif n > 1:
                 dist.all_reduce(g)  # the group's parts add up to the gradient
             out["grad:" + name] = g
     return out
@@ -88,7 +92,7 @@ def _rank(rank: int, n: int, port: int, path: str, cases: list[tuple[str, str, s
     dist.init_process_group("gloo", rank=rank, world_size=n)
     got = {}
     for key, family, folder in cases:
-        sharded = run(family, folder, n, rank)
+        sharded = run(family, folder, n, rank, fsdp=key.endswith("-fsdp"))
         if rank == 0:  # the reference: a fresh model, the plain forward, in this one process
             got[key] = {"sp": sharded, "ref": run(family, folder, 1, 0)}
         dist.barrier()

@@ -4,8 +4,9 @@ fragment (KL term on, PPO clip active) at SP = 2 for every family and SP = 4 for
 4-head folder), against the same fragment with the plain forward in one process.
 
 Each worker launch (tests/sp_family_worker.py) runs a batch of cases in one process group,
-so imports and the group are paid once per batch: Wan and FLUX at SP = 2 (about 40 s), and,
-marked slow, SD3, Qwen-Image and HunyuanVideo at SP = 2 and Wan at SP = 4.
+so imports and the group are paid once per batch: Wan and FLUX at SP = 2, and Wan with FSDP2
+sharding over the same two ranks (about 50 s), and, marked slow, SD3, Qwen-Image and
+HunyuanVideo at SP = 2 and Wan at SP = 4.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ WORKER = Path(__file__).parent / "sp_family_worker.py"
 #: case -> (family, degree, folder builder kwargs, the worker launch that runs it)
 CASES = {
     "wan": ("wan", 2, {}, "sp2"), "flux": ("flux", 2, {}, "sp2"),
+    "wan-fsdp": ("wan", 2, {}, "sp2"),  # FSDP2 over the same two ranks (the key's -fsdp)
     "sd3": ("sd3", 2, {}, "sp2-more"), "qwenimage": ("qwenimage", 2, {}, "sp2-more"),
     "hunyuanvideo": ("hunyuanvideo", 2, {}, "sp2-more"),
     "wan-4heads": ("wan", 4, {"heads": 4}, "sp4"),
@@ -93,7 +95,6 @@ def test_a_degree_that_does_not_divide_the_heads_is_refused() -> None:
 
 @pytest.mark.parametrize(("sets", "mode", "message"), [
     (["run.mode=\"colocated\""], "colocated", r"train\.sequence_parallel = 2 with run\.mode = 'colocated'"),
-    (["model.fsdp=true"], "digenrl", r"train\.sequence_parallel = 2 with model\.fsdp = true: sharded"),
     (["runtime.tag=\"always\""], "digenrl", r"train\.sequence_parallel = 2 with runtime\.tag = 'always'"),
     (["model.path=\"emulated\""], "digenrl", r"train\.sequence_parallel = 2 with model\.path = 'emulated'"),
 ])

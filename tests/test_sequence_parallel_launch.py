@@ -60,18 +60,32 @@ def test_two_trainer_ranks_train_one_sequence_parallel_group_end_to_end(tmp_path
     assert all(r["trained"] == 4 for r in rows)
 
 
-def test_two_groups_of_two_ranks_give_the_one_trainer_update(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def one_trainer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the Wan folder, a one-trainer run of one step with two fragments at K = 0)."""
+    root = tmp_path_factory.mktemp("sp_one")
+    folder = write_pipeline_folder("wan", root / "wan")
+    _launch(root / "one", folder, "wan", 1, GROUPS_EXTRA, steps=1)
+    return folder, root / "one"
+
+
+GROUPS_EXTRA = ["runtime.staleness=0", "runtime.fragments_per_step=2"]
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_two_groups_of_two_ranks_give_the_one_trainer_update(tmp_path: Path, one_trainer: tuple[Path, Path],
+                                                             fsdp: bool) -> None:
     """Four trainer ranks at SP = 2 are two groups, each planned as one rank: the step's two
     fragments go one to each group (data parallelism over groups), and the update is the
-    one-trainer update. One step: a second step would sample with weights that differ in
-    the last bits, which a discontinuous reward (JPEG size) may turn into other rewards."""
+    one-trainer update, also with FSDP2 sharding the parameters over the four ranks. One
+    step: a second would sample with weights that differ in the last bits, which a
+    discontinuous reward (JPEG size) may turn into other rewards."""
     from digenrl.telemetry.trace import read_trace
 
-    folder = write_pipeline_folder("wan", tmp_path / "wan")
-    extra = ["runtime.staleness=0", "runtime.fragments_per_step=2"]
-    groups, one = tmp_path / "groups", tmp_path / "one"
-    _launch(groups, folder, "wan", 4, ["train.sequence_parallel=2", *extra], steps=1)
-    _launch(one, folder, "wan", 1, extra, steps=1)
+    folder, one = one_trainer
+    groups = tmp_path / "groups"
+    _launch(groups, folder, "wan", 4, ["train.sequence_parallel=2", f"model.fsdp={str(fsdp).lower()}",
+                                       *GROUPS_EXTRA], steps=1)
     _, spans = read_trace(groups / "trace.json")
     trained = {s.node for s in spans if s.name == "fragment_train"}
     assert trained >= {f"trainer-{r}" for r in range(4)}  # leaders and followers of both groups
