@@ -73,6 +73,10 @@ def run(family: str, folder: str, n: int, rank: int, fsdp: bool = False) -> dict
         stats = policy.fragment_loss_backward(records, cond, torch.tensor([1.0, -0.5]),
                                               torch.ones(2, dtype=torch.bool), batch_size_total=2,
                                               n_trained_total=len(records))
+        with torch.no_grad():  # a whole trajectory sampled with the sharded forward (the rollout's use)
+            steps = list(rollout(model, cond, generator=seeded_generators([7, 8]), sampler_cfg=cfg.sampler))
+        out["sampled"] = torch.stack([r.x_next for r in steps])
+        out["sampled_logp"] = torch.stack([r.log_prob for r in steps])
     out["loss"] = torch.tensor(stats["loss"], dtype=torch.float64)
     out["kl"] = torch.tensor(stats["kl"], dtype=torch.float64)
     for name, p in model.transformer.named_parameters():

@@ -1,7 +1,8 @@
 """The sequence-parallel forward of the families' transformers (digenrl.models.seqpar) over
 real gloo process groups, on tiny folders saved by the real diffusers pipelines: one GRPO
-fragment (KL term on, PPO clip active) at SP = 2 for every family and SP = 4 for Wan (a
-4-head folder), against the same fragment with the plain forward in one process.
+fragment (KL term on, PPO clip active) and a sampled trajectory (the sampler's steps and
+log-probs under the sharded forward) at SP = 2 for every family and SP = 4 for Wan (a 4-head
+folder), against the same with the plain forward in one process.
 
 Each worker launch (tests/sp_family_worker.py) runs a batch of cases in one process group,
 so imports and the group are paid once per batch: Wan and FLUX at SP = 2, and Wan with FSDP2
@@ -72,7 +73,7 @@ def test_sharded_fragment_matches_the_one_process_forward(runs: Callable, case: 
     assert set(got) == set(ref)
     # float32; the ranks attend over the same tokens per head but sum some terms (the text
     # replicas' gradients, the all-reduce of the parameter gradients) in another order
-    for name in ("velocity", "logp0", "logp1", "loss", "kl"):
+    for name in ("velocity", "logp0", "logp1", "loss", "kl", "sampled", "sampled_logp"):
         torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
     assert float(ref["kl"]) > 0  # the reference pass (adapter off) differs from the policy
     grads = [k for k in ref if k.startswith("grad:")]
