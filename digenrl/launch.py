@@ -251,16 +251,38 @@ def check_sequence_parallel(cfg: Config) -> None:
     if n == 1:
         return
     from digenrl.models.catalog import SEQUENCE_PARALLEL_FAMILIES
-    from digenrl.models.meta import transformer_config
+    from digenrl.models.meta import latent_shape_of, transformer_config
 
     if cfg.model.family not in SEQUENCE_PARALLEL_FAMILIES:
         raise ConfigError(f"train.sequence_parallel = {n} with model.family = {cfg.model.family!r}: "
                           f"no sequence-parallel forward; expected one of "
                           f"{', '.join(SEQUENCE_PARALLEL_FAMILIES)}")
-    heads = int(transformer_config(cfg.model)[0].get("num_attention_heads", 0))
+    config = transformer_config(cfg.model)[0]
+    heads = int(config.get("num_attention_heads", 0))
     if heads % n or not heads:
         raise ConfigError(f"train.sequence_parallel = {n}: the transformer has {heads} attention "
                           f"heads; expected a divisor of {heads}")
+    tokens = _image_tokens(cfg.model.family, config, latent_shape_of(cfg.model))
+    if tokens % n:
+        sizes = "model.height x model.width" + (" x model.num_frames" if len(latent_shape_of(cfg.model)) == 4 else "")
+        raise ConfigError(f"train.sequence_parallel = {n}: {sizes} give {tokens} image/video tokens "
+                          f"per sample; expected a multiple of {n} (there is no padding)")
+
+
+def _image_tokens(family: str, config: dict[str, Any], shape: tuple[int, ...]) -> int:
+    """The transformer's image/video tokens per sample for a latent of ``shape`` (what the
+    sequence-parallel forward splits; FLUX.1 Kontext's input-image tokens double it)."""
+    if family in ("wan", "hunyuanvideo"):
+        _, f, h, w = shape
+        if family == "wan":
+            pt, ph, pw = config.get("patch_size", (1, 2, 2))
+        else:
+            pt, ph = int(config.get("patch_size_t", 1)), int(config.get("patch_size", 2))
+            pw = ph
+        return (f // int(pt)) * (h // int(ph)) * (w // int(pw))
+    _, h, w = shape
+    p = int(config.get("patch_size", 2)) if family == "sd3" else 2  # FLUX / Qwen-Image: 2x2 packing
+    return (h // p) * (w // p)
 
 
 def _two_experts(cfg: Config) -> bool:

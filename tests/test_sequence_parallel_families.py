@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.pipelines import write_pipeline_folder
+from tests.sp_family_worker import SIZES
 
 WORKER = Path(__file__).parent / "sp_family_worker.py"
 #: case -> (family, degree, folder builder kwargs, the worker launch that runs it)
@@ -56,7 +57,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, 
             path = root / f"{launch}.pt"
             subprocess.run([sys.executable, str(WORKER), str(todo[case][1]), str(_port()), str(path), *args],
                            check=True, timeout=600)
-            done.update(torch.load(path))
+            done.update({c: {**got, "folder": root / c} for c, got in torch.load(path).items()})
         return done[case]
     return get
 
@@ -68,6 +69,14 @@ def test_sharded_fragment_matches_the_one_process_forward(runs: Callable, case: 
     n = CASES[case][1]
     # each rank carried 1/N of the tokens through the blocks: the sharding really ran
     assert int(got["tokens"]) * n == int(ref["tokens"])
+    # the launcher's count (which refuses a degree that does not divide it) is the transformer's
+    from digenrl.config import ModelConfig
+    from digenrl.launch import _image_tokens
+    from digenrl.models.meta import latent_shape_of, transformer_config
+    family = CASES[case][0]
+    sizes = {k: v for k, v in SIZES.items() if k != "num_frames" or family in ("wan", "hunyuanvideo")}
+    mc = ModelConfig(family=family, path=str(runs(case)["folder"]), **sizes)
+    assert _image_tokens(family, transformer_config(mc)[0], latent_shape_of(mc)) == int(ref["tokens"])
     assert got.pop("refused") == (f"sequence parallelism: {2 * n + 1} image/video tokens, not "
                                   f"divisible by train.sequence_parallel = {n}")
     assert set(got) == set(ref)
@@ -115,6 +124,10 @@ def test_what_sequence_parallelism_cannot_combine_with_is_refused_in_the_config(
     # the tiny random SD3 has 4 heads
     (["cluster.trainers=3", "train.sequence_parallel=3"],
      r"^train\.sequence_parallel = 3: the transformer has 4 attention heads; expected a divisor of 4$"),
+    # 36 x 36 px: the tiny SD3's 18 x 18 latent in 2 x 2 patches, 81 tokens
+    (["cluster.trainers=2", "train.sequence_parallel=2", "model.height=36", "model.width=36"],
+     r"^train\.sequence_parallel = 2: model\.height x model\.width give 81 image/video tokens per "
+     r"sample; expected a multiple of 2 \(there is no padding\)$"),
     (["cluster.trainers=2", "train.sequence_parallel=2", 'model.family="flux2"'],
      r"^train\.sequence_parallel = 2 with model\.family = 'flux2': no sequence-parallel forward"),
 ])
