@@ -5,7 +5,7 @@ gradients (summed over the ranks, as a trainer's all-reduce sums them).
 
 Rank 0 then runs the same fragment again on a fresh model in its own process with the
 plain forward (the reference). A KEY ending in -fsdp also shards the policy with FSDP2 over
-the same ranks. Run: python tests/sp_family_worker.py N PORT OUT.pt KEY=FAMILY=FOLDER ...
+the same ranks; one ending in -leader samples through a LeaderModel instead (:func:`mirrored`). Run: python tests/sp_family_worker.py N PORT OUT.pt KEY=FAMILY=FOLDER ...
 """
 from __future__ import annotations
 
@@ -91,11 +91,60 @@ def run(family: str, folder: str, n: int, rank: int, fsdp: bool = False) -> dict
     return out
 
 
+def mirrored(family: str, folder: str, rank: int) -> dict[str, Any] | None:
+    """A sampled trajectory of a :class:`~digenrl.models.spgroup.LeaderModel` over the whole
+    world (the other ranks serve), with a base-model tail and new weights loaded between two
+    trajectories; rank 0 returns it beside the same with the plain model, in one process."""
+    from digenrl.config import ModelConfig, load_config
+    from digenrl.models import build_model
+    from digenrl.models.spgroup import LeaderModel, serve
+    from digenrl.rl.sampler import rollout, seeded_generators
+
+    video = family in ("wan", "hunyuanvideo")
+    sizes = {k: v for k, v in SIZES.items() if k != "num_frames" or video}
+    cfg = load_config(None, ["sampler.num_steps=4", "sampler.base_tail=1"])
+
+    def model() -> Any:
+        return build_model(ModelConfig(family=family, path=folder, lora_rank=4, max_text_tokens=24, **sizes), seed=0)
+
+    served: list[Any] = [None] * dist.get_world_size()
+    if rank != 0:
+        dist.all_gather_object(served, serve(model(), dist.group.WORLD))
+        return None
+
+    def trajectories(m: Any) -> dict[str, torch.Tensor]:
+        cond = m.encode_prompts(PROMPTS)
+        got = {}
+        for name in ("before", "after"):
+            if name == "after":  # new weights (a moved LoRA), as a rollout applies them
+                g = torch.Generator().manual_seed(3)
+                m.load_sync_state_dict({k: v + 0.05 * torch.randn(v.shape, generator=g)
+                                        for k, v in sorted(m.sync_state_dict().items())})
+            steps = list(rollout(m, cond, generator=seeded_generators([7, 8]), sampler_cfg=cfg.sampler,
+                                 sde_steps=[0, 1]))
+            got[name] = torch.stack([r.x_next for r in steps])
+            got[name + "_logp"] = torch.stack([r.log_prob for r in steps])
+        return got
+
+    lead = LeaderModel(model(), dist.group.WORLD)
+    sharded = trajectories(lead)
+    lead.stop()
+    dist.all_gather_object(served, lead.evaluations)  # each follower's count of served calls
+    sharded["served"] = torch.tensor(served)
+    return {"sp": sharded, "ref": trajectories(model())}
+
+
 def _rank(rank: int, n: int, port: int, path: str, cases: list[tuple[str, str, str]]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=n)
     got = {}
     for key, family, folder in cases:
+        if key.endswith("-leader"):
+            mirror = mirrored(family, folder, rank)
+            if mirror is not None:
+                got[key] = mirror
+            dist.barrier()
+            continue
         sharded = run(family, folder, n, rank, fsdp=key.endswith("-fsdp"))
         if rank == 0:  # the reference: a fresh model, the plain forward, in this one process
             got[key] = {"sp": sharded, "ref": run(family, folder, 1, 0)}

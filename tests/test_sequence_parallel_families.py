@@ -32,6 +32,8 @@ CASES = {
     "sd3": ("sd3", 2, {}, "sp2-more"), "qwenimage": ("qwenimage", 2, {}, "sp2-more"),
     "hunyuanvideo": ("hunyuanvideo", 2, {}, "sp2-more"),
     "wan-4heads": ("wan", 4, {"heads": 4}, "sp4"),
+    # sampling through a LeaderModel: rank 0 drives, the others serve (digenrl.models.spgroup)
+    "wan-leader": ("wan", 2, {}, "sp2"), "flux-leader": ("flux", 2, {}, "sp2"),
 }
 SLOW = {"sp2-more", "sp4"}
 
@@ -63,7 +65,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, 
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if v[3] in SLOW else [])
-                                  for c, v in CASES.items()])
+                                  for c, v in CASES.items() if not c.endswith("-leader")])
 def test_sharded_fragment_matches_the_one_process_forward(runs: Callable, case: str) -> None:
     got, ref = runs(case)["sp"], runs(case)["ref"]
     n = CASES[case][1]
@@ -141,3 +143,18 @@ def test_the_launcher_refuses_a_degree_the_trainers_or_the_model_cannot_take(tmp
     with pytest.raises(ConfigError, match=message):
         launch(cfg, run_dir)
     assert not list((run_dir / "logs").glob("*.stderr"))  # no child was ever started
+
+
+@pytest.mark.parametrize("case", ["wan-leader", "flux-leader"])
+def test_a_trajectory_sampled_over_a_group_driven_by_its_leader_is_the_one_process_trajectory(
+        runs: Callable, case: str) -> None:
+    got, ref = runs(case)["sp"], runs(case)["ref"]
+    served = got.pop("served").tolist()  # [leader's evaluations, each follower's]
+    assert served[0] > 0 and all(s == served[0] for s in served)
+    assert set(got) == set(ref)
+    # the group's forward attends per head over the same tokens as one process: float32, 1e-5
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    # the loaded weights (and, in the base-model tail, the adapter switch) reached the follower:
+    # the second trajectory differs from the first as the one-process one does
+    assert float((ref["after"] - ref["before"]).abs().max()) > 1e-3
