@@ -407,6 +407,11 @@ class ClusterConfig:
     trainers: int = _f(1, "trainer ranks `digenrl launch` starts", ge=1, le=65536)
     gpu: str = _f("cpu", "GPU type nodes declare (H100, H800, H20, L40S, cpu)")
     rollout_gpu: str = _f("", "GPU type the launcher's rollout nodes declare ('' = cluster.gpu)")
+    rollout_gpus: int = _f(
+        1, "processes (devices) each rollout node runs a trajectory over: N > 1 starts N - 1 "
+        "follower processes beside the node and splits every forward pass's image/video tokens "
+        "N ways (sequence parallelism; the same families and divisibility as "
+        "train.sequence_parallel)", ge=1, le=64)
     trainer_gpu: str = _f("", "GPU type the launcher's trainer ranks declare ('' = cluster.gpu)")
     host: str = _f("127.0.0.1", "address the coordinator binds")
     rendezvous: Literal["tcp", "file"] = _f(
@@ -660,8 +665,17 @@ def _check_base_tail(cfg: Config) -> None:
 
 
 def _check_sequence_parallel(cfg: Config) -> None:
-    """What ``train.sequence_parallel`` cannot combine with, from the config alone (the trainer
-    count and the model's heads are checked at launch: ``digenrl.launch``)."""
+    """What ``train.sequence_parallel`` and ``cluster.rollout_gpus`` cannot combine with, from
+    the config alone (the trainer count and the model's heads and tokens are checked at
+    launch: ``digenrl.launch``)."""
+    g = cfg.cluster.rollout_gpus
+    if g > 1:
+        if cfg.model.path == "emulated":
+            raise ConfigError(f"cluster.rollout_gpus = {g} with model.path = 'emulated': the "
+                              "emulated model has no transformer to shard")
+        if cfg.sampler.compile:
+            raise ConfigError(f"cluster.rollout_gpus = {g} with sampler.compile = true: the "
+                              "sequence-parallel forward is not compiled; set one of them off")
     n = cfg.train.sequence_parallel
     if n == 1:
         return

@@ -244,28 +244,32 @@ def check_before_start(cfg: Config) -> None:
 
 
 def check_sequence_parallel(cfg: Config) -> None:
-    """Refuse a ``train.sequence_parallel`` the model cannot run: a family without a
-    sequence-parallel forward, or attention heads the degree does not divide (the folder's
-    transformer config; nothing is loaded)."""
-    n = cfg.train.sequence_parallel
-    if n == 1:
-        return
+    """Refuse a ``train.sequence_parallel`` or ``cluster.rollout_gpus`` the model cannot run: a
+    family without a sequence-parallel forward, attention heads or image/video tokens the
+    degree does not divide (the folder's config files; nothing is loaded)."""
+    if cfg.cluster.rollout_gpus > 1 and cfg.cluster.rollouts:
+        _check_degree(cfg, cfg.cluster.rollout_gpus, "cluster.rollout_gpus")
+    if cfg.train.sequence_parallel > 1:
+        _check_degree(cfg, cfg.train.sequence_parallel, "train.sequence_parallel")
+
+
+def _check_degree(cfg: Config, n: int, key: str) -> None:
     from digenrl.models.catalog import SEQUENCE_PARALLEL_FAMILIES
     from digenrl.models.meta import latent_shape_of, transformer_config
 
     if cfg.model.family not in SEQUENCE_PARALLEL_FAMILIES:
-        raise ConfigError(f"train.sequence_parallel = {n} with model.family = {cfg.model.family!r}: "
+        raise ConfigError(f"{key} = {n} with model.family = {cfg.model.family!r}: "
                           f"no sequence-parallel forward; expected one of "
                           f"{', '.join(SEQUENCE_PARALLEL_FAMILIES)}")
     config = transformer_config(cfg.model)[0]
     heads = int(config.get("num_attention_heads", 0))
     if heads % n or not heads:
-        raise ConfigError(f"train.sequence_parallel = {n}: the transformer has {heads} attention "
+        raise ConfigError(f"{key} = {n}: the transformer has {heads} attention "
                           f"heads; expected a divisor of {heads}")
     tokens = _image_tokens(cfg.model.family, config, latent_shape_of(cfg.model))
     if tokens % n:
         sizes = "model.height x model.width" + (" x model.num_frames" if len(latent_shape_of(cfg.model)) == 4 else "")
-        raise ConfigError(f"train.sequence_parallel = {n}: {sizes} give {tokens} image/video tokens "
+        raise ConfigError(f"{key} = {n}: {sizes} give {tokens} image/video tokens "
                           f"per sample; expected a multiple of {n} (there is no padding)")
 
 

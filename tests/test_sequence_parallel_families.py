@@ -158,3 +158,16 @@ def test_a_trajectory_sampled_over_a_group_driven_by_its_leader_is_the_one_proce
     # the loaded weights (and, in the base-model tail, the adapter switch) reached the follower:
     # the second trajectory differs from the first as the one-process one does
     assert float((ref["after"] - ref["before"]).abs().max()) > 1e-3
+
+
+def test_a_rollout_degree_the_model_cannot_take_is_refused_at_launch(tmp_path: Path) -> None:
+    from digenrl.config import ConfigError
+    from digenrl.launch import launch, make_run_dir
+    from tests.factories import tiny_config
+
+    cfg = tiny_config("cluster.rollout_gpus=3", mode="digenrl")  # the tiny SD3 has 4 heads
+    run_dir = make_run_dir(cfg, str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"^cluster\.rollout_gpus = 3: the transformer has 4 attention heads"):
+        launch(cfg, run_dir)
+    with pytest.raises(ConfigError, match=r"cluster\.rollout_gpus = 2 with sampler\.compile = true"):
+        tiny_config("cluster.rollout_gpus=2", "sampler.compile=true", "sampler.max_batch=8")

@@ -94,3 +94,20 @@ def test_two_groups_of_two_ranks_give_the_one_trainer_update(tmp_path: Path, one
     assert any(float(v.abs().max()) > 0 for k, v in a.items() if "lora_B" in k)  # LoRA B starts at 0: it trained
     for k in a:  # float32: gradients differ in the last bits (summation order), Adam keeps that small
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_a_rollout_over_two_processes_samples_what_one_process_samples(tmp_path: Path,
+                                                                        one_trainer: tuple[Path, Path]) -> None:
+    """``cluster.rollout_gpus = 2``: the rollout node starts a follower and samples with the
+    sequence-parallel forward (actors/rolloutgroup.py); at K = 0 the step trains the same
+    samples, so the update is the one-process rollout's."""
+    folder, one = one_trainer
+    run_dir = tmp_path / "rollout2"
+    _launch(run_dir, folder, "wan", 1, ["cluster.rollout_gpus=2", *GROUPS_EXTRA], steps=1)
+    log = (run_dir / "logs" / "rollout-0-follower-1.stderr").read_text()
+    assert "follower 1: served" in log and "served 0 " not in log  # it ran the forward passes
+    assert read_metrics(run_dir)[0]["ratio_max_dev"] <= 1e-5
+    a, b = final_weights(run_dir), final_weights(one)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)

@@ -330,6 +330,7 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
             trace_path=trace_path, trace_flush_s=cfg.runtime.trace_flush_s)
         actor: RolloutActor | TrainerActor | RewardActor
         trainer: TrainerActor | None = None
+        group: Any = None  # a rollout's followers (cluster.rollout_gpus > 1)
         if role == "reward":
             from digenrl.actors.reward import RewardActor
             assert data is not None and reward_fn is not None  # bound above; no workers here
@@ -345,6 +346,11 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                                                                 name="weights_fetch")))
             model = await asyncio.to_thread(build_model, cfg.model, seed=cfg.run.seed, gpu=gpu, device=device,
                                             embedded_guidance=cfg.sampler.embedded_guidance)
+            if cfg.cluster.rollout_gpus > 1:  # followers split each forward (actors/rolloutgroup.py)
+                from digenrl.actors.rolloutgroup import RolloutGroup
+                group = await asyncio.to_thread(partial(RolloutGroup.start, cfg, model, device,
+                                                        folder=rdir / "logs", node_id=node_id))
+                model = group.leader
             from digenrl.actors.rollout import RolloutActor
             frozen = freeze_startup_objects()
             actor = RolloutActor(peers=peers, cfg=cfg, model=model, reward_fn=reward_fn, **kw)
@@ -410,6 +416,10 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                 gc.collect()
                 if dist.is_initialized():
                     dist.destroy_process_group()
+            elif group is not None:
+                codes = await asyncio.to_thread(group.close)
+                if any(codes):
+                    log.error("rollout followers exited abnormally", codes=codes)
         code = 0 if actor.stop_reason in DRAINED else 1
         log.info("node_final", exit_code=code, stop_reason=actor.stop_reason, rss_ready_mb=rss_ready,
                  rss_peak_mb=rss_mb("VmHWM"), **sec.counters())
