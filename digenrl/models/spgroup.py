@@ -14,8 +14,8 @@ What goes over the group for each call: a header (``broadcast_object_list``: the
 tensor names, shapes, dtypes) and the tensors (``broadcast``), on the model's device (gloo on
 CPU, NCCL on GPUs).
 
-This is the compute half of a multi-process rollout; no node starts followers yet
-(docs/limits.md, "Sequence parallelism").
+A rollout node with ``cluster.rollout_gpus > 1`` starts the followers and drives them
+(:mod:`digenrl.actors.rolloutgroup`).
 """
 
 from __future__ import annotations
