@@ -1,7 +1,8 @@
 """``digenrl launch --trainers 2 --set train.sequence_parallel=2``: the two trainer ranks form
 one sequence-parallel group and train tiny Wan and FLUX pipeline folders end to end (real
 processes, sockets and gloo groups), with the ledger's accounting exact; four ranks at SP = 2
-(two groups) give a one-trainer run's weights.
+(two groups, with and without FSDP2) give a one-trainer run's weights, and so does a rollout
+node sampling over two processes (``cluster.rollout_gpus = 2``).
 """
 from __future__ import annotations
 
