@@ -331,6 +331,12 @@ class TrainConfig:
                          "reference uses 1, i.e. hardly any clipping)", gt=0)
     nft_adaptive: bool = _f(True, "nft: DiffusionNFT's adaptive weighting (each branch's squared "
                             "x0 error over its detached mean absolute error)")
+    sequence_parallel: int = _f(
+        1, "N: trainer ranks that train each sample together (Ulysses sequence parallelism): "
+        "groups of N consecutive trainer ranks share their samples, each rank carrying 1/N of "
+        "the image/video tokens through the transformer; N must divide cluster.trainers and "
+        "the transformer's attention heads (sd3, flux, flux_kontext, qwenimage, wan, "
+        "hunyuanvideo; not colocated)", ge=1, le=1024)
     ema_decay: float = _f(
         0.0, "decay d of an exponential moving average of the trained weights (float32, on the "
         "trainer ranks), after each applied optimizer step: ema = d * ema + (1 - d) * weights; "
@@ -439,6 +445,11 @@ class ClusterConfig:
     trainers: int = _f(1, "trainer ranks `digenrl launch` starts", ge=1, le=65536)
     gpu: str = _f("cpu", "GPU type nodes declare (H100, H800, H20, L40S, cpu)")
     rollout_gpu: str = _f("", "GPU type the launcher's rollout nodes declare ('' = cluster.gpu)")
+    rollout_gpus: int = _f(
+        1, "processes (devices) each rollout node runs a trajectory over: N > 1 starts N - 1 "
+        "follower processes beside the node and splits every forward pass's image/video tokens "
+        "N ways (sequence parallelism; the same families and divisibility as "
+        "train.sequence_parallel)", ge=1, le=64)
     trainer_gpu: str = _f("", "GPU type the launcher's trainer ranks declare ('' = cluster.gpu)")
     host: str = _f("127.0.0.1", "address the coordinator binds")
     rendezvous: Literal["tcp", "file"] = _f(
@@ -691,6 +702,33 @@ def _check_base_tail(cfg: Config) -> None:
                           f"model's tail, at step {tail_from} (sampler.base_tail = {s.base_tail})")
 
 
+def _check_sequence_parallel(cfg: Config) -> None:
+    """What ``train.sequence_parallel`` and ``cluster.rollout_gpus`` cannot combine with, from
+    the config alone (the trainer count and the model's heads and tokens are checked at
+    launch: ``digenrl.launch``)."""
+    g = cfg.cluster.rollout_gpus
+    if g > 1:
+        if cfg.model.path == "emulated":
+            raise ConfigError(f"cluster.rollout_gpus = {g} with model.path = 'emulated': the "
+                              "emulated model has no transformer to shard")
+        if cfg.sampler.compile:
+            raise ConfigError(f"cluster.rollout_gpus = {g} with sampler.compile = true: the "
+                              "sequence-parallel forward is not compiled; set one of them off")
+    n = cfg.train.sequence_parallel
+    if n == 1:
+        return
+    where = f"train.sequence_parallel = {n}"
+    if cfg.run.mode == "colocated":
+        raise ConfigError(f"{where} with run.mode = 'colocated': sequence-parallel groups are "
+                          "trainer nodes; use run.mode = 'digenrl' or 'disagg-sync'")
+    if cfg.runtime.tag == "always":
+        raise ConfigError(f"{where} with runtime.tag = 'always': a sequence-parallel trainer rank "
+                          "does not generate (its passes pair with its group's); use 'bts' or 'never'")
+    if cfg.model.path == "emulated":
+        raise ConfigError(f"{where} with model.path = 'emulated': the emulated model has no "
+                          "transformer to shard")
+
+
 def _check_consistency(cfg: Config) -> None:
     t, s = cfg.train, cfg.sampler
     if t.timesteps == "window":
@@ -719,6 +757,7 @@ def _check_consistency(cfg: Config) -> None:
         if cfg.model.fsdp:
             raise ConfigError(f"model.fsdp = true with train.algorithm = {t.algorithm!r}: sharded "
                               "training of the forward-process losses is not implemented")
+    _check_sequence_parallel(cfg)
     if len(set(cfg.tracking.backends)) < len(cfg.tracking.backends):
         raise ConfigError(f"tracking.backends = {cfg.tracking.backends!r}: a tracker is listed twice")
     for key in ("condition_area", "condition_vl_area"):

@@ -323,13 +323,13 @@ def _sd3(folder: Path):
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
 
 
-def _flux(folder: Path, vae_factor: int = 2):
+def _flux(folder: Path, vae_factor: int = 2, heads: int = 2):
     import diffusers
 
     return diffusers.FluxPipeline(
         transformer=diffusers.FluxTransformer2DModel(
             patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=8, guidance_embeds=True,
+            num_attention_heads=heads, joint_attention_dim=32, pooled_projection_dim=8, guidance_embeds=True,
             axes_dims_rope=(4, 6, 6)),
         vae=kl_vae(4, scaling=0.3611, shift=0.1159, factor=vae_factor),
         text_encoder=clip_encoder(False), tokenizer=clip_tokenizer(folder / "_clip"),
@@ -346,12 +346,12 @@ def _flux_kontext(folder: Path):
                                             if k not in ("image_encoder", "feature_extractor")})
 
 
-def _wan(folder: Path):
+def _wan(folder: Path, heads: int = 2):
     import diffusers
 
     return diffusers.WanPipeline(
         transformer=diffusers.WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+            patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=16, in_channels=4, out_channels=4,
             text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32),
         vae=wan_vae(4), text_encoder=umt5_encoder(32), tokenizer=t5_tokenizer(),
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0))
@@ -497,7 +497,8 @@ _BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "wan22": _wan22, "wan22-ti
 
 def build_pipeline(family: str, folder: Path, *, seed: int = 0, **kw):
     """The tiny diffusers pipeline object of ``family`` (random weights from ``seed``); ``kw``:
-    ``vae_factor=16`` gives FLUX a VAE that makes 1024 px images from a 64 x 64 latent."""
+    ``vae_factor=16`` gives FLUX a VAE that makes 1024 px images from a 64 x 64 latent;
+    ``heads`` sets FLUX's and Wan's attention heads (2 by default)."""
     import shutil
 
     folder = Path(folder)

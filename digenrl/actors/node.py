@@ -340,6 +340,7 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
             trace_path=trace_path, trace_flush_s=cfg.runtime.trace_flush_s)
         actor: RolloutActor | TrainerActor | RewardActor
         trainer: TrainerActor | None = None
+        group: Any = None  # a rollout's followers (cluster.rollout_gpus > 1)
         if role == "reward":
             from digenrl.actors.reward import RewardActor
             assert data is not None and reward_fn is not None  # bound above; no workers here
@@ -356,6 +357,11 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
             model = await asyncio.to_thread(build_model, cfg.model, seed=cfg.run.seed, gpu=gpu, device=device,
                                             embedded_guidance=cfg.sampler.embedded_guidance)
             await _free_text_encoders(model, cfg, log)
+            if cfg.cluster.rollout_gpus > 1:  # followers split each forward (actors/rolloutgroup.py)
+                from digenrl.actors.rolloutgroup import RolloutGroup
+                group = await asyncio.to_thread(partial(RolloutGroup.start, cfg, model, device,
+                                                        folder=rdir / "logs", node_id=node_id))
+                model = group.leader
             from digenrl.actors.rollout import RolloutActor
             frozen = freeze_startup_objects()
             actor = RolloutActor(peers=peers, cfg=cfg, model=model, reward_fn=reward_fn, **kw)
@@ -378,6 +384,10 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                 log.info("experts held", rank=msg.rank, experts=list(held),
                          trained={e: sum(policy.params[i].numel() for i in idx)
                                   for e, idx in policy.expert_index.items()})
+            if cfg.train.sequence_parallel > 1:  # groups of N consecutive ranks (models/seqpar.py)
+                from digenrl.models.seqpar import enable_sequence_parallel, group_of
+                group = await asyncio.to_thread(group_of, msg.rank, msg.world_size, cfg.train.sequence_parallel)
+                enable_sequence_parallel(policy.model, group)
             test_set = eval_reward = None
             if cfg.run.eval_every and (msg.rank == 0 or policy.sharded):
                 from digenrl.data.prompts import load_splits
@@ -395,6 +405,7 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
         unhandle = stop_on_signals(actor.request_stop, again=partial(hard_exit, 128 + signal.SIGINT))
         rss_ready = rss_mb()
         log.info("joined", rank=msg.rank, world_size=msg.world_size, rss_mb=rss_ready, device=str(device),
+                 sequence_parallel=cfg.train.sequence_parallel if trainer is not None else 1,
                  frozen_objects=frozen)
         sdnotify.ready()
         stuck: str | None = None
@@ -423,6 +434,10 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                 gc.collect()
                 if dist.is_initialized():
                     dist.destroy_process_group()
+            elif group is not None:
+                codes = await asyncio.to_thread(group.close)
+                if any(codes):
+                    log.error("rollout followers exited abnormally", codes=codes)
         code = 0 if actor.stop_reason in DRAINED else 1
         log.info("node_final", exit_code=code, stop_reason=actor.stop_reason, rss_ready_mb=rss_ready,
                  rss_peak_mb=rss_mb("VmHWM"), **sec.counters())

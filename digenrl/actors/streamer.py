@@ -45,6 +45,17 @@ from digenrl.transport.staging import DeviceToHost, Staged
 _EMPTY_IMAGES = torch.zeros(0, dtype=torch.uint8)
 
 
+class _AllDone:
+    """The trackers of one buffer's sends as one: done when ZeroMQ let go of every copy."""
+
+    def __init__(self, trackers: list[Any]) -> None:
+        self.trackers = trackers
+
+    @property
+    def done(self) -> bool:
+        return all(t is None or t.done for t in self.trackers)
+
+
 _Handed = tuple[str, int, int, tuple[int, float, float, Staged] | None, int]
 """(span name, start ns, end ns, (t index, sigma, sigma next, staged chunk) or None, rows), from
 the compute thread to the loop; ``rows``: the trajectory rows a step batcher's step carried
@@ -73,6 +84,7 @@ class FragmentStreamer:
         self.cfg = cfg
         self.algorithm = algorithm or algorithm_for(cfg.train)
         self.pushes = pushes
+        self.sp = cfg.train.sequence_parallel
         self.control = control
         self.reward_fn = reward_fn
         self.span = span
@@ -202,11 +214,14 @@ class FragmentStreamer:
                     with self.recorder.span("send_chunk", tid=sender, t=index):
                         await staged.wait_ready()
                         x_t, x_next, log_prob = staged.tensors
-                        tracker = await self.pushes[int(task.owners[str(index)])].send(Chunk(
+                        sent = Chunk(
                             task_id=task.task_id, step=task.step, fragment=task.fragment,
                             t_index=index, sigma=sigma, sigma_next=sigma_next,
-                            policy_version=version, x_t=x_t, x_next=x_next, log_prob=log_prob),
-                            track=True)
+                            policy_version=version, x_t=x_t, x_next=x_next, log_prob=log_prob)
+                        # the owner and, with sequence parallelism, its group's followers
+                        tracker = _AllDone([])  # what was sent is tracked, even if a later send fails
+                        for r in self._group_of(int(task.owners[str(index)])):
+                            tracker.trackers.append(await self.pushes[r].send(sent, track=True))
                 finally:
                     staged.release(tracker)  # reused once ZeroMQ has let go of it
             result = await job_done
@@ -218,14 +233,20 @@ class FragmentStreamer:
                     left[3][3].release()
         assert result is not None, "the job ends with a result unless halted"
         gen_seconds = time.perf_counter() - t_start
-        for rank, msg in algorithm.after_trajectory(task, version, result):
+        for owner, msg in algorithm.after_trajectory(task, version, result):
             with self.recorder.span("send_chunk", tid=sender, t=-1):
-                await self.pushes[rank].send(msg)
+                for rank in self._group_of(owner):
+                    await self.pushes[rank].send(msg)
         if self.scorers:  # a reward worker scores; the commit goes when its answer comes
             await self._send_for_scoring(task, result, version, gen_seconds)
             return True
         await self.commit(task, result, version, gen_seconds, result.rewards, result.reward_terms, "")
         return True
+
+    def _group_of(self, owner: int) -> range:
+        """The trainer ranks a message for ``owner`` goes to: its sequence-parallel group (the
+        owner, a group leader, and its followers; the owner alone without SP)."""
+        return range(owner, owner + self.sp)
 
     async def commit(self, task: Assign, result: FragmentResult, version: int, gen_seconds: float,
                      rewards: list[float], reward_terms: dict[str, list[float]], discard: str) -> None:

@@ -40,6 +40,7 @@ from digenrl.actors.streamer import FragmentStreamer
 from digenrl.config import Config
 from digenrl.core.plan import owners_for, plan_for_step
 from digenrl.faults import crash_point, hang_point
+from digenrl.models.seqpar import sharded
 from digenrl.rl.algorithm import Staged, algorithm_for
 from digenrl.rl.evaluate import eval_due, evaluate_policy
 from digenrl.rl.finite import NONFINITE
@@ -81,6 +82,9 @@ class TrainerActor(Actor):
         self.learner = Learner(policy, cfg)
         self.rank = rank
         self.world_size = world_size
+        #: sequence parallelism: this rank trains what its group's leader owns, with the group
+        self.sp = cfg.train.sequence_parallel
+        self.leader = rank - rank % self.sp
         self.run_dir = run_dir
         self.reward_fn = reward_fn
         self.test_set, self.eval_reward = test_set, eval_reward  # held-out evaluation (rank 0)
@@ -170,13 +174,15 @@ class TrainerActor(Actor):
             await self._publish(self.policy.version)
         await self._maybe_eval(self.policy.version)
         F = self.cfg.runtime.fragments_per_step
-        # a sharded rank generating alone would leave the other ranks' collectives unmatched;
-        # a rank holding one of two experts (rl/experts.py) cannot denoise a whole trajectory
-        offers = self.cfg.runtime.tag != "never" and not self.policy.sharded and self._generates()
+        # a sharded rank generating alone would leave the other ranks' collectives unmatched
+        # (nor does a sequence-parallel rank: its group's passes pair up); a rank holding
+        # one of two experts (rl/experts.py) cannot denoise a whole trajectory
+        offers = (self.cfg.runtime.tag != "never" and not self.policy.sharded and self.sp == 1
+                  and self._generates())
         while not self.stopping and self.policy.version < self.cfg.run.steps:
             self.wake.clear()  # before looking, so a wake set while we look (or send) is not lost
             step = self.policy.version
-            ready = self.pending.pop(step, [])
+            ready = self._ready(step)
             if ready:
                 self._offered = False  # worked: offer again next time we wait (offers are one-shot)
                 for commit in ready:
@@ -206,6 +212,24 @@ class TrainerActor(Actor):
             await self.resume.vote_stop(drain=stopped_by_signal(self.stop_reason))
         await self.wait_stopped()
 
+    def _ready(self, step: int) -> list[Commit]:
+        """The step's commits to consume now. Sequence-parallel ranks of one group must train
+        the same fragments in the same order, whatever order their commits arrived in: they
+        take them by fragment index, up to the first fragment not yet here (later ones wait)."""
+        pending = self.pending.pop(step, [])
+        if self.sp == 1:
+            return pending
+        done = set(self.consumed_slots[step])
+        ready: list[Commit] = []
+        for commit in sorted(pending, key=lambda c: c.fragment):
+            nxt = min(set(range(self.cfg.runtime.fragments_per_step)) - done, default=None)
+            if commit.fragment in done or commit.fragment == nxt:
+                ready.append(commit)  # a second attempt of a slot: _consume reports it
+                done.add(commit.fragment)
+            else:
+                self.pending[step].append(commit)
+        return ready
+
     def _arrival_check(self, msg: Chunk | CleanSample | Commit) -> str | None:
         """Why ``msg`` cannot be work for this rank (None: it can). A slot outside the run
         (fragment >= F: the issue-20 ``fragment = 99`` commit finished a one-fragment step on
@@ -228,8 +252,8 @@ class TrainerActor(Actor):
         per = self.cfg.train.prompts_per_step // F * self.cfg.train.group_size
         return self.algorithm.refusal(
             msg, trained=trained, owners=owners_for(trained, self.world_size, self.cfg.runtime.tsp,
-                                                    msg.fragment, F),
-            rank=self.rank, fragment_shape=(per, *self.policy.model.latent_shape))
+                                                    msg.fragment, F, self.sp),
+            rank=self.leader, fragment_shape=(per, *self.policy.model.latent_shape))
 
     def _stage(self, msg: Chunk | CleanSample) -> str | None:
         """Keep a chunk, or a forward-process fragment's clean sample, until its commit; why
@@ -347,7 +371,7 @@ class TrainerActor(Actor):
         t0 = time.perf_counter()
         trained_steps = self._trained_of(step)
         passes = pass_count(trained_steps, self.world_size, self.cfg.runtime.tsp, commit.fragment,
-                            self.cfg.runtime.fragments_per_step, self.rank)
+                            self.cfg.runtime.fragments_per_step, self.rank, self.sp)
         if commit.discard:  # named, never trained on made-up rewards
             discarded[commit.discard] = n
             self.learner.discard(n, commit.discard)
@@ -366,9 +390,9 @@ class TrainerActor(Actor):
                            gen_version=commit.policy_version, version=self.policy.version)
         else:
             owners = owners_for(trained_steps, self.world_size, self.cfg.runtime.tsp,
-                                commit.fragment, self.cfg.runtime.fragments_per_step)
+                                commit.fragment, self.cfg.runtime.fragments_per_step, self.sp)
             records = self.algorithm.to_train(staged, trained=trained_steps, owners=owners,
-                                              rank=self.rank, task_id=commit.task_id)
+                                              rank=self.leader, task_id=commit.task_id)
             crash_point("trainer", step, once=self.run_dir / "logs" / f"crashed-{self.node_id}")
             before = self.learner.stats.trained
             discarded_before = dict(self.learner.stats.discarded)
@@ -397,7 +421,7 @@ class TrainerActor(Actor):
     def _step_passes(self, step: int) -> int:
         """Training passes of ``step`` on its busiest rank (sharded ranks pad to it)."""
         return step_passes(self._trained_of(step), self.world_size, self.cfg.runtime.tsp,
-                           self.cfg.runtime.fragments_per_step)
+                           self.cfg.runtime.fragments_per_step, self.sp)
 
     def _trained_of(self, step: int) -> list[int]:
         """The trained timesteps of ``step``'s plan, computed once per step (consuming each
@@ -411,8 +435,10 @@ class TrainerActor(Actor):
                       seconds: float) -> None:
         if self.rank not in owners_for(self._trained_of(commit.step), self.world_size,
                                        self.cfg.runtime.tsp, commit.fragment,
-                                       self.cfg.runtime.fragments_per_step):
-            return  # this rank trains none of the fragment's timesteps: nothing to report
+                                       self.cfg.runtime.fragments_per_step, self.sp):
+            # this rank trains none of the fragment's timesteps, or is a follower of an
+            # SP group (its leader reports the group's): nothing to report
+            return
         await self.peers.control.send(Consumed(
             task_id=commit.task_id, step=commit.step, fragment=commit.fragment, rank=self.rank,
             policy_version=commit.policy_version, trained=trained, discarded=discarded,
@@ -424,11 +450,13 @@ class TrainerActor(Actor):
         # on the compute thread: its stream is the one that waits for the staged copies
         inputs = self.algorithm.landed(records, staged, cfg=self.cfg, step=commit.step,
                                        fragment=commit.fragment)
-        self.learner.train_fragment(records=inputs.records, cond=dict(commit.cond), rewards=commit.rewards,
-                                    gen_version=commit.policy_version, n_trained_total=n_trained_total,
-                                    sigma_max=self.sigma_max, reward_terms=commit.reward_terms,
-                                    passes=passes, final=inputs.final, seeds=inputs.seeds,
-                                    source=f"{commit.step}/{commit.fragment} task {commit.task_id} from {commit.node_id}")
+        with sharded(self.policy.model):  # sequence parallelism: the group's passes, together
+            self.learner.train_fragment(
+                records=inputs.records, cond=dict(commit.cond), rewards=commit.rewards,
+                gen_version=commit.policy_version, n_trained_total=n_trained_total,
+                sigma_max=self.sigma_max, reward_terms=commit.reward_terms, passes=passes,
+                final=inputs.final, seeds=inputs.seeds,
+                source=f"{commit.step}/{commit.fragment} task {commit.task_id} from {commit.node_id}")
 
     async def _finish_step(self, step: int) -> bool:
         """The step's optimizer step, then its report, checkpoint and publish; False if a rank

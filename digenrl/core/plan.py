@@ -87,8 +87,13 @@ def all_timesteps(num_steps: int) -> PlanFn:
 
 
 def owners_for(trained: Sequence[int], ranks: int, tsp: bool, fragment: int = 0,
-               fragments: int = 1) -> tuple[int, ...]:
+               fragments: int = 1, sp: int = 1) -> tuple[int, ...]:
     """Rank owning each trained timestep of fragment ``fragment`` (TSP x data parallelism).
+
+    ``sp`` (``train.sequence_parallel``): the ranks form ``ranks / sp`` sequence-parallel groups
+    of ``sp`` consecutive ranks that train the same timesteps of the same samples together;
+    the plan below is over those groups, and each owner is a group's first rank (its
+    *leader*: chunks are addressed to it and its ``sp - 1`` followers get copies).
 
     The ranks form ``D`` groups of ``g``: within a group, TSP spreads the fragment's ``n``
     trained timesteps (contiguous, balanced); fragments go round-robin over the groups (data
@@ -98,6 +103,8 @@ def owners_for(trained: Sequence[int], ranks: int, tsp: bool, fragment: int = 0,
     sooner). With TSP off every group is one rank: fragment ``f`` trains whole on rank
     ``f % ranks``.
     """
+    if sp > 1:
+        return tuple(o * sp for o in _owners(tuple(trained), ranks // sp, tsp, fragment, fragments))
     return _owners(tuple(trained), ranks, tsp, fragment, fragments)
 
 
@@ -119,10 +126,10 @@ def _owners(trained: tuple[int, ...], ranks: int, tsp: bool, fragment: int,
     return tuple(base + next(m for m in range(g) if i < (m + 1) * n // g) for i in range(n))
 
 
-def train_groups(trained: Sequence[int], ranks: int, tsp: bool, fragments: int) -> int:
+def train_groups(trained: Sequence[int], ranks: int, tsp: bool, fragments: int, sp: int = 1) -> int:
     """How many fragments of a step train at once: the distinct owner groups of
     :func:`owners_for` over the step's fragments (1 without data parallelism)."""
-    return len({owners_for(trained, ranks, tsp, f, fragments) for f in range(max(1, fragments))})
+    return len({owners_for(trained, ranks, tsp, f, fragments, sp) for f in range(max(1, fragments))})
 
 
 def check_plan(step: int, trained: Sequence[int], sde: Sequence[int], num_steps: int) -> None:

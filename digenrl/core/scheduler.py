@@ -142,7 +142,8 @@ class Scheduler:
         if step not in self._plans:
             trained, sde = self._plan(step)
             check_plan(step, trained, sde, self.params.num_steps_T)
-            owners = owners_for(trained, self.params.trainer_ranks, self.params.tsp)
+            owners = owners_for(trained, self.params.trainer_ranks, self.params.tsp,
+                                sp=self.params.sequence_parallel)
             self._plans[step] = (tuple(trained), tuple(sde), owners)
         return self._plans[step]
 
@@ -341,7 +342,8 @@ class Scheduler:
             train_spt=self._train_spt or 0.0, trainer_gen_spt=self.node_spt(node_id),
             switch_s=self.params.switch_s, helper_traj=fs,
             train_groups=train_groups(self.step_plan(last)[0], self.params.trainer_ranks,
-                                      self.params.tsp, led.fragments_per_step))
+                                      self.params.tsp, led.fragments_per_step,
+                                      self.params.sequence_parallel))
 
     # ------------------------------------------------------------------ internals
 
@@ -430,7 +432,7 @@ class Scheduler:
         attempt = self.ledger.admit(node.node_id, now)
         trained, sde, _ = self.step_plan(attempt.step)
         owners = owners_for(trained, self.params.trainer_ranks, self.params.tsp, attempt.fragment,
-                            self.params.fragments_per_step)
+                            self.params.fragments_per_step, self.params.sequence_parallel)
         prompts, seeds = self.fragment_content(attempt.step, attempt.fragment)
         self._tasks[attempt.task_id] = _Task(ranks=frozenset(owners) or frozenset({0}), tag=tag)
         node.outstanding.append(attempt.task_id)

@@ -28,6 +28,9 @@ class SchedulerParams:
     staleness: int
     trainer_ranks: int
     tsp: bool
+    sequence_parallel: int = 1
+    """Trainer ranks per sequence-parallel group (``train.sequence_parallel``): owners are
+    group leaders (:func:`~digenrl.core.plan.owners_for`)."""
     tag: Literal["bts", "always", "never"]
     lease_s: float
     heartbeat_timeout: float
@@ -88,6 +91,7 @@ class SchedulerParams:
                    max_outstanding=running + 1, running_per_node=running,
                    group_size=cfg.train.group_size, fragments_per_step=rt.fragments_per_step,
                    staleness=rt.staleness, trainer_ranks=cfg.cluster.trainers, tsp=rt.tsp,
+                   sequence_parallel=cfg.train.sequence_parallel,
                    tag=rt.tag, lease_s=rt.lease_s, lease_factor=rt.lease_factor,
                    heartbeat_timeout=rt.heartbeat_s * rt.heartbeat_misses,
                    byte_window=max(1, int(rt.byte_window_mb * 2**20)),

@@ -168,17 +168,22 @@ VAE_CLASS: dict[str, str] = {
 """family -> the diffusers class of its pipeline's VAE"""
 
 TRANSFORMER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "sd3": {"in_channels": 16, "patch_size": 2, "sample_size": 128, "pos_embed_max_size": 96},
-    "flux": {"in_channels": 64},
-    "flux_kontext": {"in_channels": 64},
-    "qwenimage": {"in_channels": 64, "out_channels": 16},
-    "qwenimage_edit": {"in_channels": 64, "out_channels": 16},
-    "wan": {"in_channels": 16, "patch_size": (1, 2, 2)},
-    "hunyuanvideo": {"in_channels": 16, "patch_size": 2},
+    "sd3": {"in_channels": 16, "patch_size": 2, "sample_size": 128, "pos_embed_max_size": 96,
+            "num_attention_heads": 18},
+    "flux": {"in_channels": 64, "num_attention_heads": 24},
+    "flux_kontext": {"in_channels": 64, "num_attention_heads": 24},
+    "qwenimage": {"in_channels": 64, "out_channels": 16, "num_attention_heads": 24},
+    "qwenimage_edit": {"in_channels": 64, "out_channels": 16, "num_attention_heads": 24},
+    "wan": {"in_channels": 16, "patch_size": (1, 2, 2), "num_attention_heads": 40},
+    "hunyuanvideo": {"in_channels": 16, "patch_size": 2, "num_attention_heads": 24},
     "flux2": {"in_channels": 128},
     "zimage": {"in_channels": 16, "all_patch_size": (2,)},
 }
-"""family -> its transformer class's defaults of the keys its geometry reads"""
+"""family -> its transformer class's defaults of the keys its geometry reads (and the attention
+heads, which a sequence-parallel degree must divide)"""
+
+SEQUENCE_PARALLEL_FAMILIES = ("sd3", "flux", "flux_kontext", "qwenimage", "wan", "hunyuanvideo")
+"""Families with a sequence-parallel forward (:mod:`digenrl.models.seqpar`)"""
 
 VAE_DEFAULTS: dict[str, dict[str, Any]] = {
     "AutoencoderKL": {"block_out_channels": (64,)},

@@ -149,14 +149,16 @@ def load_full_state(module: torch.nn.Module, sd: Mapping[str, torch.Tensor]) -> 
 
 
 def pass_count(trained: Sequence[int], ranks: int, tsp: bool, fragment: int, fragments: int,
-               rank: int) -> int:
-    """Forward/backward passes ``rank`` runs for ``fragment``: the trained timesteps it owns."""
-    return sum(1 for o in owners_for(trained, ranks, tsp, fragment, fragments) if o == rank)
+               rank: int, sp: int = 1) -> int:
+    """Forward/backward passes ``rank`` runs for ``fragment``: the trained timesteps it owns
+    (with sequence parallelism ``sp``, its group's: owners are group leaders)."""
+    leader = rank - rank % sp
+    return sum(1 for o in owners_for(trained, ranks, tsp, fragment, fragments, sp) if o == leader)
 
 
-def step_passes(trained: Sequence[int], ranks: int, tsp: bool, fragments: int) -> int:
+def step_passes(trained: Sequence[int], ranks: int, tsp: bool, fragments: int, sp: int = 1) -> int:
     """Passes every rank runs in a step: the busiest rank's count (the others pad to it)."""
-    return max(sum(pass_count(trained, ranks, tsp, f, fragments, r) for f in range(fragments))
+    return max(sum(pass_count(trained, ranks, tsp, f, fragments, r, sp) for f in range(fragments))
                for r in range(ranks))
 
 

@@ -182,7 +182,8 @@ class Simulator:
         params = SchedulerParams.from_config(self.cfg, prompt_count=max(1, self.cfg.train.prompts_per_step),
                                              bytes_per_trajectory=per_traj)
         params = dataclasses.replace(
-            params, trainer_ranks=self.R, switch_s=probe.switch_s,
+            # the cost model has no sequence-parallel costs: every rank is planned as its own
+            params, trainer_ranks=self.R, switch_s=probe.switch_s, sequence_parallel=1,
             speeds={g: GPUS["H100"].gen_tflops / spec.gen_tflops for g, spec in GPUS.items()} | {"cpu": 1.0})
         cfg_sim = self.cfg
         self.sched = Scheduler(params, plan_timesteps=lambda step: plan_for_step(cfg_sim, step))
