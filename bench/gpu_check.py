@@ -296,7 +296,7 @@ def _memory_case(family: str, kwargs: dict[str, Any], px: tuple[int, int], frame
     """One LoRA (rank 32) training step of ``rows`` latents: the plan (traced on the meta device,
     what ``digenrl plan --memory`` adds up for a trainer) beside the peak measured on ``device``."""
     from digenrl.models import catalog
-    from digenrl.models.memplan import (
+    from digenrl.sim.memplan import (
         adapt,
         build_transformer,
         module_bytes,
@@ -310,7 +310,7 @@ def _memory_case(family: str, kwargs: dict[str, Any], px: tuple[int, int], frame
         shape = catalog.GEOMETRY[family](transformer.config, vae).latent_shape(*px, frames)
         model = adapt(family, transformer, shape, text, lora_rank=32, dtype=dtype)
         if dev.type != "meta":
-            from digenrl.models.memplan import _on
+            from digenrl.sim.memplan import _on
             model.encoder = _on(model.encoder, dev)
         st = trace_training_step(model, rows, foreach=device.type == "cuda",
                                  attention="flash" if dev.type == "meta" else "none")
@@ -353,7 +353,7 @@ def memory_peaks(device: torch.device, real: bool) -> dict[str, Any]:
     from types import SimpleNamespace as NS
 
     from digenrl.models import catalog, families
-    from digenrl.models.memplan import REAL_TEXT
+    from digenrl.sim.memplan import REAL_TEXT
 
     kl8 = NS(config=NS(block_out_channels=(128, 256, 512, 512))) if real else None
     wan_vae = NS(config=NS(scale_factor_spatial=8, scale_factor_temporal=4)) if real else None

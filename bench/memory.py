@@ -5,7 +5,7 @@ parallelism's per-rank activations, on the CPU.
 classes) and settings (LoRA and full fine-tune, float32 and bfloat16, activation checkpointing,
 two sizes), the trainer's plan (:class:`digenrl.sim.memory.MemoryPlanner`, traced on the meta
 device) against the trainer's own step measured on the CPU
-(:func:`digenrl.models.memplan.measure_trainer_step`: resident bytes plus the peak of tracked
+(:func:`digenrl.sim.memplan.measure_trainer_step`: resident bytes plus the peak of tracked
 allocations of the second step); the largest ``|plan / measured - 1|``. Deterministic (byte
 counts), so one run each.
 
@@ -120,9 +120,9 @@ def plan_errors() -> dict[str, float]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from pipelines import MAX_TEXT_TOKENS, write_pipeline_folder
 
-    from digenrl.config import load_config
-    from digenrl.models.memplan import measure_trainer_step
+    from digenrl.config import load_config, resolve_mode
     from digenrl.sim.memory import MemoryPlanner
+    from digenrl.sim.memplan import measure_trainer_step
 
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as d:
@@ -138,7 +138,7 @@ def plan_errors() -> dict[str, float]:
                                          *extra])
                 planner = MemoryPlanner(cfg, trainer_gpu="cpu", rollout_gpu="cpu")
                 planned = planner.trainer(planner.setting()).total
-                measured = measure_trainer_step(cfg)["peak"]
+                measured = measure_trainer_step(resolve_mode(cfg, "colocated"))["peak"]
                 out[f"{family}[{','.join(extra)}]@{size}"] = planned / measured - 1
     return out
 

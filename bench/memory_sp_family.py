@@ -5,7 +5,7 @@ transformers (the real diffusers classes, ``model.path = "random"``) at a size w
 image/video tokens' activations dominate, once in one process (SP = 1) and over two gloo
 ranks with :mod:`digenrl.models.seqpar` (SP = 2: each rank carries half the tokens, the text
 replicated). The bytes autograd saves for the backward are counted by
-:func:`digenrl.models.memplan.count_saved_bytes` (each storage once, weights left out); the
+:func:`digenrl.sim.memplan.count_saved_bytes` (each storage once, weights left out); the
 ratio is rank 0's bytes at SP = 2 over the one-process bytes. ``<family>_sp_max_rel_dev``
 is the largest deviation of the SP = 2 velocity from the one-process velocity, relative to
 its largest magnitude.
@@ -42,7 +42,7 @@ def _forward(family: str, sp: bool) -> tuple[int, torch.Tensor, int]:
 
     from digenrl.config import ModelConfig
     from digenrl.models import build_model
-    from digenrl.models.memplan import count_saved_bytes
+    from digenrl.sim.memplan import count_saved_bytes
 
     model = build_model(ModelConfig(family=family, path="random", lora_rank=4, **SIZES[family]), seed=0)
     active: Any = nullcontext()

@@ -298,7 +298,14 @@ def test_the_step_engine_streams_each_fragment_in_order_and_a_halted_one_stops_a
 
     async def go():
         loop = asyncio.get_running_loop()
-        engine = StepEngine(model=model, cfg=cfg, submit=lambda name, fn: loop.run_in_executor(pool, fn),
+        # the compute thread starts once fragments 0 and 1 are both queued, so they share their
+        # first step whatever the machine's load (a thread that started early would take 0 alone)
+        both = threading.Event()
+
+        def gated(fn):
+            both.wait()
+            return fn()
+        engine = StepEngine(model=model, cfg=cfg, submit=lambda name, fn: loop.run_in_executor(pool, gated, fn),
                             stager=DeviceToHost("cpu"), clock=lambda: 0, span="denoise_step")
         queues = {n: asyncio.Queue() for n in range(3)}
         rows: dict[int, list] = {n: [] for n in range(3)}  # (span, rows its step carried) handed
@@ -318,6 +325,7 @@ def test_the_step_engine_streams_each_fragment_in_order_and_a_halted_one_stops_a
             futs[n] = engine.join(n, job, nan=False, halt=halts[n], finish=lambda j, images: j.finish(images), hand=hand)
         join(0)
         join(1)
+        both.set()
         chunks: dict[int, list] = {0: [], 1: [], 2: []}
 
         async def drain(n):

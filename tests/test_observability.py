@@ -44,6 +44,8 @@ NODES = {"digenrl": {"rollout-0", "trainer-0"}, "disagg-sync": {"rollout-0", "tr
 NVML_ONLY = {"gpu_util/<node>", "gpu_mem_used_mb/<node>"}
 #: emitted only by two-expert models (Wan2.2 A14B): tests/test_wan22.py checks them
 TWO_EXPERTS_ONLY = {"expert/t<i>", "expert/held/r<i>"}
+#: emitted only by a rollout with step-level batching: tests/test_batching.py checks it
+BATCHING_ONLY = {"batch/<node>"}
 # C0 and C1 control characters except the newline.
 CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
 
@@ -299,11 +301,12 @@ def test_metrics_keys_of_a_real_launch_are_exactly_the_documented_ones(launched,
     emitted = {k for r in rows for k in r}
     documented = documented_keys()
     assert {k for k in emitted if not is_documented(k, documented)} == set()
-    # every documented key is emitted, except NVML's (no GPU here), the two-expert models', and
+    # every documented key is emitted, except NVML's (no GPU here), the two-expert models', the
+    # step batcher's, and
     # the evaluation's, which go in eval rows of runs with run.eval_every > 0 (tests/test_evaluate.py
     # checks those)
     eval_keys = {d for d in documented if d.startswith(("eval/", "eval_ema/"))}
-    assert {d for d in documented - NVML_ONLY - TWO_EXPERTS_ONLY - eval_keys
+    assert {d for d in documented - NVML_ONLY - TWO_EXPERTS_ONLY - BATCHING_ONLY - eval_keys
             if not any(is_documented(k, [d]) for k in emitted)} == set()
     assert {k for k in emitted if k.startswith("busy/")} == {f"busy/{n}" for n in NODES[mode]}
     assert "reward/jpeg_compressibility" in emitted

@@ -7,7 +7,7 @@ The model comes from ``model.path``: a local folder (its transformer's, VAE's an
 encoders' ``config.json``, no weights read) or ``"builtin"`` at its own shapes; ``"random"`` and
 ``"emulated"`` are planned at the family's published size (:data:`~digenrl.models.catalog.REAL_CONFIGS`,
 the model the throughput plan prices). Everything is built on the meta device from those
-configs and the work is traced there (:mod:`digenrl.models.memplan`), at the config's
+configs and the work is traced there (:mod:`digenrl.sim.memplan`), at the config's
 resolution, frames, rows per forward, LoRA rank, dtype, activation checkpointing, CFG and KL.
 
 Trainer (one rank)::
@@ -226,7 +226,7 @@ class MemoryPlanner:
 
     def __init__(self, cfg: Config, *, trainer_gpu: str, rollout_gpu: str, trainers: int = 0) -> None:
         from digenrl.models import catalog
-        from digenrl.models.memplan import build_transformer, largest_block_bytes, module_bytes
+        from digenrl.sim.memplan import build_transformer, largest_block_bytes, module_bytes
         from digenrl.models.registry import DTYPES
 
         self.cfg = cfg
@@ -252,7 +252,7 @@ class MemoryPlanner:
         self.fragment_rows = t.prompts_per_step // cfg.runtime.fragments_per_step * t.group_size
 
     def _model(self, ckpt: bool, latent: tuple[int, ...]) -> Any:
-        from digenrl.models.memplan import adapt, build_transformer
+        from digenrl.sim.memplan import adapt, build_transformer
 
         torch.manual_seed(0)
         transformer = build_transformer(self.shapes.family, self.shapes.config, self.dtype)
@@ -261,7 +261,7 @@ class MemoryPlanner:
                      dtype=self.dtype, gradient_checkpointing=ckpt)
 
     def trace(self, rows: int, sp: int, ckpt: bool) -> Any:
-        from digenrl.models.memplan import sp_latent_shape, trace_training_step
+        from digenrl.sim.memplan import sp_latent_shape, trace_training_step
 
         key = (rows, sp, ckpt)
         if key not in self._traces:
@@ -344,7 +344,7 @@ class MemoryPlanner:
     def rollout(self, rows: int = 0) -> RolePlan:
         """The rollout's plan, its denoising forward over ``rows`` (default: ``sampler.max_batch``,
         else a fragment's rows) and its decode over a fragment's rows (no more than ``rows``)."""
-        from digenrl.models.memplan import module_bytes, trace_decode, trace_inference
+        from digenrl.sim.memplan import module_bytes, trace_decode, trace_inference
 
         c = self.cfg
         rows = rows or c.sampler.max_batch or self.fragment_rows

@@ -466,19 +466,17 @@ def resident_bytes(*tensors: torch.Tensor) -> int:
 
 
 def measure_trainer_step(cfg: Any, *, device: str | torch.device = "cpu") -> dict[str, int]:
-    """Bytes the trainer's real step (:func:`~digenrl.rl.policy.build_policy`'s policy over the
+    """``cfg``: a ResolvedConfig (``resolve_mode(cfg, "colocated")``, one trainer). Bytes the trainer's real step (:func:`~digenrl.rl.policy.build_policy`'s policy over the
     config's model: :meth:`~digenrl.rl.policy.Policy.fragment_loss_backward` on one fragment's
     rows at one trained timestep, then :meth:`~digenrl.rl.policy.Policy.optimizer_step`) holds at
     the peak of its second step on ``device``: the resident bytes (every parameter and buffer of
     the transformer, its KL reference copy, text encoders and VAE, the float32 masters)
     plus the peak of what the two steps allocated that is alive during the second (AdamW's state,
     the model's caches, the step's own tensors: :class:`LiveBytes` over real tensors)."""
-    from digenrl.config import resolve_mode
     from digenrl.rl.policy import build_policy
     from digenrl.rl.sampler import StepRecord
 
-    rcfg = resolve_mode(cfg, "colocated")
-    policy = build_policy(rcfg, device=device)
+    policy = build_policy(cfg, device=device)
     model: Any = policy.model
     t = cfg.train
     rows = t.prompts_per_step // cfg.runtime.fragments_per_step * t.group_size
