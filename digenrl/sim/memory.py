@@ -226,8 +226,8 @@ class MemoryPlanner:
 
     def __init__(self, cfg: Config, *, trainer_gpu: str, rollout_gpu: str, trainers: int = 0) -> None:
         from digenrl.models import catalog
-        from digenrl.sim.memplan import build_transformer, largest_block_bytes, module_bytes
         from digenrl.models.registry import DTYPES
+        from digenrl.sim.memplan import build_transformer, largest_block_bytes, module_bytes
 
         self.cfg = cfg
         self.shapes = model_shapes(cfg)
