@@ -161,7 +161,8 @@ async def worker(args: Any) -> None:
     relay_ep = relay.bind(host)
     _say(relay=relay_ep)
     go = await _line()
-    ann = VersionAnnounce(version=1, step=1, nparts=go["nparts"], nbytes=go["nbytes"], checksum=go["checksum"])
+    ann = VersionAnnounce(version=1, step=1, nparts=go["nparts"], nbytes=go["nbytes"], checksum=go["checksum"],
+                          segments=[], segment_since=[], segment_parts=[], segment_sums=[])
     actor = _Actor()
     if args.method == "shard":
         held = await _fetch_shards(ctx, opts, go["sources"], ann)

@@ -70,7 +70,8 @@ def step_done(step: int = 0, version: int = 1, metrics: JSONDict | None = None) 
 
 
 def version_announce(version: int = 1, step: int = 1) -> VersionAnnounce:
-    return VersionAnnounce(version=version, step=step, nparts=1, nbytes=1, checksum="x")
+    return VersionAnnounce(version=version, step=step, nparts=1, nbytes=1, checksum="x",
+                           segments=[], segment_since=[], segment_parts=[], segment_sums=[])
 
 
 # ----------------------------------------------------------------------------- the attacks

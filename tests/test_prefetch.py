@@ -120,7 +120,7 @@ def _announce(server: _Server, version: int) -> VersionAnnounce:
     parts, whole = publish_parts(_weights(version), part_bytes=300_000)  # 3 parts of 256 kB
     server.served[version] = (parts, whole)
     return VersionAnnounce(version=version, step=version, nparts=len(parts),
-                           nbytes=3 * 256 * 256 * 4, checksum=whole)
+                           nbytes=3 * 256 * 256 * 4, checksum=whole, segments=[], segment_since=[], segment_parts=[], segment_sums=[])
 
 
 async def _prefetch_done(follower: WeightFollower) -> None:

@@ -329,7 +329,7 @@ def test_weights_part_with_slashes_in_names_and_messages_equal_is_strict() -> No
     assert isinstance(got, WeightsPart) and tensor_checksum(got.tensors) == part.checksum
     assert not messages_equal(Shutdown(reason="a"), Shutdown(reason="b"))
     assert not messages_equal(_chunk(), _chunk(x_t=torch.zeros(2, 3, 4)))
-    assert protocol.PROTOCOL_VERSION == 8
+    assert protocol.PROTOCOL_VERSION == 9
 
 
 # ---------------------------------------------------------------- one honest message of each type
@@ -357,7 +357,9 @@ HONEST: list[Message] = [
                     gen_seconds=0.1, cond={"pooled": torch.ones(2, 8)}, images=IMAGES, discard=""),
     protocol.Consumed(task_id=5, step=1, fragment=0, rank=1, policy_version=3, trained=3,
                       discarded={"zero_advantage": 1}, train_seconds=0.25),
-    protocol.VersionAnnounce(version=4, step=1, nparts=2, nbytes=1 << 20, checksum="deadbeef"),
+    protocol.VersionAnnounce(version=4, step=1, nparts=2, nbytes=1 << 20, checksum="deadbeef",
+                             segments=["transformer", "transformer_2"], segment_since=[4, 2], segment_parts=[1, 1],
+                             segment_sums=["0badf00d", "deadbeef"]),
     protocol.WeightsRequest(version=4, part=1),
     WeightsPart(version=4, part=1, nparts=2, checksum="deadbeef",
                 tensors={"blocks.0/attn.weight": torch.ones(3, 3), "norm.bias": torch.zeros(3)}),

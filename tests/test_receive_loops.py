@@ -70,7 +70,8 @@ async def test_the_rollout_control_loop_handles_beats_and_announcements_and_coun
         peers.unanswered = 5
         for msg in (Heartbeat(node_id="coordinator", incarnation=0, policy_version=0, state="running",
                               seq=1, gpu={}, stats={}),
-                    VersionAnnounce(version=1, step=1, nparts=1, nbytes=4, checksum="c"),
+                    VersionAnnounce(version=1, step=1, nparts=1, nbytes=4, checksum="c",
+                                    segments=[], segment_since=[], segment_parts=[], segment_sums=[]),
                     Consumed(task_id=1, step=0, fragment=0, rank=0, policy_version=0, trained=1, discarded={},
                              train_seconds=0.0)):
             control.inbox.put_nowait(msg)

@@ -147,7 +147,7 @@ class _Cluster:
         parts, whole = publish_parts(sd, part_bytes=300_000)
         self.rank0_store.publish(version, parts, whole)
         return VersionAnnounce(version=version, step=version, nparts=len(parts), nbytes=mib << 20,
-                               checksum=whole), sd
+                               checksum=whole, segments=[], segment_since=[], segment_parts=[], segment_sums=[]), sd
 
     def chain(self) -> None:
         for i in range(1, len(self.relays)):

@@ -353,7 +353,8 @@ def test_a_drain_keeps_no_cut_of_the_version_the_run_started_from(tmp_path: Path
     actor = bare_coordinator(tmp_path, ["run.steps=10", "run.checkpoint_every=100"])
     actor.restore_from(None)
     for v, kept in ((0, None), (1, 1), (2, 2)):
-        announce = VersionAnnounce(version=v, step=v, nparts=1, nbytes=4, checksum="c")
+        announce = VersionAnnounce(version=v, step=v, nparts=1, nbytes=4, checksum="c",
+                                   segments=[], segment_since=[], segment_parts=[], segment_sums=[])
         actor.resume.take_cut(announce, actor.sched, actor.staleness_hist)
         assert (actor.resume.cut[0] if actor.resume.cut else None) == kept
     assert checkpoint_root(tmp_path).exists() is False  # none was due: only kept

@@ -29,7 +29,7 @@ from digenrl.config import Config
 from digenrl.telemetry.trace import SpanRecorder
 from digenrl.transport.protocol import VersionAnnounce, WeightsRoute
 from digenrl.transport.socketio import Socket
-from digenrl.transport.weights import WeightStore
+from digenrl.transport.weights import WeightAssembly, WeightStore
 
 StateDict = dict[str, torch.Tensor]
 
@@ -61,7 +61,7 @@ class WeightFollower:
         self.store = WeightStore()  # versions held and being received, served on from ``relay``
         self.fetcher = WeightsRelay(node_id=node_id, cfg=cfg, control=control, weights=weights,
                                     store=self.store, relay=relay, connect=connect)
-        self._ready: tuple[int, StateDict] | None = None  # prefetched, verified
+        self._ready: tuple[int, WeightAssembly] | None = None  # prefetched, verified
         # the background fetch asked for (its announcement) and its end; prefetch_loop runs it
         self._prefetching: asyncio.Future[None] | None = None
         self._due: VersionAnnounce | None = None
@@ -131,9 +131,9 @@ class WeightFollower:
     async def _prefetch(self, ann: VersionAnnounce) -> bool:
         """Fetch ``ann`` into ``_ready``; False if it failed (not retried in the background)."""
         try:
-            sd = await self.fetcher.fetch(self, ann, span="weight_prefetch")
+            asm = await self.fetcher.fetch_version(self, ann, span="weight_prefetch")
             if self._ready is None or self._ready[0] < ann.version:
-                self._ready = (ann.version, sd)
+                self._ready = (ann.version, asm)
         except asyncio.CancelledError:
             raise
         except WeightsSuperseded as e:  # the next announcement starts the next fetch
@@ -172,14 +172,14 @@ class WeightFollower:
                             await asyncio.wait({running})
                     else:
                         try:
-                            sd = await self.fetcher.fetch(self, ann, span="weight_fetch")
+                            asm = await self.fetcher.fetch_version(self, ann, span="weight_fetch")
                         except WeightsSuperseded:  # wait for the newer announcement, fetch that
                             if self.announced is ann:
                                 self.announce_event.clear()
                                 with self.recorder.span("wait", waiting_for=f"version > {ann.version}"):
                                     await self.announce_event.wait()
                             continue
-                        await self._apply(ann.version, sd)
+                        await self._apply(ann.version, asm)
                     continue
             if self.version >= floor:
                 return
@@ -187,8 +187,13 @@ class WeightFollower:
             with self.recorder.span("wait", waiting_for=f"version {floor}"):
                 await self.announce_event.wait()
 
-    async def _apply(self, version: int, sd: StateDict) -> None:
-        await self._in_thread("weight_apply", self._load, sd, version=version)
+    async def _apply(self, version: int, asm: WeightAssembly) -> None:
+        """Load what ``version`` carries that the model's version lacks: the segments carried
+        since a later version (the others hold the same bytes already); nothing to load still
+        moves the model to ``version`` (a step that changed nothing)."""
+        sd = asm.state_dict(newer_than=self.version)
+        if sd:
+            await self._in_thread("weight_apply", self._load, sd, version=version)
         if self._ready is not None and self._ready[0] <= version:
             self._ready = None
         self.version = version

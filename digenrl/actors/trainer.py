@@ -43,6 +43,7 @@ from digenrl.faults import crash_point, hang_point
 from digenrl.models.seqpar import sharded
 from digenrl.rl.algorithm import Staged, algorithm_for
 from digenrl.rl.evaluate import eval_due, evaluate_policy
+from digenrl.rl.experts import split_by_expert
 from digenrl.rl.finite import NONFINITE
 from digenrl.rl.fragment import FragmentJob
 from digenrl.rl.learner import Learner, save_final
@@ -66,7 +67,7 @@ from digenrl.transport.protocol import (
     VersionAnnounce,
 )
 from digenrl.transport.staging import HostToDevice, Landed
-from digenrl.transport.weights import WeightStore, publish_parts, serve_weights
+from digenrl.transport.weights import WeightStore, build_version, serve_weights
 
 
 class TrainerActor(Actor):
@@ -507,7 +508,7 @@ class TrainerActor(Actor):
             await asyncio.to_thread(partial(save_final, self.policy, self.run_dir, write=rank0))
         # before the announcement: the coordinator completes a due checkpoint on it
         await self.resume.at_boundary(version, {"rejected_stale": self.rejected_stale})
-        await self._publish(version)
+        await self._publish(version, self.learner.last_changed)
         if not last:  # after the publish: rollouts fetch the new version while we evaluate it
             await self._maybe_eval(version)
         return True
@@ -537,29 +538,39 @@ class TrainerActor(Actor):
         held = getattr(self.policy.model.transformer, "held", None)
         return held is None or len(held) == 2
 
-    async def _publish(self, version: int) -> None:
+    async def _publish(self, version: int, changed: tuple[str, ...] | None = None) -> None:
         """Rank 0 serves ``version`` and announces it; sharded ranks all join the gather, and
-        ranks of experts placed over ranks send rank 0 those it lacks."""
+        ranks of experts placed over ranks send rank 0 those it lacks.
+
+        The version carries new bytes only of what its step ``changed`` (None: every part;
+        two-expert models: the experts the step's update changed, so every rank gathers the
+        same), and keeps the other experts' bytes of the version before (transport/weights.py).
+        Version 0 carries nothing (every node loads it itself); a restored version everything."""
         with self.working("weight_publish", version=version):
-            if self.policy.placement is not None:  # the experts rank 0 lacks come from their holders
+            if version == 0:
+                changed = ()
+            if changed == ():
+                full: dict[str, Any] = {}
+            elif self.policy.placement is not None:  # the experts rank 0 lacks come from their holders
                 full = await self.submit("weight_gather", partial(self.policy.whole_sync_state,
-                                                                  keep=self.rank == 0))
+                                                                  keep=self.rank == 0, experts=changed))
             elif self.policy.sharded:  # ranks other than 0 join each gather and keep nothing
-                full = await asyncio.to_thread(partial(self.policy.state_dict_for_sync, keep=self.rank == 0))
+                full = await asyncio.to_thread(partial(self.policy.state_dict_for_sync, keep=self.rank == 0,
+                                                       experts=changed))
             elif self.rank == 0:
-                full = self.policy.state_dict_for_sync()
+                full = self.policy.state_dict_for_sync(experts=changed)
             if self.rank != 0:
                 return
             # state_dict_for_sync already copied: only move (a no-op on CPU) and pack
             sd = {k: v.detach().to("cpu").contiguous() for k, v in full.items()}
+            before = self.store.get(self.store.newest) if version > 0 else None
             # checksums once per version, off the event loop (not once per request)
-            parts, whole = await asyncio.to_thread(publish_parts, sd)
-            self.store.publish(version, parts, whole)  # the newest three are kept
-            self.log.info("weights published", version=version, checksum=whole, nparts=len(parts))
-        await self.peers.control.send(VersionAnnounce(
-            version=version, step=version, nparts=len(parts),
-            nbytes=sum(t.numel() * t.element_size() for p, _ in parts for t in p.values()),
-            checksum=whole))
+            asm = await asyncio.to_thread(build_version, version, split_by_expert(sd), before)
+            self.store.begin(asm)  # the newest three are kept
+            self.log.info("weights published", version=version, checksum=asm.checksum, nparts=asm.nparts,
+                          new_bytes=asm.new_bytes(),
+                          segments={g.name or "all": g.since for g in asm.segments})
+        await self.peers.control.send(asm.announce(step=version))
 
     # ---------------------------------------------------------------- TAG
     async def _generate(self, task: Assign) -> None:

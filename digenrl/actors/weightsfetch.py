@@ -90,6 +90,8 @@ class WeightsRelay:
         self._rerouted = asyncio.Event()
         self.fallbacks = 0  # fetches that bypassed a silent or stalled upstream for rank 0
         self.stale_parts = 0  # parts answering a request of a fetch that was cancelled
+        self.received_bytes = 0  # tensor bytes of the parts received (not those taken from a held version)
+        self.reused_parts = 0  # parts of fetched versions taken from a version held here
 
     def on_route(self, msg: WeightsRoute) -> None:
         """Fetch from ``msg.upstream`` from now on ("" = trainer rank 0); a fetch in flight
@@ -116,20 +118,29 @@ class WeightsRelay:
         return relay
 
     async def fetch(self, actor: FetchingActor, ann: VersionAnnounce, span: str) -> dict[str, torch.Tensor]:
-        """Every part of ``ann`` from the upstream, verified as it lands (and served on from
-        here meanwhile); whole tensors out. Raises :class:`WeightsSuperseded`."""
+        """Every tensor of ``ann``'s version (:meth:`fetch_version`, whole tensors out)."""
+        return (await self.fetch_version(actor, ann, span)).state_dict()
+
+    async def fetch_version(self, actor: FetchingActor, ann: VersionAnnounce, span: str) -> WeightAssembly:
+        """``ann``'s version, verified: the segments the newest version held whole here carries
+        alike are taken from it, every other part comes from the upstream, verified as it
+        lands (and served on from here meanwhile). Raises :class:`WeightsSuperseded`."""
         async with self.lock:
-            asm = WeightAssembly(ann.version, ann.nparts, ann.checksum)
+            asm = WeightAssembly.announced(ann)
+            held = self.store.whole_below(ann.version)
+            if held is not None:
+                asm.prefill(held)
             self.store.begin(asm)
             try:
-                with actor.working(span, version=ann.version):
+                with actor.working(span, version=ann.version, reused_parts=asm.reused):
                     await self._fetch_parts(actor, asm)
-                    sd = await asyncio.to_thread(asm.state_dict)
+                    await asyncio.to_thread(asm.verify)
             except BaseException:
                 self.store.abandon(ann.version)
                 raise
+        self.reused_parts += asm.reused
         await self.control.send(WeightsHeld(node_id=self.node_id, version=ann.version))
-        return sd
+        return asm
 
     async def _fetch_parts(self, actor: FetchingActor, asm: WeightAssembly) -> None:
         rt = self.cfg.runtime
@@ -188,6 +199,7 @@ class WeightsRelay:
                 in_flight.discard(msg.part)
                 if msg.part not in asm.parts:  # the same part twice (asked again): once is enough
                     await asyncio.to_thread(asm.add, msg.part, dict(msg.tensors), msg.checksum)
+                    self.received_bytes += sum(t.numel() * t.element_size() for t in msg.tensors.values())
                     self.store.landed()
                     delivered_at = time.monotonic()
 

@@ -103,6 +103,29 @@ def expert_of_index(cfg: Config, ratio: float) -> list[str]:
     return ["transformer" if s * 1000 >= ratio * 1000 else "transformer_2" for s in sigmas]
 
 
+def step_experts(cfg: Config, step: int, expert: list[str] | None) -> tuple[str, ...] | None:
+    """The experts ``step``'s trained indices fall on (``expert``: :func:`expert_of_index`):
+    the only ones its optimizer update may change. None: every part of the model (not two
+    experts, or a forward-process algorithm, whose noise levels span both). A pure function of
+    the config, so every trainer rank and every resume agree on it without asking."""
+    from digenrl.core.plan import FORWARD_ALGORITHMS, plan_for_step
+
+    if expert is None or cfg.train.algorithm in FORWARD_ALGORITHMS:
+        return None
+    used = {expert[t] for t in plan_for_step(cfg, step)[0]}
+    return tuple(e for e in EXPERTS if e in used)
+
+
+def split_by_expert(sd: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """A sync state by expert (its keys' first component: ``transformer``, ``transformer_2``);
+    keys of no expert under "" (every key of a one-transformer model)."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in sd.items():
+        head = k.split(".", 1)[0]
+        out.setdefault(head if head in EXPERTS else "", {})[k] = v
+    return out
+
+
 def _plans(cfg: Config) -> list[list[int]] | None:
     """The distinct trained-index lists of the run's steps; None for a run longer than
     PLAN_STEPS_MAX (then every rank is placed by the indices ``train.timesteps`` may train)."""
@@ -241,4 +264,4 @@ def recv_state(src: int, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 __all__ = ["EXPERTS", "TRAINED_EXPERTS", "ExpertPlacement", "boundary_of", "expert_of_index",
-           "holder_groups", "placement_for", "recv_state", "send_state"]
+           "holder_groups", "placement_for", "recv_state", "send_state", "split_by_expert", "step_experts"]

@@ -84,6 +84,15 @@ class Learner:
         self.stats = StepStats()
         #: a two-expert model (Wan2.2 A14B): each trained timestep's expert goes in the metrics
         self._two_experts = getattr(policy.model, "expert_of", lambda _s: None)(0.5) is not None
+        #: two experts: the expert of each denoising step index (which the step's plan trains)
+        self._expert_of: list[str] | None = None
+        if self._two_experts:
+            from digenrl.rl.experts import boundary_of, expert_of_index
+            ratio = boundary_of(cfg)
+            self._expert_of = None if ratio is None else expert_of_index(cfg, ratio)
+        self.last_changed: tuple[str, ...] | None = None
+        """What the last optimizer step changed: the experts it updated (two-expert models; () if
+        it was skipped), or None: the whole model. The version it made carries only those."""
         self.last_discarded: dict[str, int] = {}
         self.skipped_steps = 0
         """Optimizer steps skipped for a non-finite loss or gradient (weights left untouched)."""
@@ -319,7 +328,10 @@ class Learner:
         elif all_reduce is not None and not self.reduce_gradients(all_reduce):
             # only TrainerActor's ranks vote, and they call reduce_gradients themselves
             raise RuntimeError("a rank voted to stop in an all-reduce that carries no votes")
-        opt = self.policy.optimizer_step()
+        from digenrl.rl.experts import step_experts
+        experts = step_experts(self.cfg, self.policy.version, self._expert_of)
+        opt = self.policy.optimizer_step() if experts is None else self.policy.optimizer_step(experts)
+        self.last_changed = () if opt.get("skipped") else experts
         st = self.stats
         self.last_skipped = None
         if opt.get("skipped"):
@@ -347,6 +359,9 @@ class Learner:
         }
         for t, name in sorted(st.experts.items()):  # 0: transformer (high noise), 1: transformer_2
             metrics[f"expert/t{t}"] = 0 if name == "transformer" else 1
+        if self._expert_of is not None:  # the experts this step's update changed (same code as held)
+            metrics["expert/changed"] = sum(1 << i for i, e in enumerate(("transformer", "transformer_2"))
+                                            if e in (self.last_changed or ()))
         if self._two_experts:  # one rank alone: its own; several: what each reported in the reduction
             for r, code in sorted((st.held or {0: self._held_code()}).items()):
                 metrics[f"expert/held/r{r}"] = code

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -340,9 +340,15 @@ class Policy:
         return (1 + edge) / 2 if held[0] == "transformer" else edge / 2
 
     # -- the update ------------------------------------------------------------------------------
-    def optimizer_step(self) -> dict[str, Any]:
+    def optimizer_step(self, experts: Collection[str] | None = None) -> dict[str, Any]:
         """Clip the gradient norm (``max_grad_norm``; 0 = off), step AdamW, update the EMA (if
         kept), zero grads, version += 1.
+
+        ``experts`` (two-expert models): the experts the step's trained indices fall on (None:
+        all). The others' parameters leave the update with no gradient, so AdamW skips them:
+        their weights and moments stay bit for bit (a zero gradient would still move them by
+        momentum and weight decay), and the version published after this step need not carry
+        them. Reported as ``changed``: the experts the update changed (None: the whole model).
 
         A non-finite gradient norm skips the update (reported as ``skipped``) but still ends the
         step, so versions keep counting steps.
@@ -366,6 +372,11 @@ class Policy:
             self._snapshots[self.version] = self.state_dict_for_sync()
             for old in [v for v in self._snapshots if v < self.version + 1 - self.keep_versions]:
                 del self._snapshots[old]
+        if experts is not None:  # after the norm: a non-finite one may sit in any gradient
+            for e, idx in self.expert_index.items():
+                if e not in experts:
+                    for i in idx:
+                        self.params[i].grad = None
         if not skipped:
             if self.host is not None:  # the step on the host masters, then back to the device
                 self.host.pull_grads([p.grad for p in self.params])
@@ -383,8 +394,9 @@ class Policy:
             for p in self.params:
                 p.grad = None
         self.version += 1
+        changed = () if skipped else (None if experts is None else tuple(experts))
         return {"grad_norm": float(grad_norm), "skipped": skipped, "version": self.version,
-                "lr": self.optimizer.param_groups[0]["lr"]}
+                "lr": self.optimizer.param_groups[0]["lr"], "changed": changed}
 
     # -- experts placed over ranks (rl/experts.py) -------------------------------------------------
     @property
@@ -441,7 +453,8 @@ class Policy:
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
 
-    def _gather_to_rank0(self, own: Callable[[str], dict[str, torch.Tensor]], keep: bool) -> dict[str, torch.Tensor]:
+    def _gather_to_rank0(self, own: Callable[[str], dict[str, torch.Tensor]], keep: bool,
+                         experts: Collection[str] | None = None) -> dict[str, torch.Tensor]:
         """Rank 0 (``keep``): ``own(e)`` of every trained expert, its own and, for those it
         lacks, received from their lowest holder; the holders that send return ``{}``."""
         from digenrl.rl.experts import comm_device, recv_state, send_state
@@ -450,6 +463,8 @@ class Policy:
         device = comm_device(self.model_params[0].device)
         out: dict[str, torch.Tensor] = {}
         for e in pl.trained:
+            if experts is not None and e not in experts:
+                continue
             src = pl.source(e)
             if e in self.expert_index:
                 if self.rank == 0 or (src == self.rank and 0 not in pl.holders(e)):
@@ -462,17 +477,20 @@ class Policy:
                 out.update(recv_state(src, device))
         return out if keep else {}
 
-    def whole_sync_state(self, *, keep: bool = True) -> dict[str, torch.Tensor]:
-        """:meth:`state_dict_for_sync` of every trained expert, on the rank that ``keep``s it
-        (rank 0): what is published, saved and checkpointed. A collective where
-        :attr:`collective` (every rank calls it), else this rank's own state."""
+    def whole_sync_state(self, *, keep: bool = True,
+                         experts: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+        """:meth:`state_dict_for_sync` of every trained expert (of those in ``experts``, if
+        given: every rank must pass the same), on the rank that ``keep``s it (rank 0): what is
+        published, saved and checkpointed. A collective where :attr:`collective` (every rank
+        calls it), else this rank's own state."""
         if self.placement is None:
-            return self.state_dict_for_sync(keep=keep)
+            return self.state_dict_for_sync(keep=keep, experts=experts)
         pl = self.placement
         # sharded: every holder joins its expert's gathers; rank 0 and the senders keep them
-        sends = any(pl.source(e) == self.rank for e in self.expert_index)
-        mine = self.state_dict_for_sync(keep=self.rank == 0 or sends)
-        return self._gather_to_rank0(lambda e: {k: v for k, v in mine.items() if k.startswith(e + ".")}, keep)
+        sends = any(pl.source(e) == self.rank for e in self.expert_index if experts is None or e in experts)
+        mine = self.state_dict_for_sync(keep=self.rank == 0 or sends, experts=experts)
+        return self._gather_to_rank0(lambda e: {k: v for k, v in mine.items() if k.startswith(e + ".")}, keep,
+                                     experts=experts)
 
     def whole_optimizer_state(self, *, keep: bool = True) -> dict[str, Any]:
         """:meth:`optimizer_state` as one policy training every expert keeps it (parameters
@@ -534,9 +552,11 @@ class Policy:
                 for p in self.params]
 
     # -- weight sync -----------------------------------------------------------------------------
-    def state_dict_for_sync(self, *, keep: bool = True) -> dict[str, torch.Tensor]:
+    def state_dict_for_sync(self, *, keep: bool = True,
+                            experts: Collection[str] | None = None) -> dict[str, torch.Tensor]:
         """What a rollout needs to match this policy: the LoRA adapter, or the trainable weights,
-        as host (CPU) copies: every user sends, saves or checksums them there.
+        as host (CPU) copies: every user sends, saves or checksums them there. ``experts``
+        (two-expert models): only the keys of those experts (every rank must pass the same).
 
         Sharded: whole tensors, gathered; a collective every trainer rank must call. A rank
         that only takes part (``keep=False``: not the one that publishes or writes) joins each
@@ -549,8 +569,13 @@ class Policy:
             tensors = self.model.sync_state_dict().items()
         else:
             tensors = ((k, p) for k, p in self.model.transformer.named_parameters() if p.requires_grad)
+        def wanted(key: str) -> bool:
+            return experts is None or key.split(".", 1)[0] in experts
+
         sd = {}
         for k, v in tensors:
+            if not wanted(k):
+                continue
             whole = full(v)  # the collective, on every rank
             if keep:
                 sd[k] = host(whole)
@@ -558,7 +583,8 @@ class Policy:
         if not keep:
             return {}
         for key, i in self._master_keys().items():  # the float32 masters, not their rounding
-            sd[key] = host(self.masters[i])
+            if wanted(key):
+                sd[key] = host(self.masters[i])
         return sd
 
     def _master_keys(self) -> dict[str, int]:

@@ -53,7 +53,7 @@ from digenrl.transport.errors import ProtocolError, VersionMismatch
 # 7: WeightsPending (a relay tells a requester the part is still on its way: hop-by-hop
 # liveness, so a deep chain is not mistaken for a silent upstream).
 # 8: Samples (trainer rank 0 shows the coordinator sample grids for the experiment trackers).
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 FROZEN_TAGS = frozenset({"shutdown"})
 """Messages whose layout never changes (``{"t": "shutdown", "v": N, "reason": str,

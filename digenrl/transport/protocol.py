@@ -218,13 +218,24 @@ class Consumed(Message):
 
 @message("version_announce")
 class VersionAnnounce(Message):
-    """A new policy version exists; fetch it in ``nparts`` parts."""
+    """A new policy version exists; fetch it in ``nparts`` parts.
+
+    The parts fall in *segments*, each changed as one (an expert of a two-expert model; ""
+    the whole set otherwise), listed in part order. A segment carries the bytes published at
+    version ``segment_since``: a node that holds that version or a newer one below this one
+    already has them and fetches only the other segments (transport/weights.py). Empty
+    segment lists: one segment, all ``nparts``, new at this version.
+    """
 
     version: int
     step: int  # optimizer steps done
-    nparts: int
+    nparts: int  # 0: nothing differs from the weights every node loads itself (version 0's)
     nbytes: int  # total payload bytes
     checksum: str  # weights.set_checksum over the parts' tensor_checksums
+    segments: list[str]  # each segment's name, in part order
+    segment_since: list[int]  # the version whose bytes it carries
+    segment_parts: list[int]  # its parts (they sum to nparts)
+    segment_sums: list[str]  # set_checksum over its parts' checksums
 
 
 @message("weights_request")

@@ -32,6 +32,7 @@ MAX_TEXT = 4096         # reasons, hosts, endpoints, checksums
 MAX_PROMPT = 1 << 16    # one prompt's characters
 MAX_LIST = 1 << 16      # prompts, seeds, rewards per message
 MAX_KEYS = 256          # entries of a free-form dict
+MAX_SEGMENTS = 64       # segments of a weight version
 
 
 def _range(lo: float, hi: float, *, open_lo: bool = False) -> Callable[[Any], bool]:
@@ -115,6 +116,26 @@ def _gpu(v: dict[str, Any]) -> bool:
 
 def _ints(limit: int, lo: int = 0) -> Callable[[list[int]], bool]:
     return lambda v: len(v) <= MAX_LIST and all(lo <= e < limit for e in v)
+
+
+def _segment_names(v: list[str]) -> bool:
+    return len(v) <= MAX_SEGMENTS and all(len(x) <= MAX_NAME for x in v)
+
+
+def _segment_sums(v: list[str]) -> bool:
+    return len(v) <= MAX_SEGMENTS and all(len(x) <= 128 for x in v)
+
+
+def _segments_whole(m: Any) -> str | None:
+    """A version's segments: one entry each in every list, parts adding up, none newer."""
+    n = len(m.segments)
+    if not (len(m.segment_since) == len(m.segment_parts) == len(m.segment_sums) == n):
+        return "segments, segment_since, segment_parts and segment_sums of one length"
+    if n and sum(m.segment_parts) != m.nparts:
+        return f"segment_parts adding up to nparts = {m.nparts}"
+    if any(s > m.version for s in m.segment_since):
+        return f"segment versions <= version {m.version}"
+    return None
 
 
 def _prompts(v: list[str]) -> bool:
@@ -254,8 +275,12 @@ RULES: dict[str, dict[str, Rule]] = {
                  "trained": (_range(0, MAX_LIST + 1), "0 to 65536 trajectories"),
                  "discarded": (_counts, "a map of reasons to counts"), "train_seconds": _SECONDS},
     "version_announce": {"version": _NONNEG, "step": _NONNEG,
-                         "nparts": (_range(1, (1 << 20) + 1), "1 or more parts"),
-                         "nbytes": _NONNEG, "checksum": (_text(128), "a short checksum")},
+                         "nparts": (_range(0, (1 << 20) + 1), "0 or more parts"),
+                         "nbytes": _NONNEG, "checksum": (_text(128), "a short checksum"),
+                         "segments": (_segment_names, "at most 64 short names"),
+                         "segment_since": (_ints(I62), "versions >= 0"),
+                         "segment_parts": (_ints(1 << 20), "part counts"),
+                         "segment_sums": (_segment_sums, "at most 64 short checksums")},
     "weights_request": {"version": _NONNEG, "part": (_small(1 << 20), "a part index")},
     "weights_part": {"version": _NONNEG, "part": (_small(1 << 20), "a part index"),
                      "nparts": (_range(1, (1 << 20) + 1), "1 or more parts"),
@@ -276,7 +301,7 @@ RULES: dict[str, dict[str, Rule]] = {
 }
 WHOLE: dict[str, Callable[[Any], str | None]] = {
     "chunk": _sigmas, "clean_sample": _clean_tensors, "commit": _commit_discard, "assign": _assign_whole, "score": _score_whole,
-    "scored": _scored_whole, "samples": _samples_whole}
+    "scored": _scored_whole, "samples": _samples_whole, "version_announce": _segments_whole}
 """Checks across fields (shapes of a message's tensors), by tag."""
 
 

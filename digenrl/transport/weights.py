@@ -5,6 +5,16 @@ A version is published as parts of about ``PART_BYTES`` each, with one checksum 
 in order. A receiver verifies each part as it lands and the set from the part checksums, so
 every byte is hashed once on each side.
 
+A version is also cut into *segments* that change as one (each expert of a two-expert model;
+"" the whole set otherwise), each naming the version whose bytes it carries (``since``).
+Trainer rank 0 builds a version from the segments its step changed and the unchanged ones of
+the version before, shared, not copied (:func:`build_version`). A receiver takes every
+segment that a version it already holds whole carries with the same ``since`` and checksum
+from that version (:meth:`WeightAssembly.prefill`) and fetches only the others, so a version
+whose step left an expert untouched costs the network only the experts it changed; one that
+holds nothing fetches every part. Version 0 carries no segment: every node loads its
+weights itself, and a segment no step changed is never sent.
+
 Serving (:func:`serve_weights`, a ROUTER answering ``WeightsRequest``) works from a
 :class:`WeightStore`: trainer rank 0 publishes complete versions into it, and a rollout
 puts in the version it is fetching, so it can serve each part to the rollouts downstream of
@@ -20,13 +30,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from digenrl.transport.errors import Closed, PeerLost
 from digenrl.transport.protocol import (
+    VersionAnnounce,
     WeightsMissing,
     WeightsPart,
     WeightsPending,
@@ -69,13 +81,95 @@ def publish_parts(sd: dict[str, torch.Tensor],
     return list(zip(parts, sums, strict=True)), set_checksum(sums)
 
 
-class WeightAssembly:
-    """Collects the parts of one version; ``state_dict()`` once all arrived and the set checks."""
+@dataclass(frozen=True)
+class Segment:
+    """Parts of a version that change as one: ``name`` ("" or an expert), ``since`` (the
+    version whose bytes they carry), their count and :func:`set_checksum` over their sums."""
 
-    def __init__(self, version: int, nparts: int, checksum: str) -> None:
+    name: str
+    since: int
+    nparts: int
+    checksum: str
+
+
+class WeightAssembly:
+    """Collects the parts of one version; ``state_dict()`` once all arrived and the set checks.
+
+    ``segments`` (in part order; default: one segment "" of every part, new at ``version``).
+    """
+
+    def __init__(self, version: int, nparts: int, checksum: str,
+                 segments: Sequence[Segment] | None = None) -> None:
         self.version, self.nparts, self.checksum = version, nparts, checksum
+        self.segments = tuple(segments) if segments is not None else (
+            (Segment("", version, nparts, checksum),) if nparts else ())
+        if sum(seg.nparts for seg in self.segments) != nparts:
+            raise ValueError(f"weights v{version}: segments of {sum(g.nparts for g in self.segments)} "
+                             f"parts, expected {nparts}")
         self.parts: dict[int, dict[str, torch.Tensor]] = {}
         self.sums: dict[int, str] = {}
+        self.reused = 0  # parts taken from a version held before (prefill), not received
+
+    @classmethod
+    def announced(cls, ann: VersionAnnounce) -> WeightAssembly:
+        """An empty assembly of the version ``ann`` announces, with its segments."""
+        segments = None
+        if ann.segments:
+            segments = [Segment(n, v, p, c) for n, v, p, c in zip(
+                ann.segments, ann.segment_since, ann.segment_parts, ann.segment_sums, strict=True)]
+        return cls(ann.version, ann.nparts, ann.checksum, segments)
+
+    def spans(self) -> list[tuple[Segment, range]]:
+        """Each segment with the indices of its parts."""
+        out, start = [], 0
+        for seg in self.segments:
+            out.append((seg, range(start, start + seg.nparts)))
+            start += seg.nparts
+        return out
+
+    def prefill(self, held: WeightAssembly) -> int:
+        """Take from ``held`` (a whole version this node holds) every segment it carries with
+        the same name, ``since`` and checksum: those bytes need not travel. Returns the parts
+        taken; the set checksum still checks them with the rest."""
+        theirs = {seg: span for seg, span in held.spans()}
+        taken = 0
+        for seg, span in self.spans():
+            other = theirs.get(seg)
+            if other is None or seg.since > held.version or any(i not in held.parts for i in other):
+                continue
+            for i, j in zip(span, other, strict=True):
+                self.parts[i], self.sums[i] = held.parts[j], held.sums[j]
+            taken += seg.nparts
+        self.reused += taken
+        return taken
+
+    def verify(self) -> None:
+        """Raise ValueError unless every part is here and the set checksum holds."""
+        if self.missing():
+            raise ValueError(f"weights v{self.version}: parts {self.missing()} missing")
+        if set_checksum([self.sums[p] for p in range(self.nparts)]) != self.checksum:
+            raise ValueError(f"weights v{self.version}: whole-set checksum mismatch")
+
+    def state_dict(self, newer_than: int = -1) -> dict[str, torch.Tensor]:
+        """The whole set's tensors, verified; with ``newer_than``, only those of the segments
+        carried since a later version (what a node holding that version lacks)."""
+        self.verify()
+        return {k: v for seg, span in self.spans() if seg.since > newer_than
+                for p in span for k, v in self.parts[p].items()}
+
+    def new_bytes(self) -> int:
+        """Bytes of the segments new at this version (what a node holding the one before fetches)."""
+        return sum(t.numel() * t.element_size() for seg, span in self.spans() if seg.since == self.version
+                   for p in span for t in self.parts.get(p, {}).values())
+
+    def announce(self, step: int) -> VersionAnnounce:
+        """This (whole) version's announcement."""
+        return VersionAnnounce(
+            version=self.version, step=step, nparts=self.nparts,
+            nbytes=sum(t.numel() * t.element_size() for p in self.parts.values() for t in p.values()),
+            checksum=self.checksum, segments=[g.name for g in self.segments],
+            segment_since=[g.since for g in self.segments], segment_parts=[g.nparts for g in self.segments],
+            segment_sums=[g.checksum for g in self.segments])
 
     def add(self, part: int, tensors: dict[str, torch.Tensor], part_checksum: str) -> None:
         if not 0 <= part < self.nparts:
@@ -90,12 +184,32 @@ class WeightAssembly:
     def missing(self) -> list[int]:
         return [p for p in range(self.nparts) if p not in self.parts]
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        if self.missing():
-            raise ValueError(f"weights v{self.version}: parts {self.missing()} missing")
-        if set_checksum([self.sums[p] for p in range(self.nparts)]) != self.checksum:
-            raise ValueError(f"weights v{self.version}: whole-set checksum mismatch")
-        return {k: v for p in range(self.nparts) for k, v in self.parts[p].items()}
+
+
+def build_version(version: int, fresh: Mapping[str, dict[str, torch.Tensor]], before: WeightAssembly | None,
+                  part_bytes: int = PART_BYTES) -> WeightAssembly:
+    """Trainer rank 0's whole ``version``: each segment of ``fresh`` (name -> tensors) split,
+    checksummed and carried since ``version``; every other segment of ``before`` (the version
+    published last) kept as it is, its tensors shared. Segments in name order."""
+    old = {seg.name: (seg, span) for seg, span in before.spans()} if before is not None else {}
+    segments: list[Segment] = []
+    parts: list[dict[str, torch.Tensor]] = []
+    sums: list[str] = []
+    for name in sorted({n for n, sd in fresh.items() if sd} | set(old)):
+        if fresh.get(name):
+            mine = split_parts(fresh[name], part_bytes)
+            mine_sums = [tensor_checksum(p) for p in mine]
+            since = version
+        else:
+            assert before is not None
+            seg, span = old[name]
+            mine, mine_sums, since = [before.parts[i] for i in span], [before.sums[i] for i in span], seg.since
+        segments.append(Segment(name, since, len(mine), set_checksum(mine_sums)))
+        parts += mine
+        sums += mine_sums
+    asm = WeightAssembly(version, len(parts), set_checksum(sums), segments)
+    asm.parts, asm.sums = dict(enumerate(parts)), dict(enumerate(sums))
+    return asm
 
 
 class WeightStore:
@@ -118,6 +232,11 @@ class WeightStore:
 
     def get(self, version: int) -> WeightAssembly | None:
         return self._sets.get(version)
+
+    def whole_below(self, version: int) -> WeightAssembly | None:
+        """The newest version below ``version`` held whole (every part landed), if any."""
+        whole = [v for v, asm in self._sets.items() if v < version and not asm.missing()]
+        return self._sets[max(whole)] if whole else None
 
     def publish(self, version: int, parts: list[tuple[dict[str, torch.Tensor], str]], whole: str) -> None:
         """A complete version (trainer rank 0's own, already checksummed by publish_parts)."""
