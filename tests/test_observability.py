@@ -43,7 +43,7 @@ NODES = {"digenrl": {"rollout-0", "trainer-0"}, "disagg-sync": {"rollout-0", "tr
 # NVML readings: documented, but a CPU machine (and, for now, the coordinator) never writes them.
 NVML_ONLY = {"gpu_util/<node>", "gpu_mem_used_mb/<node>"}
 #: emitted only by two-expert models (Wan2.2 A14B): tests/test_wan22.py checks them
-TWO_EXPERTS_ONLY = {"expert/t<i>", "expert/held/r<i>"}
+TWO_EXPERTS_ONLY = {"expert/t<i>", "expert/held/r<i>", "expert/changed"}
 #: emitted only by a rollout with step-level batching: tests/test_batching.py checks it
 BATCHING_ONLY = {"batch/<node>"}
 # C0 and C1 control characters except the newline.

@@ -90,6 +90,7 @@ def test_a_lora_run_trains_both_experts_and_names_each_timesteps_expert(lora_run
         experts = {int(k.split("/t")[1]): v for k, v in r.items() if k.startswith("expert/t")}
         assert experts == {t: 0 if float(sig[t]) * 1000 >= BOUNDARY * 1000 else 1 for t in range(4)}
         assert set(experts.values()) == {0, 1}  # this schedule crosses the boundary
+        assert r["expert/changed"] == 3  # so every step's update changed both experts
         assert all(is_documented(k, documented_keys()) for k in r)
     trained = load_file(lora_run / "final" / "policy.safetensors")
     base = _model(folder, lora_rank=4).sync_state_dict()

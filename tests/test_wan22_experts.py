@@ -172,6 +172,11 @@ def _placed_worker(rank: int, folder: str, store: str, out: str, lora: int, worl
 
         assert learner.reduce_gradients(all_reduce)
         metrics = learner.finish_step()
+        # a version whose step changed transformer_2 only: rank 0 gathers that expert alone
+        whole_now = policy.whole_sync_state(keep=rank == 0)
+        low_only = policy.whole_sync_state(keep=rank == 0, experts=("transformer_2",))
+        low_gathered = rank != 0 or (low_only.keys() == {k for k in whole_now if k.startswith("transformer_2.")}
+                                     and bool(low_only) and all(torch.equal(v, whole_now[k]) for k, v in low_only.items()))
         # what a checkpoint and final/ hold: written by rank 0, the experts it lacks sent by rank 1
         run = Path(out) / "run"
         save_trainer_state(run, policy, {}, write=rank == 0)
@@ -186,7 +191,7 @@ def _placed_worker(rank: int, folder: str, store: str, out: str, lora: int, worl
         reloaded = mine.keys() == back.keys() and all(torch.equal(v, back[k]) for k, v in mine.items()) \
             and opt_mine.keys() == opt_back.keys() and all(
                 torch.equal(t, opt_back[i][n]) for i, s in opt_mine.items() for n, t in s.items())
-        torch.save({"metrics": metrics, "reloaded": reloaded, "held": list(policy.model.transformer.held),
+        torch.save({"metrics": metrics, "reloaded": reloaded, "low_gathered": low_gathered, "held": list(policy.model.transformer.held),
                     "trained": sorted(policy.expert_index)}, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -220,9 +225,10 @@ def test_placed_ranks_take_the_step_one_rank_holding_both_takes(folder: Path, tm
         held = [list(BOTH), ["transformer_2"]]
     assert [r["held"] for r in ranks] == [r["trained"] for r in ranks] == held
     assert all(r["reloaded"] for r in ranks)  # each rank took its own expert back from the whole files
+    assert ranks[0]["low_gathered"]  # a gather of one expert brings rank 0 that expert, whole, alone
     metrics = ranks[0]["metrics"]
     assert {k: v for k, v in metrics.items() if k.startswith("expert/")} == {
-        "expert/t0": 0, "expert/t1": 0, "expert/t2": 1, "expert/t3": 1,
+        "expert/t0": 0, "expert/t1": 0, "expert/t2": 1, "expert/t3": 1, "expert/changed": 3,
         **{f"expert/held/r{r}": {("transformer",): 1, ("transformer_2",): 2, BOTH: 3}[tuple(h)]
            for r, h in enumerate(held)}}
 
@@ -338,7 +344,7 @@ def _sharded_worker(rank: int, folder: str, store: str, out: str, world: int) ->
         mine_sd, back = policy.state_dict_for_sync(), again.state_dict_for_sync()
         reloaded = mine_sd.keys() == back.keys() and all(torch.equal(v, back[k]) for k, v in mine_sd.items())
         meshes = {p.device_mesh.size() for p in policy.params}  # DTensors over the expert's holders
-        torch.save({"metrics": metrics, "reloaded": reloaded, "held": list(policy.model.transformer.held),
+        torch.save({"metrics": metrics, "reloaded": reloaded, "low_gathered": low_gathered, "held": list(policy.model.transformer.held),
                     "meshes": meshes}, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -366,7 +372,7 @@ def test_sharded_placed_experts_take_the_step_one_unsharded_rank_holding_both_ta
     assert all(r["reloaded"] for r in ranks)
     metrics = ranks[0]["metrics"]
     assert {k: v for k, v in metrics.items() if k.startswith("expert/")} == {
-        "expert/t0": 0, "expert/t1": 0, "expert/t2": 1, "expert/t3": 1,
+        "expert/t0": 0, "expert/t1": 0, "expert/t2": 1, "expert/t3": 1, "expert/changed": 3,
         "expert/held/r0": 1, "expert/held/r1": 1, "expert/held/r2": 2}
 
     cfg = _cfg(folder, "model.lora_rank=4", *EXTRA)
