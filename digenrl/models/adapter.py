@@ -192,8 +192,8 @@ class DiffusersFlowModel:
 
     def _parts_in(self, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.nn.Module]:
         """The parts ``sd`` updates: every part, or, for a two-expert model, the experts it has
-        keys of (a version carries only the experts the run trains: one no step trains keeps
-        the folder's weights; each expert it does carry must be whole)."""
+        keys of (a version carries only the experts its step changed and the receiver lacks: one
+        no step trains keeps the folder's weights; each expert it does carry must be whole)."""
         parts = self.parts()
         if "" in parts or not sd:
             return parts
