@@ -260,3 +260,38 @@ async def test_a_version_carries_only_the_expert_its_step_changed_and_a_rollout_
     assert late.loaded == [{HIGH, LOW}]
     assert _nbytes(full) <= rank0.sent() - sent <= _nbytes(full) + 8192
     assert all(torch.equal(x, y) for x, y in zip(_sample(late.model, trained.cfg), want, strict=True))
+
+
+@pytest.mark.slow
+def test_a_launched_run_publishes_each_expert_when_its_step_changes_it_and_rollouts_relay_the_rest(
+        tmp_path: Path) -> None:
+    """``digenrl launch``, two trainer ranks, two rollouts chained by the relay (fanout 1): rank
+    0 announces each version with the experts its step changed new and the other kept from
+    before, every rollout takes the kept one from the version it holds (the second one also
+    through the first), holds the final version, and no trajectory is staler than K."""
+    import json
+
+    from tests.conftest import launch_run, set_args
+    from tests.pipelines import MAX_TEXT_TOKENS, SMALL
+
+    folder = write_pipeline_folder("wan22", tmp_path / "pipe")
+    sets = [f'model.path="{folder}"', 'model.family="wan"', f"model.max_text_tokens={MAX_TEXT_TOKENS}",
+            *[f"model.{k}={v}" for k, v in SMALL.items()], "train.prompts_per_step=2", "train.group_size=2",
+            "runtime.fragments_per_step=1", "sampler.num_steps=4", *MIX[:-2], "cluster.trainers=2",
+            "cluster.rollouts=2", "runtime.weights_fanout=1"]
+    run = tmp_path / "run"
+    r = launch_run("--mode", "digenrl", "--run-dir", str(run), *set_args(sets))
+    assert r.returncode == 0, r.stderr[-3000:]
+    published = {d["version"]: d["segments"] for line in (run / "logs" / "trainer-0.log").read_text().splitlines()
+                 if '"weights published"' in line for d in [json.loads(line)]}
+    assert published == {0: {}, 1: {HIGH: 1}, 2: {HIGH: 1, LOW: 2}, 3: {HIGH: 3, LOW: 2}}
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["expert/changed"] for r in rows] == [1, 2, 1] and rows[-1]["rejected_stale"] == 0
+    summary = json.loads((run / "summary.json").read_text())
+    weights = summary["weights"]
+    assert weights["held_final"] == ["rollout-0", "rollout-1"] and weights["final_version"] == 3
+    for node in ("rollout-0", "rollout-1"):
+        spans = [json.loads(line) for line in (run / "trace" / f"{node}.jsonl").read_text().splitlines()
+                 if '"weight_' in line and "fetch" in line]
+        reused = {s["args"]["version"]: s["args"]["reused_parts"] for s in spans if "reused_parts" in s.get("args", {})}
+        assert reused == {1: 0, 2: 1, 3: 1}, (node, reused)  # v2 kept transformer, v3 transformer_2

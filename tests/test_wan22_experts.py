@@ -344,7 +344,7 @@ def _sharded_worker(rank: int, folder: str, store: str, out: str, world: int) ->
         mine_sd, back = policy.state_dict_for_sync(), again.state_dict_for_sync()
         reloaded = mine_sd.keys() == back.keys() and all(torch.equal(v, back[k]) for k, v in mine_sd.items())
         meshes = {p.device_mesh.size() for p in policy.params}  # DTensors over the expert's holders
-        torch.save({"metrics": metrics, "reloaded": reloaded, "low_gathered": low_gathered, "held": list(policy.model.transformer.held),
+        torch.save({"metrics": metrics, "reloaded": reloaded, "held": list(policy.model.transformer.held),
                     "meshes": meshes}, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -47,3 +47,50 @@ def test_parts_of_another_version_fail_the_set_checksum() -> None:
     asm.add(2, *a[2])
     with pytest.raises(ValueError, match="whole-set checksum"):
         asm.state_dict()
+
+
+def test_a_version_takes_the_unchanged_segment_from_a_held_one_and_only_one_carried_alike() -> None:
+    """Rank 0's version 2 changes ``a`` only: it shares ``b``'s parts with version 1 (same
+    tensors, ``since`` 1). A node holding version 1 whole takes ``b`` from it and must fetch
+    ``a``; a node holding a version whose ``b`` differs (another checksum) takes nothing."""
+    from digenrl.transport.weights import build_version
+
+    one = build_version(1, {"a": _sd(0), "b": _sd(1)}, None, part_bytes=40_000)
+    two = build_version(2, {"a": _sd(2)}, one, part_bytes=40_000)
+    assert [(g.name, g.since, g.nparts) for g in two.segments] == [("a", 2, 3), ("b", 1, 3)]
+    assert all(two.parts[3 + i] is one.parts[3 + i] for i in range(3))  # shared, not copied
+    assert two.new_bytes() == sum(t.numel() * t.element_size() for t in _sd(2).values())
+    ann = two.announce(step=2)
+    assert ann.segments == ["a", "b"] and ann.segment_since == [2, 1] and ann.segment_parts == [3, 3]
+
+    held = WeightAssembly.announced(one.announce(step=1))
+    for i in range(one.nparts):
+        held.add(i, one.parts[i], one.sums[i])
+    fetching = WeightAssembly.announced(ann)
+    assert fetching.prefill(held) == 3 and fetching.missing() == [0, 1, 2]
+    for i in fetching.missing():
+        fetching.add(i, two.parts[i], two.sums[i])
+    assert fetching.state_dict().keys() == two.state_dict().keys()
+    assert set(fetching.state_dict(newer_than=1)) == set(_sd(2))  # what a holder of v1 lacks
+
+    other = build_version(1, {"a": _sd(0), "b": _sd(3)}, None, part_bytes=40_000)  # another b at "v1"
+    assert WeightAssembly.announced(ann).prefill(other) == 0
+
+
+def test_an_announce_whose_segments_do_not_add_up_is_refused() -> None:
+    from digenrl.transport.errors import ProtocolError
+    from digenrl.transport.protocol import VersionAnnounce
+    from digenrl.transport.schema import check
+
+    def ann(**over: object) -> VersionAnnounce:
+        fields: dict[str, object] = dict(version=3, step=3, nparts=2, nbytes=8, checksum="c",
+                                         segments=["transformer", "transformer_2"], segment_since=[3, 1],
+                                         segment_parts=[1, 1], segment_sums=["x", "y"])
+        return VersionAnnounce(**{**fields, **over})  # type: ignore[arg-type]
+
+    check(ann())
+    check(ann(nparts=0, segments=[], segment_since=[], segment_parts=[], segment_sums=[]))
+    for bad, why in (({"segment_parts": [1, 2]}, "adding up to nparts"), ({"segment_since": [4, 1]}, "<= version 3"),
+                     ({"segment_sums": ["x"]}, "of one length")):
+        with pytest.raises(ProtocolError, match=why):
+            check(ann(**bad))
