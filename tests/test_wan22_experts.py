@@ -335,6 +335,11 @@ def _sharded_worker(rank: int, folder: str, store: str, out: str, world: int) ->
         stopped, _ = sharded_vote(learner, all_reduce, stop=False, drain=False, pad_to=pad)
         assert not stopped
         metrics = learner.finish_step(pad_to=pad)
+        # a version whose step changed transformer_2 only: its shards alone are gathered to rank 0
+        whole_now = policy.whole_sync_state(keep=rank == 0)
+        low_only = policy.whole_sync_state(keep=rank == 0, experts=("transformer_2",))
+        low_gathered = rank != 0 or (low_only.keys() == {k for k in whole_now if k.startswith("transformer_2.")}
+                                     and bool(low_only) and all(torch.equal(v, whole_now[k]) for k, v in low_only.items()))
         run = Path(out) / "run"
         save_trainer_state(run, policy, {}, write=rank == 0)
         save_final(policy, run, write=rank == 0)
@@ -345,7 +350,7 @@ def _sharded_worker(rank: int, folder: str, store: str, out: str, world: int) ->
         reloaded = mine_sd.keys() == back.keys() and all(torch.equal(v, back[k]) for k, v in mine_sd.items())
         meshes = {p.device_mesh.size() for p in policy.params}  # DTensors over the expert's holders
         torch.save({"metrics": metrics, "reloaded": reloaded, "held": list(policy.model.transformer.held),
-                    "meshes": meshes}, Path(out) / f"rank{rank}.pt")
+                    "meshes": meshes, "low_gathered": low_gathered}, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -370,6 +375,7 @@ def test_sharded_placed_experts_take_the_step_one_unsharded_rank_holding_both_ta
     assert [r["held"] for r in ranks] == [["transformer"], ["transformer"], ["transformer_2"]]
     assert [r["meshes"] for r in ranks] == [{2}, {2}, {1}]
     assert all(r["reloaded"] for r in ranks)
+    assert ranks[0]["low_gathered"]  # one expert's shards, gathered alone
     metrics = ranks[0]["metrics"]
     assert {k: v for k, v in metrics.items() if k.startswith("expert/")} == {
         "expert/t0": 0, "expert/t1": 0, "expert/t2": 1, "expert/t3": 1, "expert/changed": 3,
