@@ -336,7 +336,8 @@ def test_a_resumed_coordinator_does_not_commit_the_checkpoint_it_restored_again(
     before = {p.name: p.stat().st_mtime_ns for p in checkpoint_root(tmp_path).rglob("*.json")}
     actor = bare_coordinator(tmp_path, sets)
     actor.restore_from(latest_checkpoint(tmp_path))
-    announce = partial(VersionAnnounce, nparts=1, nbytes=4, checksum="c")
+    announce = partial(VersionAnnounce, nparts=1, nbytes=4, checksum="c", segments=[], segment_since=[],
+                       segment_parts=[], segment_sums=[])
     actor.resume.take_cut(announce(version=2, step=2), actor.sched, actor.staleness_hist)  # rank 0, restored
     assert {p.name: p.stat().st_mtime_ns for p in checkpoint_root(tmp_path).rglob("*.json")} == before
     assert actor.recovery["checkpoints"] == 0
