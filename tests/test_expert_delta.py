@@ -294,4 +294,10 @@ def test_a_launched_run_publishes_each_expert_when_its_step_changes_it_and_rollo
         spans = [json.loads(line) for line in (run / "trace" / f"{node}.jsonl").read_text().splitlines()
                  if '"weight_' in line and "fetch" in line]
         reused = {s["args"]["version"]: s["args"]["reused_parts"] for s in spans if "reused_parts" in s.get("args", {})}
-        assert reused == {1: 0, 2: 1, 3: 1}, (node, reused)  # v2 kept transformer, v3 transformer_2
+        assert reused and max(reused) == 3, (node, reused)
+        # each fetch took from the version fetched before it every expert that version carried
+        # alike (one part each here: LoRA); a rollout busy generating may skip a version
+        held: dict[str, int] = {}
+        for v in sorted(reused):
+            assert reused[v] == sum(1 for e, since in published[v].items() if held.get(e) == since), (node, reused)
+            held = published[v]
