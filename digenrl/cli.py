@@ -324,7 +324,8 @@ def _check_gpus_flag(args: argparse.Namespace) -> None:
         if args.role != "rollout":
             raise ConfigError(f"--gpus {args.gpus} with --role {args.role}: only a rollout node runs "
                               "over several devices (a trainer rank or reward worker takes one)")
-    elif args.from_env and args.role in (None, "rollout"):  # it may start rollout nodes
+    elif args.from_env and args.role in (None, "rollout") and (args.config is None or Path(args.config).is_file()):
+        # it may start rollouts; a config that is not here (a --dry-run elsewhere) is the nodes' to read
         g = load_config(args.config, args.overrides).cluster.rollout_gpus
         if g > 1:
             raise ConfigError(f"cluster.rollout_gpus = {g} with --from-env: it starts one node per local "

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from digenrl.config import ConfigError, ResolvedConfig, resolve_mode, to_toml
+from digenrl.config import ConfigError, ResolvedConfig, read_resolved, to_toml
 
 
 def with_group_size(cfg: ResolvedConfig, n: int, what: str) -> ResolvedConfig:
@@ -40,7 +40,8 @@ def with_group_size(cfg: ResolvedConfig, n: int, what: str) -> ResolvedConfig:
     from digenrl.models.meta import check_sequence_parallel_degree
 
     try:
-        out = resolve_mode(cfg.replace(cluster=dataclasses.replace(cfg.cluster, rollout_gpus=n)))
+        # read back, so the config's own rules see the new size (a mode fixes no part of it)
+        out = read_resolved(to_toml(cfg.replace(cluster=dataclasses.replace(cfg.cluster, rollout_gpus=n))), "the run's config")
         if n > 1:
             check_sequence_parallel_degree(out.model, n, "cluster.rollout_gpus")
     except ConfigError as e:
@@ -141,7 +142,6 @@ def follow(config: Path, rank: int, world: int, init: str, device_name: str) -> 
     returns the forward passes served."""
     import torch.distributed as dist
 
-    from digenrl.config import read_resolved
     from digenrl.devices import init_process_group
     from digenrl.models import build_model
     from digenrl.models.spgroup import serve
