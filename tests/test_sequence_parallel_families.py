@@ -73,12 +73,11 @@ def test_sharded_fragment_matches_the_one_process_forward(runs: Callable, case: 
     assert int(got["tokens"]) * n == int(ref["tokens"])
     # the launcher's count (which refuses a degree that does not divide it) is the transformer's
     from digenrl.config import ModelConfig
-    from digenrl.launch import _image_tokens
-    from digenrl.models.meta import latent_shape_of, transformer_config
+    from digenrl.models.meta import image_tokens, latent_shape_of, transformer_config
     family = CASES[case][0]
     sizes = {k: v for k, v in SIZES.items() if k != "num_frames" or family in ("wan", "hunyuanvideo")}
     mc = ModelConfig(family=family, path=str(runs(case)["folder"]), **sizes)
-    assert _image_tokens(family, transformer_config(mc)[0], latent_shape_of(mc)) == int(ref["tokens"])
+    assert image_tokens(family, transformer_config(mc)[0], latent_shape_of(mc)) == int(ref["tokens"])
     assert got.pop("refused") == (f"sequence parallelism: {2 * n + 1} image/video tokens, not "
                                   f"divisible by train.sequence_parallel = {n}")
     assert set(got) == set(ref)
