@@ -175,12 +175,15 @@ def plan(cfg: Config, cluster: Cluster, modes: list[str], *, calibration: dict[s
         best: dict[str, Any] | None = None
         tried = []
         g = cfg.cluster.rollout_gpus
-        for t in range(1, cluster.size - g + 1):
-            for n in sp_degrees(cfg, t):
+        for t in range(1, cluster.size):
+            rollouts_t, trainers_t = cluster.split(t)
+            if len(rollouts_t) < g:
+                continue
+            for n in sp_degrees(cfg, len(trainers_t)):
                 for off in (None, "tsp"):
                     r = simulate(*mode_run(with_sequence_parallel(cfg, n), "digenrl", cluster, trainers=t,
                                            off=off, **kw))
-                    tried.append({"trainers": t, "rollouts": (cluster.size - t) // g, "tsp": off is None,
+                    tried.append({"trainers": t, "rollouts": len(rollouts_t) // g, "tsp": off is None,
                                   "sequence_parallel": n, "samples_per_s": r.samples_per_s})
                     if best is None or r.samples_per_s > best["samples_per_s"]:
                         best = {**tried[-1], **_row("digenrl best split", r, base)}
