@@ -268,10 +268,13 @@ def _check_degree(cfg: Config, n: int, key: str) -> None:
                           f"no sequence-parallel forward; expected one of "
                           f"{', '.join(SEQUENCE_PARALLEL_FAMILIES)}")
     config = transformer_config(cfg.model)[0]
-    heads = int(config.get("num_attention_heads", 0))
+    heads = int(config.get("n_heads" if cfg.model.family == "zimage" else "num_attention_heads", 0))
     if heads % n or not heads:
         raise ConfigError(f"{key} = {n}: the transformer has {heads} attention "
                           f"heads; expected a divisor of {heads}")
+    if cfg.model.family == "zimage" and 32 % n:
+        raise ConfigError(f"{key} = {n}: Z-Image pads its image and caption sequences to multiples of 32 "
+                          f"tokens; expected a divisor of 32")
     tokens = _image_tokens(cfg.model.family, config, latent_shape_of(cfg.model))
     if tokens % n:
         sizes = "model.height x model.width" + (" x model.num_frames" if len(latent_shape_of(cfg.model)) == 4 else "")
@@ -281,7 +284,9 @@ def _check_degree(cfg: Config, n: int, key: str) -> None:
 
 def _image_tokens(family: str, config: dict[str, Any], shape: tuple[int, ...]) -> int:
     """The transformer's image/video tokens per sample for a latent of ``shape`` (what the
-    sequence-parallel forward splits; FLUX.1 Kontext's input-image tokens double it)."""
+    sequence-parallel forward splits; FLUX.1 Kontext's input-image tokens double it). FLUX.2's
+    latent is patchified already (a token per latent cell); Z-Image pads its patches to a
+    multiple of 32 tokens."""
     if family in ("wan", "hunyuanvideo"):
         _, f, h, w = shape
         if family == "wan":
@@ -291,6 +296,11 @@ def _image_tokens(family: str, config: dict[str, Any], shape: tuple[int, ...]) -
             pw = ph
         return (f // int(pt)) * (h // int(ph)) * (w // int(pw))
     _, h, w = shape
+    if family == "flux2":
+        return h * w
+    if family == "zimage":
+        p = int(config.get("all_patch_size", (2,))[0])
+        return -(-(h // p) * (w // p) // 32) * 32
     p = int(config.get("patch_size", 2)) if family == "sd3" else 2  # FLUX / Qwen-Image: 2x2 packing
     return (h // p) * (w // p)
 
