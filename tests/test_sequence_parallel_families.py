@@ -7,8 +7,8 @@ Z-Image (4-head folders), against the same with the plain forward in one process
 Each worker launch (tests/sp_family_worker.py) runs a batch of cases in one process group,
 so imports and the group are paid once per batch: Wan and FLUX at SP = 2, and Wan with FSDP2
 sharding over the same two ranks (about 50 s); FLUX.2 and Z-Image at SP = 2, each also sampled
-through a LeaderModel (about 10 s); and, marked slow, SD3, Qwen-Image and HunyuanVideo at
-SP = 2 and Wan, FLUX.2 and Z-Image at SP = 4.
+through a LeaderModel (about 10 s); and, marked slow, SD3, Qwen-Image, HunyuanVideo and a
+FLUX.2-dev folder at SP = 2 and Wan, FLUX.2 and Z-Image at SP = 4.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from tests.pipelines import write_pipeline_folder
 from tests.sp_family_worker import sizes_of
 
 WORKER = Path(__file__).parent / "sp_family_worker.py"
-#: case -> (family, degree, folder builder kwargs, the worker launch that runs it)
+#: case -> (family, degree, folder builder kwargs (``builder``: tests/pipelines.py's name, if not
+#: the family's), the worker launch that runs it)
 CASES = {
     "wan": ("wan", 2, {}, "sp2"), "flux": ("flux", 2, {}, "sp2"),
     "wan-fsdp": ("wan", 2, {}, "sp2"),  # FSDP2 over the same two ranks (the key's -fsdp)
@@ -38,6 +39,7 @@ CASES = {
     # FLUX.2 (klein; its single-stream blocks' fused projection) and Z-Image (the unified
     # image+caption sequence, captions of two padded lengths: a batch-padding key mask)
     "flux2": ("flux2", 2, {}, "sp2-single-stream"), "zimage": ("zimage", 2, {}, "sp2-single-stream"),
+    "flux2-dev": ("flux2", 2, {"builder": "flux2-dev"}, "sp2-more"),  # embedded guidance, Mistral3
     # sampling through a LeaderModel: rank 0 drives, the others serve (digenrl.models.spgroup)
     "wan-leader": ("wan", 2, {}, "sp2"), "flux-leader": ("flux", 2, {}, "sp2"),
     "flux2-leader": ("flux2", 2, {}, "sp2-single-stream"), "zimage-leader": ("zimage", 2, {}, "sp2-single-stream"),
@@ -51,6 +53,11 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
+def _folder(family: str, folder: Path, kw: dict[str, Any]) -> Path:
+    built = {k: v for k, v in kw.items() if k != "builder"}
+    return write_pipeline_folder(kw.get("builder", family), folder, **built)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, dict[str, Any]]]:
     """case -> its {"sp": ..., "ref": ...}; a launch runs when one of its cases is first asked for."""
@@ -61,8 +68,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, 
         launch = CASES[case][3]
         if case not in done:
             todo = {c: v for c, v in CASES.items() if v[3] == launch}
-            args = [f"{c}={family}={write_pipeline_folder(family, root / c, **kw)}"
-                    for c, (family, _, kw, _) in todo.items()]
+            args = [f"{c}={family}={_folder(family, root / c, kw)}" for c, (family, _, kw, _) in todo.items()]
             path = root / f"{launch}.pt"
             subprocess.run([sys.executable, str(WORKER), str(todo[case][1]), str(_port()), str(path), *args],
                            check=True, timeout=600)
