@@ -4,7 +4,8 @@ velocity at a probe, each trained step's per-sample log-probs, the loss and the 
 gradients (summed over the ranks, as a trainer's all-reduce sums them).
 
 Rank 0 then runs the same fragment again on a fresh model in its own process with the
-plain forward (the reference). A KEY ending in -fsdp also shards the policy with FSDP2 over
+plain forward (the reference). A KEY ending in -ckpt runs both with activation checkpointing
+(the blocks' hooks run again in the recompute). A KEY ending in -fsdp also shards the policy with FSDP2 over
 the same ranks; one ending in -leader samples through a LeaderModel instead (:func:`mirrored`). Run: python tests/sp_family_worker.py N PORT OUT.pt KEY=FAMILY=FOLDER ...
 """
 from __future__ import annotations
@@ -34,11 +35,11 @@ def sizes_of(family: str) -> dict[str, int]:
     return {k: v for k, v in SIZES.items() if k != "num_frames" or video}
 
 
-def model_config(family: str, folder: str) -> Any:
+def model_config(family: str, folder: str, checkpointing: bool = False) -> Any:
     from digenrl.config import ModelConfig
 
     return ModelConfig(family=family, path=folder, lora_rank=4, max_text_tokens=48 if family == "zimage" else 24,
-                       **sizes_of(family))
+                       gradient_checkpointing=checkpointing, **sizes_of(family))
 
 
 def prompts_of(family: str) -> list[str]:
@@ -53,14 +54,14 @@ def split_points(transformer: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
     return transformer.proj_out, transformer.proj_out
 
 
-def run(family: str, folder: str, n: int, rank: int, fsdp: bool = False) -> dict[str, Any]:
+def run(family: str, folder: str, n: int, rank: int, fsdp: bool = False, checkpointing: bool = False) -> dict[str, Any]:
     from digenrl.config import load_config
     from digenrl.models import build_model
     from digenrl.rl.policy import Policy
     from digenrl.rl.sampler import rollout, seeded_generators
     from digenrl.rl.sde import sde_step
 
-    model = build_model(model_config(family, folder), seed=0)
+    model = build_model(model_config(family, folder, checkpointing), seed=0)
     cfg = load_config(None, ["sampler.num_steps=2", "sampler.base_tail=0", 'train.timesteps="all"', "train.kl_beta=0.5",
                              "train.clip_range=0.2"])
     g = torch.Generator().manual_seed(1)
@@ -178,9 +179,10 @@ def _rank(rank: int, n: int, port: int, path: str, cases: list[tuple[str, str, s
                 got[key] = mirror
             dist.barrier()
             continue
-        sharded = run(family, folder, n, rank, fsdp=key.endswith("-fsdp"))
+        ckpt = key.endswith("-ckpt")
+        sharded = run(family, folder, n, rank, fsdp=key.endswith("-fsdp"), checkpointing=ckpt)
         if rank == 0:  # the reference: a fresh model, the plain forward, in this one process
-            got[key] = {"sp": sharded, "ref": run(family, folder, 1, 0)}
+            got[key] = {"sp": sharded, "ref": run(family, folder, 1, 0, checkpointing=ckpt)}
         dist.barrier()
     if rank == 0:
         torch.save(got, path)

@@ -8,7 +8,8 @@ Each worker launch (tests/sp_family_worker.py) runs a batch of cases in one proc
 so imports and the group are paid once per batch: Wan and FLUX at SP = 2, and Wan with FSDP2
 sharding over the same two ranks (about 50 s); FLUX.2 and Z-Image at SP = 2, each also sampled
 through a LeaderModel (about 10 s); and, marked slow, SD3, Qwen-Image, HunyuanVideo and a
-FLUX.2-dev folder at SP = 2 and Wan, FLUX.2 and Z-Image at SP = 4.
+FLUX.2-dev folder at SP = 2, Z-Image with activation checkpointing at SP = 2, and Wan, FLUX.2
+and Z-Image at SP = 4.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ CASES = {
     # image+caption sequence, captions of two padded lengths: a batch-padding key mask)
     "flux2": ("flux2", 2, {}, "sp2-single-stream"), "zimage": ("zimage", 2, {}, "sp2-single-stream"),
     "flux2-dev": ("flux2", 2, {"builder": "flux2-dev"}, "sp2-more"),  # embedded guidance, Mistral3
+    "zimage-ckpt": ("zimage", 2, {}, "sp2-more"),  # activation checkpointing: its block hooks run twice
     # sampling through a LeaderModel: rank 0 drives, the others serve (digenrl.models.spgroup)
     "wan-leader": ("wan", 2, {}, "sp2"), "flux-leader": ("flux", 2, {}, "sp2"),
     "flux2-leader": ("flux2", 2, {}, "sp2-single-stream"), "zimage-leader": ("zimage", 2, {}, "sp2-single-stream"),
