@@ -108,7 +108,7 @@ class SequenceParallel:
         self.rank = dist.get_rank(group)
         self.on = False
         self.text_len = 0
-        """FLUX: the text tokens leading each single-stream block's sequence (set per forward)"""
+        """FLUX, FLUX.2: the text tokens leading each single-stream block's sequence (set per forward)"""
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
