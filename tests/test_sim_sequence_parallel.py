@@ -74,7 +74,8 @@ def test_a_short_image_sequence_costs_a_group_more_gpu_time_than_it_saves() -> N
 
 
 def test_the_compute_share_scales_as_one_over_n_on_image_tokens_and_the_text_stays_whole() -> None:
-    for model in ("flux", "qwenimage", "hunyuanvideo", "wan", "flux_kontext"):
+    for model in ("flux", "qwenimage", "hunyuanvideo", "wan", "flux_kontext", "flux2", "flux2_klein_4b",
+                  "flux2_klein_9b", "zimage"):
         a = MODELS[model].arch
         assert a is not None
         # the split gives back the entry's forward FLOPs (cm 0's formula) within 1 %
@@ -123,8 +124,8 @@ def test_a_ranks_step_time_grows_with_the_tokens_at_every_degree() -> None:
 
 
 def test_a_family_without_a_sequence_parallel_forward_or_an_indivisible_degree_is_refused() -> None:
-    with pytest.raises(CostModelError, match=r"'zimage': its family has no sequence-parallel forward"):
-        node_costs("H100", _sp(dataclasses.replace(WAN, model="zimage"), 2))
+    with pytest.raises(CostModelError, match=r"'qwenimage_edit': its family has no sequence-parallel forward"):
+        node_costs("H100", _sp(dataclasses.replace(WAN, model="qwenimage_edit"), 2))
     with pytest.raises(CostModelError, match=r"over 3 ranks .* divisor of its 40 attention heads"):
         node_costs("H100", _sp(WAN, 3))
 

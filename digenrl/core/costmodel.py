@@ -239,25 +239,31 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     # 48 heads x 128 = d 6144 (sp 2.2, 4.5): P_tok 27.5 B, 282 TF/fwd (derived; total 31.4 B).
     # Latent (128, 64, 64): the 32-channel VAE's latent patchified 2x2 (sp 4.5), bf16.
     ModelSpec(name="flux2", fwd_tflop=282.0, params_b=32.0, latent_bytes=1_048_576,
-              latent_shape=(128, 64, 64), reward_tflop=0.38, reward_fixed_s=0.028),
+              latent_shape=(128, 64, 64), reward_tflop=0.38, reward_fixed_s=0.028,
+              arch=Arch(hidden=6144, layers=56, heads=48, image_tokens=4096, text_tokens=512, p_tok_b=27.5)),
     # FLUX.2-klein 4B (sp 2.2): 5 double + 20 single blocks, d 3072 (24 heads x 128; the shape is
     # ServeurpersoCom/flux2.c's README, not in the reference) -> P_tok 3.07 B, 34.8 TF/fwd,
     # total 3.7 B (derived).
     ModelSpec(name="flux2_klein_4b", fwd_tflop=34.8, params_b=4.0, latent_bytes=1_048_576,
-              latent_shape=(128, 64, 64), reward_tflop=0.38, reward_fixed_s=0.028),
+              latent_shape=(128, 64, 64), reward_tflop=0.38, reward_fixed_s=0.028,
+              arch=Arch(hidden=3072, layers=25, heads=24, image_tokens=4096, text_tokens=512, p_tok_b=3.07)),
     # FLUX.2-klein 9B (sp 2.2): d 4096 (32 heads x 128), 8 double + 24 single blocks taken as
     # the shape whose (2 x 8 + 24) x 13 d^2 = 8.7 B is nearest the published 9 B (assumption)
     # -> P_tok 6.98 B, 75.5 TF/fwd (derived).
     ModelSpec(name="flux2_klein_9b", fwd_tflop=75.5, params_b=9.0, latent_bytes=1_048_576,
-              latent_shape=(128, 64, 64), reward_tflop=0.38, reward_fixed_s=0.028),
+              latent_shape=(128, 64, 64), reward_tflop=0.38, reward_fixed_s=0.028,
+              arch=Arch(hidden=4096, layers=32, heads=32, image_tokens=4096, text_tokens=512, p_tok_b=6.98)),
     # Z-Image(-Turbo): 6 B (sp 2.2, diffusers docs), single stream, d 3840, 30 layers + 2 image
     # + 2 text refiner layers (sp 4.6); a layer is 4 d^2 + SwiGLU 3 d x 10240 = 0.177 B (34 layers:
     # 6.0 B, derived). Every layer sees every token of its stream: 2 x 0.177 B x (30 x 4,608 +
     # 2 x 4,096 + 2 x 512) + 4 d (30 x 4,608^2 + 2 x 4,096^2 + 2 x 512^2) = 62.5 TF/fwd (derived).
     # Latent (16, 128, 128) bf16 (16-channel VAE, 8x; sp 4.6). Turbo samples in 8 steps without
-    # CFG (sp 4.6).
+    # CFG (sp 4.6). Sequence parallelism splits Z-Image's whole unified image+caption sequence
+    # (models/seqpar.py), so its Arch has 4,608 sharded tokens and no replicated text; P_tok 5.72 B
+    # folds the refiners in so that the formula over the 30 main layers gives back 62.5 TF (derived).
     ModelSpec(name="zimage", fwd_tflop=62.5, params_b=6.0, latent_bytes=524_288,
-              latent_shape=(16, 128, 128), reward_tflop=0.38, reward_fixed_s=0.028),
+              latent_shape=(16, 128, 128), reward_tflop=0.38, reward_fixed_s=0.028,
+              arch=Arch(hidden=3840, layers=30, heads=30, image_tokens=4608, p_tok_b=5.72)),
     # Tiny SD3 on CPU: cpu-feasibility.md 3, e2e GRPO iteration, 1 thread, batch 8 x 10 steps:
     # rollout 0.20-0.27 s -> 0.235 / 80 = 2.9 ms per sample-step; 2 training passes 1.12-1.30 s
     # -> 1.21 / 160 = 7.6 ms per sample-timestep (derived). `plan --calibrate` replaces these.
@@ -392,6 +398,9 @@ def _sp_arch(model: str, n: int) -> Arch:
     if n < 1 or m.arch.heads % n:
         raise CostModelError(f"sequence parallelism over {n} ranks with model = {model!r}: expected a "
                              f"divisor of its {m.arch.heads} attention heads")
+    if model == "zimage" and 32 % n:  # it pads its sequences to multiples of 32 tokens (models/seqpar.py)
+        raise CostModelError(f"sequence parallelism over {n} ranks with model = 'zimage': expected a "
+                             "divisor of 32 (Z-Image pads its sequences to multiples of 32 tokens)")
     return m.arch
 
 

@@ -133,10 +133,13 @@ def check_sequence_parallel_degree(model_cfg: ModelConfig, n: int, key: str) -> 
                           f"no sequence-parallel forward; expected one of "
                           f"{', '.join(catalog.SEQUENCE_PARALLEL_FAMILIES)}")
     config = transformer_config(model_cfg)[0]
-    heads = int(config.get("num_attention_heads", 0))
+    heads = int(config.get("n_heads" if model_cfg.family == "zimage" else "num_attention_heads", 0))
     if heads % n or not heads:
         raise ConfigError(f"{key} = {n}: the transformer has {heads} attention "
                           f"heads; expected a divisor of {heads}")
+    if model_cfg.family == "zimage" and 32 % n:
+        raise ConfigError(f"{key} = {n}: Z-Image pads its image and caption sequences to multiples of 32 "
+                          f"tokens; expected a divisor of 32")
     shape = latent_shape_of(model_cfg)
     tokens = image_tokens(model_cfg.family, config, shape)
     if tokens % n:
@@ -147,7 +150,9 @@ def check_sequence_parallel_degree(model_cfg: ModelConfig, n: int, key: str) -> 
 
 def image_tokens(family: str, config: dict[str, Any], shape: tuple[int, ...]) -> int:
     """The transformer's image/video tokens per sample for a latent of ``shape`` (what the
-    sequence-parallel forward splits; FLUX.1 Kontext's input-image tokens double it)."""
+    sequence-parallel forward splits; FLUX.1 Kontext's input-image tokens double it). FLUX.2's
+    latent is patchified already (a token per latent cell); Z-Image pads its patches to a
+    multiple of 32 tokens."""
     if family in ("wan", "hunyuanvideo"):
         _, f, h, w = shape
         if family == "wan":
@@ -157,5 +162,10 @@ def image_tokens(family: str, config: dict[str, Any], shape: tuple[int, ...]) ->
             pw = ph
         return (f // int(pt)) * (h // int(ph)) * (w // int(pw))
     _, h, w = shape
+    if family == "flux2":
+        return h * w
+    if family == "zimage":
+        p = int(config.get("all_patch_size", (2,))[0])
+        return -(-(h // p) * (w // p) // 32) * 32
     p = int(config.get("patch_size", 2)) if family == "sd3" else 2  # FLUX / Qwen-Image: 2x2 packing
     return (h // p) * (w // p)
