@@ -1,7 +1,7 @@
 """Per-rank activation memory of the families' sequence-parallel forward, measured on the CPU.
 
-A training forward (the velocity of one sample, LoRA rank 4) of the tiny random FLUX and Wan
-transformers (the real diffusers classes, ``model.path = "random"``) at a size where the
+A training forward (the velocity of one sample, LoRA rank 4) of the tiny random FLUX, Wan,
+FLUX.2 and Z-Image transformers (the real diffusers classes, ``model.path = "random"``) at a size where the
 image/video tokens' activations dominate, once in one process (SP = 1) and over two gloo
 ranks with :mod:`digenrl.models.seqpar` (SP = 2: each rank carries half the tokens, the text
 replicated). The bytes autograd saves for the backward are counted by
@@ -31,9 +31,12 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-#: family -> model sizes: FLUX 128 x 128 px (1,024 tokens), Wan 5 frames at 64 x 64 px
+#: family -> model sizes, 1,024 image tokens each: FLUX and Z-Image 128 x 128 px, FLUX.2 64 x 64 px
+#: (its tiny random VAE halves the pixels, a token per latent cell); Wan 5 frames at 64 x 64 px (1,280)
 SIZES: dict[str, dict[str, int]] = {"flux": {"height": 128, "width": 128},
-                                    "wan": {"height": 64, "width": 64, "num_frames": 5}}
+                                    "wan": {"height": 64, "width": 64, "num_frames": 5},
+                                    "flux2": {"height": 64, "width": 64},
+                                    "zimage": {"height": 128, "width": 128}}
 
 
 def _forward(family: str, sp: bool) -> tuple[int, torch.Tensor, int]:
@@ -53,7 +56,10 @@ def _forward(family: str, sp: bool) -> tuple[int, torch.Tensor, int]:
     with torch.no_grad():
         cond = model.encode_prompts(["a red cat on a mat"])
     tokens: list[int] = []
-    model.transformer.proj_out.register_forward_hook(lambda _m, a, _o: tokens.append(a[0].shape[1]))
+    # the tokens reaching the output projection (Z-Image: its final layer; image and caption)
+    t = model.transformer
+    out_proj = next(iter(t.all_final_layer.values())) if family == "zimage" else t.proj_out
+    out_proj.register_forward_hook(lambda _m, a, _o: tokens.append(a[0].shape[1]))
     with active, count_saved_bytes() as total:
         v = model.velocity(x, 0.5, cond)
     return total[0], v.detach(), tokens[-1]

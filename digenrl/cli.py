@@ -278,6 +278,10 @@ def build_node_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, metavar="DEVICE",
                    help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK, else the first visible GPU, else cpu)")
     p.add_argument("--node-id", default=None, help="stable node id (default role-host-pid)")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="rollout: run each trajectory over N processes, one per device: this node's "
+                        "device (cuda:i) and the next N-1 it sees, or N processes on the CPU "
+                        "(sequence parallelism; overrides cluster.rollout_gpus for this node)")
     p.add_argument("--rank", type=int, default=None,
                    help="trainer: informational rank hint (ranks are assigned in join order)")
     p.add_argument("--run-dir", default=None, help="run folder (coordinator writes metrics there)")
@@ -306,6 +310,29 @@ def build_node_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_gpus_flag(args: argparse.Namespace) -> None:
+    """``--gpus N`` is a rollout's (N >= 1). ``--from-env`` starts one node per local GPU, so
+    neither ``--gpus`` nor, where it starts rollouts, a config's ``cluster.rollout_gpus`` > 1
+    combines with it: each node there is given one GPU, and a rollout group's followers
+    would take its neighbours'."""
+    if args.gpus is not None:
+        if args.gpus < 1:
+            raise ConfigError(f"--gpus {args.gpus}: expected 1 or more")
+        if args.from_env:
+            raise ConfigError(f"--gpus {args.gpus} with --from-env: it starts one node per local GPU; "
+                              "start a rollout over several GPUs by hand (--role rollout --gpus N)")
+        if args.role != "rollout":
+            raise ConfigError(f"--gpus {args.gpus} with --role {args.role}: only a rollout node runs "
+                              "over several devices (a trainer rank or reward worker takes one)")
+    elif args.from_env and args.role in (None, "rollout") and (args.config is None or Path(args.config).is_file()):
+        # it may start rollouts; a config that is not here (a --dry-run elsewhere) is the nodes' to read
+        g = load_config(args.config, args.overrides).cluster.rollout_gpus
+        if g > 1:
+            raise ConfigError(f"cluster.rollout_gpus = {g} with --from-env: it starts one node per local "
+                              "GPU; start rollouts over several GPUs by hand (--role rollout --gpus N) "
+                              "or with `digenrl launch`")
+
+
 def node_main(argv: list[str] | None = None) -> int:
     parser = build_node_parser()
     args = parser.parse_args(argv)
@@ -313,6 +340,7 @@ def node_main(argv: list[str] | None = None) -> int:
         parser.error("the following arguments are required: --role (or --from-env)")
     from digenrl.rl.rewards import RewardError
     try:
+        _check_gpus_flag(args)
         if args.from_env:  # the config is read by the processes it starts
             from digenrl.clusterenv import run_from_env
             extra = [*(["--config", args.config] if args.config else []),
@@ -333,7 +361,7 @@ def node_main(argv: list[str] | None = None) -> int:
                            device=args.device, node_id=args.node_id, run_dir=args.run_dir,
                            prometheus_port=args.prometheus_port, prometheus_addr=args.prometheus_addr,
                            allow_plaintext=args.allow_plaintext, connect_timeout_s=args.connect_timeout,
-                           exit_on_connect_failure=args.exit_on_connect_failure)
+                           exit_on_connect_failure=args.exit_on_connect_failure, gpus=args.gpus)
         overrides = [*args.overrides, *(["transport.allow_plaintext=true"] if args.allow_plaintext else [])]
         return run_node(resolve_mode(load_config(args.config, overrides)), opts)
     except Exception as e:

@@ -449,7 +449,8 @@ class ClusterConfig:
         1, "processes (devices) each rollout node runs a trajectory over: N > 1 starts N - 1 "
         "follower processes beside the node and splits every forward pass's image/video tokens "
         "N ways (sequence parallelism; the same families and divisibility as "
-        "train.sequence_parallel)", ge=1, le=64)
+        "train.sequence_parallel). `digenrl launch` gives each rollout N GPUs; "
+        "`digenrl-node --role rollout --gpus N` overrides it for one node", ge=1, le=64)
     trainer_gpu: str = _f("", "GPU type the launcher's trainer ranks declare ('' = cluster.gpu)")
     host: str = _f("127.0.0.1", "address the coordinator binds")
     rendezvous: Literal["tcp", "file"] = _f(

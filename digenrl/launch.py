@@ -188,6 +188,13 @@ def colocated_outcome(codes: list[int], summary: Path, run_dir: Path) -> Colocat
 def check_runtime_support(cfg: Config) -> None:
     """Refuse, before any process starts, what the runtime cannot do."""
     check_trainer_count(cfg)
+    g = cfg.cluster.rollout_gpus
+    if g > 1 and cfg.cluster.rollouts and cfg.run.mode != "colocated":
+        from digenrl.devices import child_gpu_envs
+        try:  # the launcher hands each rollout node g GPUs of its own (actors/cluster.py)
+            child_gpu_envs([g])
+        except ConfigError as e:
+            raise ConfigError(f"cluster.rollout_gpus = {g}: {e}") from None
     if cfg.cluster.rewards and cfg.run.mode == "colocated":
         raise ConfigError(f"cluster.rewards = {cfg.cluster.rewards}: reward workers serve rollout "
                           "nodes; colocated mode has none (use digenrl or disagg-sync, or 0)")
@@ -253,46 +260,12 @@ def check_sequence_parallel(cfg: Config) -> None:
     """Refuse a ``train.sequence_parallel`` or ``cluster.rollout_gpus`` the model cannot run: a
     family without a sequence-parallel forward, attention heads or image/video tokens the
     degree does not divide (the folder's config files; nothing is loaded)."""
+    from digenrl.models.meta import check_sequence_parallel_degree
+
     if cfg.cluster.rollout_gpus > 1 and cfg.cluster.rollouts:
-        _check_degree(cfg, cfg.cluster.rollout_gpus, "cluster.rollout_gpus")
+        check_sequence_parallel_degree(cfg.model, cfg.cluster.rollout_gpus, "cluster.rollout_gpus")
     if cfg.train.sequence_parallel > 1:
-        _check_degree(cfg, cfg.train.sequence_parallel, "train.sequence_parallel")
-
-
-def _check_degree(cfg: Config, n: int, key: str) -> None:
-    from digenrl.models.catalog import SEQUENCE_PARALLEL_FAMILIES
-    from digenrl.models.meta import latent_shape_of, transformer_config
-
-    if cfg.model.family not in SEQUENCE_PARALLEL_FAMILIES:
-        raise ConfigError(f"{key} = {n} with model.family = {cfg.model.family!r}: "
-                          f"no sequence-parallel forward; expected one of "
-                          f"{', '.join(SEQUENCE_PARALLEL_FAMILIES)}")
-    config = transformer_config(cfg.model)[0]
-    heads = int(config.get("num_attention_heads", 0))
-    if heads % n or not heads:
-        raise ConfigError(f"{key} = {n}: the transformer has {heads} attention "
-                          f"heads; expected a divisor of {heads}")
-    tokens = _image_tokens(cfg.model.family, config, latent_shape_of(cfg.model))
-    if tokens % n:
-        sizes = "model.height x model.width" + (" x model.num_frames" if len(latent_shape_of(cfg.model)) == 4 else "")
-        raise ConfigError(f"{key} = {n}: {sizes} give {tokens} image/video tokens "
-                          f"per sample; expected a multiple of {n} (there is no padding)")
-
-
-def _image_tokens(family: str, config: dict[str, Any], shape: tuple[int, ...]) -> int:
-    """The transformer's image/video tokens per sample for a latent of ``shape`` (what the
-    sequence-parallel forward splits; FLUX.1 Kontext's input-image tokens double it)."""
-    if family in ("wan", "hunyuanvideo"):
-        _, f, h, w = shape
-        if family == "wan":
-            pt, ph, pw = config.get("patch_size", (1, 2, 2))
-        else:
-            pt, ph = int(config.get("patch_size_t", 1)), int(config.get("patch_size", 2))
-            pw = ph
-        return (f // int(pt)) * (h // int(ph)) * (w // int(pw))
-    _, h, w = shape
-    p = int(config.get("patch_size", 2)) if family == "sd3" else 2  # FLUX / Qwen-Image: 2x2 packing
-    return (h // p) * (w // p)
+        check_sequence_parallel_degree(cfg.model, cfg.train.sequence_parallel, "train.sequence_parallel")
 
 
 def _two_experts(cfg: Config) -> bool:

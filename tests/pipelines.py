@@ -445,44 +445,45 @@ def _hunyuanvideo(folder: Path):
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0))
 
 
-def _flux2_transformer(text_dim: int, guidance: bool):
+def _flux2_transformer(text_dim: int, guidance: bool, heads: int = 2):
     import diffusers
 
     return diffusers.Flux2Transformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=heads,
         joint_attention_dim=text_dim, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
         guidance_embeds=guidance)
 
 
-def _flux2(folder: Path):
+def _flux2(folder: Path, heads: int = 2):
     """FLUX.2-klein (4B / 9B): Qwen3, no embedded guidance."""
     import diffusers
 
     tok = qwen3_tokenizer()
     return diffusers.Flux2KleinPipeline(
-        transformer=_flux2_transformer(3 * 8, guidance=False), vae=flux2_vae(4),
+        transformer=_flux2_transformer(3 * 8, guidance=False, heads=heads), vae=flux2_vae(4),
         text_encoder=qwen3_encoder(True, hidden=8, layers=27, vocab=len(tok)), tokenizer=tok,
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
 
 
-def _flux2_dev(folder: Path):
+def _flux2_dev(folder: Path, heads: int = 2):
     """FLUX.2-dev (32B): Mistral3 and its PixtralProcessor, embedded guidance."""
     import diffusers
 
     proc = pixtral_processor()
     return diffusers.Flux2Pipeline(
-        transformer=_flux2_transformer(3 * 8, guidance=True), vae=flux2_vae(4),
+        transformer=_flux2_transformer(3 * 8, guidance=True, heads=heads), vae=flux2_vae(4),
         text_encoder=mistral3_encoder(len(proc.tokenizer), hidden=8), tokenizer=proc,
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
 
 
-def _zimage(folder: Path):
+def _zimage(folder: Path, heads: int = 2):
     import diffusers
 
     tok = qwen3_tokenizer()
     return diffusers.ZImagePipeline(
-        transformer=diffusers.ZImageTransformer2DModel(
-            in_channels=4, dim=32, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16,
+        transformer=diffusers.ZImageTransformer2DModel(  # 16 features a head (the rotary's 4 + 6 + 6)
+            in_channels=4, dim=16 * heads, n_layers=1, n_refiner_layers=1, n_heads=heads, n_kv_heads=heads,
+            cap_feat_dim=16,
             axes_dims=[4, 6, 6], axes_lens=[256, 64, 64]),
         vae=kl_vae(4, scaling=0.3611, shift=0.1159), text_encoder=qwen3_encoder(False, hidden=16, vocab=len(tok)),
         tokenizer=tok, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True))
@@ -498,7 +499,7 @@ _BUILDERS = {"sd3": _sd3, "flux": _flux, "wan": _wan, "wan22": _wan22, "wan22-ti
 def build_pipeline(family: str, folder: Path, *, seed: int = 0, **kw):
     """The tiny diffusers pipeline object of ``family`` (random weights from ``seed``); ``kw``:
     ``vae_factor=16`` gives FLUX a VAE that makes 1024 px images from a 64 x 64 latent;
-    ``heads`` sets FLUX's and Wan's attention heads (2 by default)."""
+    ``heads`` sets FLUX's, FLUX.2's, Wan's and Z-Image's attention heads (2 by default)."""
     import shutil
 
     folder = Path(folder)

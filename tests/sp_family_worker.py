@@ -4,7 +4,8 @@ velocity at a probe, each trained step's per-sample log-probs, the loss and the 
 gradients (summed over the ranks, as a trainer's all-reduce sums them).
 
 Rank 0 then runs the same fragment again on a fresh model in its own process with the
-plain forward (the reference). A KEY ending in -fsdp also shards the policy with FSDP2 over
+plain forward (the reference). A KEY ending in -ckpt runs both with activation checkpointing
+(the blocks' hooks run again in the recompute). A KEY ending in -fsdp also shards the policy with FSDP2 over
 the same ranks; one ending in -leader samples through a LeaderModel instead (:func:`mirrored`). Run: python tests/sp_family_worker.py N PORT OUT.pt KEY=FAMILY=FOLDER ...
 """
 from __future__ import annotations
@@ -20,18 +21,47 @@ import torch.multiprocessing as mp
 
 SIZES = {"height": 32, "width": 48, "num_frames": 5}
 PROMPTS = ["a red cat on a mat", "two blue dogs"]
+#: Z-Image: 12 x 12 patches (144 tokens, padded to 160 by the transformer) and captions of
+#: about 28 and 48 tokens (padded to 32 and 64: the unified sequences take a batch-padding mask)
+ZIMAGE_SIZES = {"height": 48, "width": 48}
+ZIMAGE_PROMPTS = ["a red cat", "two blue dogs running across a wide green field"]
 
 
-def run(family: str, folder: str, n: int, rank: int, fsdp: bool = False) -> dict[str, Any]:
-    from digenrl.config import ModelConfig, load_config
+def sizes_of(family: str) -> dict[str, int]:
+    """The model config's sizes the worker uses for ``family``."""
+    if family == "zimage":
+        return dict(ZIMAGE_SIZES)
+    video = family in ("wan", "hunyuanvideo")
+    return {k: v for k, v in SIZES.items() if k != "num_frames" or video}
+
+
+def model_config(family: str, folder: str, checkpointing: bool = False) -> Any:
+    from digenrl.config import ModelConfig
+
+    return ModelConfig(family=family, path=folder, lora_rank=4, max_text_tokens=48 if family == "zimage" else 24,
+                       gradient_checkpointing=checkpointing, **sizes_of(family))
+
+
+def prompts_of(family: str) -> list[str]:
+    return ZIMAGE_PROMPTS if family == "zimage" else PROMPTS
+
+
+def split_points(transformer: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Where the sequence-parallel forward gathers the velocity tokens, and the first block that
+    sees the split image tokens (Z-Image: its final layer and first noise-refiner block)."""
+    if hasattr(transformer, "all_final_layer"):
+        return next(iter(transformer.all_final_layer.values())), transformer.noise_refiner[0]
+    return transformer.proj_out, transformer.proj_out
+
+
+def run(family: str, folder: str, n: int, rank: int, fsdp: bool = False, checkpointing: bool = False) -> dict[str, Any]:
+    from digenrl.config import load_config
     from digenrl.models import build_model
     from digenrl.rl.policy import Policy
     from digenrl.rl.sampler import rollout, seeded_generators
     from digenrl.rl.sde import sde_step
 
-    video = family in ("wan", "hunyuanvideo")
-    sizes = {k: v for k, v in SIZES.items() if k != "num_frames" or video}
-    model = build_model(ModelConfig(family=family, path=folder, lora_rank=4, max_text_tokens=24, **sizes), seed=0)
+    model = build_model(model_config(family, folder, checkpointing), seed=0)
     cfg = load_config(None, ["sampler.num_steps=2", "sampler.base_tail=0", 'train.timesteps="all"', "train.kl_beta=0.5",
                              "train.clip_range=0.2"])
     g = torch.Generator().manual_seed(1)
@@ -40,7 +70,7 @@ def run(family: str, folder: str, n: int, rank: int, fsdp: bool = False) -> dict
             if "lora_B" in name:
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
     policy = Policy(model, cfg.train, cfg.sampler, shard=fsdp)  # FSDP2 over the same ranks
-    cond = model.encode_prompts(PROMPTS)
+    cond = model.encode_prompts(prompts_of(family))
     x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # the rollout: the plain forward on every rank (the same samples)
         records = dict(enumerate(rollout(model, cond, generator=seeded_generators([5, 6]),
@@ -55,13 +85,19 @@ def run(family: str, folder: str, n: int, rank: int, fsdp: bool = False) -> dict
             sp.shard(torch.zeros(1, 2 * n + 1, 1), 1)
         except ValueError as e:
             out["refused"] = str(e)
-    seen: list[int] = []  # tokens reaching proj_out on this rank: the shard's, under SP
-    hook = model.transformer.proj_out.register_forward_hook(lambda _m, args, _o: seen.append(args[0].shape[1]))
+    # tokens reaching the output projection, and the image tokens reaching the first split
+    # block, on this rank: the shard's, under SP (these hooks run after the sharding ones)
+    seen: list[int] = []
+    image: list[int] = []
+    out_proj, first = split_points(model.transformer)
+    hooks = [out_proj.register_forward_hook(lambda _m, args, _o: seen.append(args[0].shape[1])),
+             first.register_forward_pre_hook(lambda _m, args: image.append(args[0].shape[1]))]
     with sharded:
         with torch.no_grad():
             out["velocity"] = model.velocity(x, 0.6, cond)
-            out["tokens"] = torch.tensor(seen[-1])
-            hook.remove()
+            out["tokens"], out["image_tokens"] = torch.tensor(seen[-1]), torch.tensor(image[-1])
+            for h in hooks:
+                h.remove()
             for t, rec in records.items():
                 v = model.velocity(rec.x_t, rec.sigma, cond)
                 out[f"logp{t}"] = sde_step(cfg.sampler.sde_type, rec.x_t, v, rec.sigma, rec.sigma_next,
@@ -95,17 +131,15 @@ def mirrored(family: str, folder: str, rank: int) -> dict[str, Any] | None:
     """A sampled trajectory of a :class:`~digenrl.models.spgroup.LeaderModel` over the whole
     world (the other ranks serve), with a base-model tail and new weights loaded between two
     trajectories; rank 0 returns it beside the same with the plain model, in one process."""
-    from digenrl.config import ModelConfig, load_config
+    from digenrl.config import load_config
     from digenrl.models import build_model
     from digenrl.models.spgroup import LeaderModel, serve
     from digenrl.rl.sampler import rollout, seeded_generators
 
-    video = family in ("wan", "hunyuanvideo")
-    sizes = {k: v for k, v in SIZES.items() if k != "num_frames" or video}
     cfg = load_config(None, ["sampler.num_steps=4", "sampler.base_tail=1"])
 
     def model() -> Any:
-        return build_model(ModelConfig(family=family, path=folder, lora_rank=4, max_text_tokens=24, **sizes), seed=0)
+        return build_model(model_config(family, folder), seed=0)
 
     served: list[Any] = [None] * dist.get_world_size()
     if rank != 0:
@@ -113,7 +147,7 @@ def mirrored(family: str, folder: str, rank: int) -> dict[str, Any] | None:
         return None
 
     def trajectories(m: Any) -> dict[str, torch.Tensor]:
-        cond = m.encode_prompts(PROMPTS)
+        cond = m.encode_prompts(prompts_of(family))
         got = {}
         for name in ("before", "after"):
             if name == "after":  # new weights (a moved LoRA), as a rollout applies them
@@ -145,9 +179,10 @@ def _rank(rank: int, n: int, port: int, path: str, cases: list[tuple[str, str, s
                 got[key] = mirror
             dist.barrier()
             continue
-        sharded = run(family, folder, n, rank, fsdp=key.endswith("-fsdp"))
+        ckpt = key.endswith("-ckpt")
+        sharded = run(family, folder, n, rank, fsdp=key.endswith("-fsdp"), checkpointing=ckpt)
         if rank == 0:  # the reference: a fresh model, the plain forward, in this one process
-            got[key] = {"sp": sharded, "ref": run(family, folder, 1, 0)}
+            got[key] = {"sp": sharded, "ref": run(family, folder, 1, 0, checkpointing=ckpt)}
         dist.barrier()
     if rank == 0:
         torch.save(got, path)

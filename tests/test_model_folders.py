@@ -271,7 +271,8 @@ def test_vae_tiling_switches_the_vae_to_tiled_sliced_decoding_and_decodes_the_sa
     """model.vae_tiling turns on diffusers' tiled and sliced decoding. The tiny SD3 folder's VAE
     tile is smaller than its image, so that decode is tiled: tiles overlap and blend at their
     seams, the untiled image up to seam blending (mean |difference| under 8 of 255 levels). The
-    tiny Wan frames fit in one tile: the same bits (same process, weights and input)."""
+    tiny Wan frames fit in one tile, but slicing decodes each sample alone: the untiled image up
+    to batch-size rounding, which some CPUs' kernels show as one uint8 level at a few pixels."""
     from digenrl.models import build_model
 
     plain = build_model(model_cfg(family, folders[family]), seed=0)
@@ -283,4 +284,7 @@ def test_vae_tiling_switches_the_vae_to_tiled_sliced_decoding_and_decodes_the_sa
     a, b = tiled.decode(x), plain.decode(x)
     diff = (a.float() - b.float()).abs().mean().item()
     assert a.shape == b.shape
-    assert 0 < diff < 8 if family == "sd3" else torch.equal(a, b)
+    if family == "sd3":
+        assert 0 < diff < 8
+    else:
+        assert (a.float() - b.float()).abs().max().item() <= 1 and diff < 1e-3

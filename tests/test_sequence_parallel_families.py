@@ -1,16 +1,19 @@
 """The sequence-parallel forward of the families' transformers (digenrl.models.seqpar) over
 real gloo process groups, on tiny folders saved by the real diffusers pipelines: one GRPO
 fragment (KL term on, PPO clip active) and a sampled trajectory (the sampler's steps and
-log-probs under the sharded forward) at SP = 2 for every family and SP = 4 for Wan (a 4-head
-folder), against the same with the plain forward in one process.
+log-probs under the sharded forward) at SP = 2 for every family and SP = 4 for Wan, FLUX.2 and
+Z-Image (4-head folders), against the same with the plain forward in one process.
 
 Each worker launch (tests/sp_family_worker.py) runs a batch of cases in one process group,
 so imports and the group are paid once per batch: Wan and FLUX at SP = 2, and Wan with FSDP2
-sharding over the same two ranks (about 50 s), and, marked slow, SD3, Qwen-Image and
-HunyuanVideo at SP = 2 and Wan at SP = 4.
+sharding over the same two ranks (about 50 s); FLUX.2 and Z-Image at SP = 2, each also sampled
+through a LeaderModel (about 10 s); and, marked slow, SD3, Qwen-Image, HunyuanVideo and a
+FLUX.2-dev folder at SP = 2, Z-Image with activation checkpointing at SP = 2, and Wan, FLUX.2
+and Z-Image at SP = 4.
 """
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -22,18 +25,26 @@ import pytest
 import torch
 
 from tests.pipelines import write_pipeline_folder
-from tests.sp_family_worker import SIZES
+from tests.sp_family_worker import sizes_of
 
 WORKER = Path(__file__).parent / "sp_family_worker.py"
-#: case -> (family, degree, folder builder kwargs, the worker launch that runs it)
+#: case -> (family, degree, folder builder kwargs (``builder``: tests/pipelines.py's name, if not
+#: the family's), the worker launch that runs it)
 CASES = {
     "wan": ("wan", 2, {}, "sp2"), "flux": ("flux", 2, {}, "sp2"),
     "wan-fsdp": ("wan", 2, {}, "sp2"),  # FSDP2 over the same two ranks (the key's -fsdp)
     "sd3": ("sd3", 2, {}, "sp2-more"), "qwenimage": ("qwenimage", 2, {}, "sp2-more"),
     "hunyuanvideo": ("hunyuanvideo", 2, {}, "sp2-more"),
     "wan-4heads": ("wan", 4, {"heads": 4}, "sp4"),
+    "flux2-4heads": ("flux2", 4, {"heads": 4}, "sp4"), "zimage-4heads": ("zimage", 4, {"heads": 4}, "sp4"),
+    # FLUX.2 (klein; its single-stream blocks' fused projection) and Z-Image (the unified
+    # image+caption sequence, captions of two padded lengths: a batch-padding key mask)
+    "flux2": ("flux2", 2, {}, "sp2-single-stream"), "zimage": ("zimage", 2, {}, "sp2-single-stream"),
+    "flux2-dev": ("flux2", 2, {"builder": "flux2-dev"}, "sp2-more"),  # embedded guidance, Mistral3
+    "zimage-ckpt": ("zimage", 2, {}, "sp2-more"),  # activation checkpointing: its block hooks run twice
     # sampling through a LeaderModel: rank 0 drives, the others serve (digenrl.models.spgroup)
     "wan-leader": ("wan", 2, {}, "sp2"), "flux-leader": ("flux", 2, {}, "sp2"),
+    "flux2-leader": ("flux2", 2, {}, "sp2-single-stream"), "zimage-leader": ("zimage", 2, {}, "sp2-single-stream"),
 }
 SLOW = {"sp2-more", "sp4"}
 
@@ -42,6 +53,11 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _folder(family: str, folder: Path, kw: dict[str, Any]) -> Path:
+    built = {k: v for k, v in kw.items() if k != "builder"}
+    return write_pipeline_folder(kw.get("builder", family), folder, **built)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +70,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, 
         launch = CASES[case][3]
         if case not in done:
             todo = {c: v for c, v in CASES.items() if v[3] == launch}
-            args = [f"{c}={family}={write_pipeline_folder(family, root / c, **kw)}"
-                    for c, (family, _, kw, _) in todo.items()]
+            args = [f"{c}={family}={_folder(family, root / c, kw)}" for c, (family, _, kw, _) in todo.items()]
             path = root / f"{launch}.pt"
             subprocess.run([sys.executable, str(WORKER), str(todo[case][1]), str(_port()), str(path), *args],
                            check=True, timeout=600)
@@ -69,16 +84,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, 
 def test_sharded_fragment_matches_the_one_process_forward(runs: Callable, case: str) -> None:
     got, ref = runs(case)["sp"], runs(case)["ref"]
     n = CASES[case][1]
-    # each rank carried 1/N of the tokens through the blocks: the sharding really ran
+    # each rank carried 1/N of the tokens through the blocks: the sharding really ran (Z-Image:
+    # 1/N of its unified image+caption sequence to the final layer, 1/N of its image tokens
+    # through the noise refiner)
     assert int(got["tokens"]) * n == int(ref["tokens"])
+    assert int(got["image_tokens"]) * n == int(ref["image_tokens"])
     # the launcher's count (which refuses a degree that does not divide it) is the transformer's
     from digenrl.config import ModelConfig
-    from digenrl.launch import _image_tokens
-    from digenrl.models.meta import latent_shape_of, transformer_config
+    from digenrl.models.meta import image_tokens, latent_shape_of, transformer_config
     family = CASES[case][0]
-    sizes = {k: v for k, v in SIZES.items() if k != "num_frames" or family in ("wan", "hunyuanvideo")}
-    mc = ModelConfig(family=family, path=str(runs(case)["folder"]), **sizes)
-    assert _image_tokens(family, transformer_config(mc)[0], latent_shape_of(mc)) == int(ref["tokens"])
+    mc = ModelConfig(family=family, path=str(runs(case)["folder"]), **sizes_of(family))
+    assert image_tokens(family, transformer_config(mc)[0], latent_shape_of(mc)) == int(ref["image_tokens"])
     assert got.pop("refused") == (f"sequence parallelism: {2 * n + 1} image/video tokens, not "
                                   f"divisible by train.sequence_parallel = {n}")
     assert set(got) == set(ref)
@@ -130,8 +146,8 @@ def test_what_sequence_parallelism_cannot_combine_with_is_refused_in_the_config(
     (["cluster.trainers=2", "train.sequence_parallel=2", "model.height=36", "model.width=36"],
      r"^train\.sequence_parallel = 2: model\.height x model\.width give 81 image/video tokens per "
      r"sample; expected a multiple of 2 \(there is no padding\)$"),
-    (["cluster.trainers=2", "train.sequence_parallel=2", 'model.family="flux2"'],
-     r"^train\.sequence_parallel = 2 with model\.family = 'flux2': no sequence-parallel forward"),
+    (["cluster.trainers=2", "train.sequence_parallel=2", 'model.family="qwenimage_edit"'],
+     r"^train\.sequence_parallel = 2 with model\.family = 'qwenimage_edit': no sequence-parallel forward"),
 ])
 def test_the_launcher_refuses_a_degree_the_trainers_or_the_model_cannot_take(tmp_path: Path, sets, message) -> None:
     from digenrl.config import ConfigError
@@ -145,7 +161,29 @@ def test_the_launcher_refuses_a_degree_the_trainers_or_the_model_cannot_take(tmp
     assert not list((run_dir / "logs").glob("*.stderr"))  # no child was ever started
 
 
-@pytest.mark.parametrize("case", ["wan-leader", "flux-leader"])
+def test_flux2_and_zimage_degrees_are_checked_at_launch_by_their_own_heads_and_token_counts(tmp_path: Path) -> None:
+    from digenrl.config import ConfigError
+    from digenrl.launch import check_sequence_parallel
+    from tests.factories import tiny_config
+
+    # the tiny random FLUX.2 and Z-Image have 2 heads: 2 is taken, 4 is refused naming them
+    for family in ("flux2", "zimage"):
+        check_sequence_parallel(tiny_config(f'model.family="{family}"', "cluster.trainers=2",
+                                            "train.sequence_parallel=2", mode="digenrl"))
+        with pytest.raises(ConfigError, match=r"^train\.sequence_parallel = 4: the transformer has 2 attention heads"):
+            check_sequence_parallel(tiny_config(f'model.family="{family}"', "cluster.trainers=4",
+                                                "train.sequence_parallel=4", mode="digenrl"))
+    # Z-Image's heads are its config's n_heads; 6 of them take 3, but its 32-token padding does not
+    (tmp_path / "config.json").write_text(json.dumps({"_class_name": "ZImageTransformer2DModel", "n_heads": 6,
+                                                      "dim": 96, "in_channels": 4, "all_patch_size": [2]}))
+    z6 = ['model.family="zimage"', f'model.path="{tmp_path}"']
+    check_sequence_parallel(tiny_config(*z6, "cluster.trainers=2", "train.sequence_parallel=2", mode="digenrl"))
+    with pytest.raises(ConfigError, match=r"^train\.sequence_parallel = 3: Z-Image pads its image and caption "
+                                          r"sequences to multiples of 32 tokens; expected a divisor of 32$"):
+        check_sequence_parallel(tiny_config(*z6, "cluster.trainers=3", "train.sequence_parallel=3", mode="digenrl"))
+
+
+@pytest.mark.parametrize("case", ["wan-leader", "flux-leader", "flux2-leader", "zimage-leader"])
 def test_a_trajectory_sampled_over_a_group_driven_by_its_leader_is_the_one_process_trajectory(
         runs: Callable, case: str) -> None:
     got, ref = runs(case)["sp"], runs(case)["ref"]

@@ -1,5 +1,5 @@
 """``digenrl launch --trainers 2 --set train.sequence_parallel=2``: the two trainer ranks form
-one sequence-parallel group and train tiny Wan and FLUX pipeline folders end to end (real
+one sequence-parallel group and train tiny Wan, FLUX, FLUX.2 and Z-Image pipeline folders end to end (real
 processes, sockets and gloo groups), with the ledger's accounting exact; four ranks at SP = 2
 (two groups, with and without FSDP2) give a one-trainer run's weights, and so does a rollout
 node sampling over two processes (``cluster.rollout_gpus = 2``).
@@ -48,7 +48,7 @@ def _joined_degree(run_dir: Path, rank: int) -> int:
     return int(rows[0]["sequence_parallel"])
 
 
-@pytest.mark.parametrize("family", ["wan", "flux"])
+@pytest.mark.parametrize("family", ["wan", "flux", "flux2", "zimage"])
 def test_two_trainer_ranks_train_one_sequence_parallel_group_end_to_end(tmp_path: Path, family: str) -> None:
     folder = write_pipeline_folder(family, tmp_path / family)
     run_dir = tmp_path / "sp2"

@@ -105,14 +105,19 @@ class Children:
             return cl.gpu
         return (cl.rollout_gpu if role == "rollout" else cl.trainer_gpu) or cl.gpu
 
-    async def start(self, node_id: str, role: str) -> None:
-        from digenrl.devices import child_gpu_env
+    def gpu_env(self) -> dict[str, dict[str, str]]:
+        """Each child's ``CUDA_VISIBLE_DEVICES`` (none without GPUs): slices in order, trainer
+        ranks first (one GPU each), then rollouts (``cluster.rollout_gpus`` each: a rollout
+        group's leader and followers), then reward workers (:func:`digenrl.devices.child_gpu_envs`)."""
+        from digenrl.devices import child_gpu_envs
 
-        # GPUs in order: trainer ranks first, then rollouts, then reward workers
         order = sorted(self.specs(), key=lambda s: ("trainer", "rollout", "reward").index(s[1]))
-        index = [n for n, _ in order].index(node_id)
+        widths = [self.cfg.cluster.rollout_gpus if role == "rollout" else 1 for _, role in order]
+        return {name: env for (name, _), env in zip(order, child_gpu_envs(widths), strict=True)}
+
+    async def start(self, node_id: str, role: str) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.run.threads), PYTHONUNBUFFERED="1",
-                   **child_gpu_env(index))
+                   **self.gpu_env()[node_id])
         bind: list[str] = []
         if role == "reward":  # one address for the worker's life: a restart binds it again
             host = self.cfg.cluster.host

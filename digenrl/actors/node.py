@@ -44,7 +44,7 @@ from digenrl.actors.base import (
 )
 from digenrl.actors.connect import ConnectPolicy, wait_welcome
 from digenrl.config import Config, ConfigError, ResolvedConfig, read_resolved
-from digenrl.devices import resolve_device, use_device
+from digenrl.devices import group_devices, resolve_device, use_device
 from digenrl.faults import failpoints, node_slowdown
 from digenrl.telemetry import sdnotify
 from digenrl.telemetry.logging import configure_logging, get_logger
@@ -93,6 +93,9 @@ class NodeOptions:
     """--connect-timeout: no Welcome within this many seconds: say what answers at the address."""
     exit_on_connect_failure: bool = False
     """--exit-on-connect-failure: exit with a one-line error after the timeout instead of retrying."""
+    gpus: int | None = None
+    """--gpus: a rollout's processes (devices) per trajectory, for this node alone; None = the
+    run's ``cluster.rollout_gpus`` (actors/rolloutgroup.py)."""
 
 
 def run_node(cfg: ResolvedConfig, opts: NodeOptions) -> int:
@@ -120,11 +123,13 @@ def run_node(cfg: ResolvedConfig, opts: NodeOptions) -> int:
         roles: dict[str, Role] = {"rollout": "rollout", "trainer": "trainer", "reward": "reward"}
         role = roles[opts.role]  # the --role choices checked it (cli.py)
         device = resolve_device(opts.device)
+        if opts.gpus is not None:  # before anything starts: the devices this process sees
+            group_devices(device, opts.gpus, f"--gpus {opts.gpus}")
         use_device(device)
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
             connect = ConnectPolicy(timeout_s=opts.connect_timeout_s, exit_on_failure=opts.exit_on_connect_failure)
             return int(runner.run(_node(role, node_id, opts.coordinator, opts.gpu or "cpu", opts.bind,
-                                        run_dir, cfg, device, latest, connect)))
+                                        run_dir, cfg, device, latest, connect, opts.gpus)))
     finally:
         if prometheus is not None:
             prometheus.close()
@@ -278,10 +283,10 @@ def welcome_config(msg: Welcome, coordinator: str) -> ResolvedConfig:
 
 async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str | None,
                 run_dir: Path | None, boot: Config, device: torch.device, latest: LatestStats,
-                connect: ConnectPolicy | None = None) -> int:
+                connect: ConnectPolicy | None = None, gpus: int | None = None) -> int:
     """``boot`` is the local config: transport settings (keys, limits) until Welcome brings the run's.
     Models (policy, reference, text encoders, VAE) go on ``device``; trainer ranks group over
-    NCCL on CUDA, gloo on the CPU."""
+    NCCL on CUDA, gloo on the CPU. ``gpus``: a rollout's group size (``--gpus``), else the run's."""
     log = get_logger(role, node_id)
     ctx = node_context()  # one I/O thread for control, one for bulk data
     inc = incarnation()
@@ -310,6 +315,9 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
             log.error("refused by coordinator", reason=msg.reason)
             return 3
         cfg = welcome_config(msg, coordinator)  # the coordinator's, resolved
+        if gpus is not None:  # --gpus: this rollout's group size, whatever the run's is
+            from digenrl.actors.rolloutgroup import with_group_size
+            cfg = with_group_size(cfg, gpus, f"--gpus {gpus}")
         torch.set_num_threads(cfg.run.threads)
         rdir = run_dir or Path("runs") / msg.run_id
         recorder = SpanRecorder(node_id, role)
@@ -354,14 +362,17 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
                               pushes=pushes, weights=wdealer, relay=weights, scorers=scorers,
                               connect=lambda ep: track(zs.connect(ctx, "dealer", ep, cfg, lane="bulk",
                                                                 name="weights_fetch")))
+            n = cfg.cluster.rollout_gpus
+            if n > 1:  # followers split each forward (actors/rolloutgroup.py); they build
+                # their models meanwhile, and are started from this thread, the node's main one
+                from digenrl.actors.rolloutgroup import RolloutGroup
+                devices = group_devices(device, n, f"--gpus {n}" if gpus is not None else f"cluster.rollout_gpus = {n}")
+                group = RolloutGroup.spawn(cfg, devices, folder=rdir / "logs", node_id=node_id)
             model = await asyncio.to_thread(build_model, cfg.model, seed=cfg.run.seed, gpu=gpu, device=device,
                                             embedded_guidance=cfg.sampler.embedded_guidance)
             await _free_text_encoders(model, cfg, log)
-            if cfg.cluster.rollout_gpus > 1:  # followers split each forward (actors/rolloutgroup.py)
-                from digenrl.actors.rolloutgroup import RolloutGroup
-                group = await asyncio.to_thread(partial(RolloutGroup.start, cfg, model, device,
-                                                        folder=rdir / "logs", node_id=node_id))
-                model = group.leader
+            if group is not None:
+                model = await asyncio.to_thread(group.join, model)
             from digenrl.actors.rollout import RolloutActor
             frozen = freeze_startup_objects()
             actor = RolloutActor(peers=peers, cfg=cfg, model=model, reward_fn=reward_fn, **kw)
@@ -405,7 +416,8 @@ async def _node(role: Role, node_id: str, coordinator: str, gpu: str, bind: str 
         unhandle = stop_on_signals(actor.request_stop, again=partial(hard_exit, 128 + signal.SIGINT))
         rss_ready = rss_mb()
         log.info("joined", rank=msg.rank, world_size=msg.world_size, rss_mb=rss_ready, device=str(device),
-                 sequence_parallel=cfg.train.sequence_parallel if trainer is not None else 1,
+                 sequence_parallel=(cfg.train.sequence_parallel if trainer is not None
+                                    else cfg.cluster.rollout_gpus if role == "rollout" else 1),
                  frozen_objects=frozen)
         sdnotify.ready()
         stuck: str | None = None

@@ -36,11 +36,12 @@ from typing import Any
 from digenrl.actors.base import Actor, Loop, stopped_by_signal
 from digenrl.actors.peers import NodePeers
 from digenrl.actors.resume import TrainerResume
+from digenrl.actors.spagree import DROP, WAIT, agree
 from digenrl.actors.streamer import FragmentStreamer
 from digenrl.config import Config
 from digenrl.core.plan import owners_for, plan_for_step
 from digenrl.faults import crash_point, hang_point
-from digenrl.models.seqpar import sharded
+from digenrl.models.seqpar import SequenceParallel, sharded
 from digenrl.rl.algorithm import Staged, algorithm_for
 from digenrl.rl.evaluate import eval_due, evaluate_policy
 from digenrl.rl.experts import split_by_expert
@@ -186,8 +187,7 @@ class TrainerActor(Actor):
             ready = self._ready(step)
             if ready:
                 self._offered = False  # worked: offer again next time we wait (offers are one-shot)
-                for commit in ready:
-                    await self._consume(commit)
+                await self._consume_ready(step, ready)
                 # No optimizer step once a stop is asked: the version the coordinator last
                 # heard announced stays the trainer's (a drain checkpoint is of that boundary).
                 # Several ranks vote at the step's end (one rank leaving alone would strand
@@ -212,6 +212,15 @@ class TrainerActor(Actor):
             # the step's all-reduce other ranks may be waiting in
             await self.resume.vote_stop(drain=stopped_by_signal(self.stop_reason))
         await self.wait_stopped()
+
+    async def _consume_ready(self, step: int, ready: list[Commit]) -> None:
+        """Consume ``ready`` (from :meth:`_ready`) in order; a sequence-parallel group's slot
+        its ranks did not agree to close (actors/spagree.py) holds the later ones back."""
+        for i, commit in enumerate(ready):
+            await self._consume(commit)
+            if self.sp > 1 and commit.fragment not in self.consumed_slots[step]:
+                self.pending[step].extend(ready[i + 1:])
+                return
 
     def _ready(self, step: int) -> list[Commit]:
         """The step's commits to consume now. Sequence-parallel ranks of one group must train
@@ -359,6 +368,20 @@ class TrainerActor(Actor):
     # ---------------------------------------------------------------- training
     async def _consume(self, commit: Commit) -> None:
         step = commit.step
+        if self.sp > 1 and commit.fragment not in self.consumed_slots[step]:
+            # the group's ranks agree on the attempt they train (a Revoke may reach them apart)
+            sp = getattr(self.policy.model, "sp", None)
+            assert isinstance(sp, SequenceParallel), "actors/node.py fits a sequence-parallel rank's model"
+            verdict = await self.in_thread("wait", agree, sp.group, commit.fragment, commit.task_id,
+                                           commit.task_id in self.revoked, getattr(self.policy.model, "device", "cpu"),
+                                           step=step, fragment=commit.fragment)
+            if verdict == DROP:  # revoked here or on another rank of the group
+                self.revoked.add(commit.task_id)
+                self._unstage(commit.task_id)
+                return
+            if verdict == WAIT:  # another rank still holds an older attempt: the next round
+                self.pending[step].append(commit)
+                return
         if commit.task_id in self.revoked or commit.fragment in self.consumed_slots[step]:
             self._unstage(commit.task_id)
             if commit.task_id not in self.revoked:  # see _data_loop: report the duplicate

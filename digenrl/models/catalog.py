@@ -176,13 +176,13 @@ TRANSFORMER_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwenimage_edit": {"in_channels": 64, "out_channels": 16, "num_attention_heads": 24},
     "wan": {"in_channels": 16, "patch_size": (1, 2, 2), "num_attention_heads": 40},
     "hunyuanvideo": {"in_channels": 16, "patch_size": 2, "num_attention_heads": 24},
-    "flux2": {"in_channels": 128},
-    "zimage": {"in_channels": 16, "all_patch_size": (2,)},
+    "flux2": {"in_channels": 128, "num_attention_heads": 48},
+    "zimage": {"in_channels": 16, "all_patch_size": (2,), "n_heads": 30},
 }
 """family -> its transformer class's defaults of the keys its geometry reads (and the attention
 heads, which a sequence-parallel degree must divide)"""
 
-SEQUENCE_PARALLEL_FAMILIES = ("sd3", "flux", "flux_kontext", "qwenimage", "wan", "hunyuanvideo")
+SEQUENCE_PARALLEL_FAMILIES = ("sd3", "flux", "flux_kontext", "qwenimage", "wan", "hunyuanvideo", "flux2", "zimage")
 """Families with a sequence-parallel forward (:mod:`digenrl.models.seqpar`)"""
 
 VAE_DEFAULTS: dict[str, dict[str, Any]] = {

@@ -14,7 +14,9 @@ shape comes from configuration only:
 The family's own :class:`~digenrl.models.catalog.Geometry` (built from the transformer's and,
 for a pipeline folder, the VAE's ``config.json``) turns ``model.height`` / ``width`` /
 ``num_frames`` into the shape, exactly as :func:`~digenrl.models.registry.build_model` does, so
-the two cannot disagree (``tests/test_model_meta.py`` checks it family by family).
+the two cannot disagree (``tests/test_model_meta.py`` checks it family by family). The same
+files say whether a sequence-parallel degree divides the heads and the image/video tokens
+(:func:`check_sequence_parallel_degree`: the launcher's check, and a rollout node's for ``--gpus``).
 
 Nothing here imports diffusers (:mod:`digenrl.models.catalog` holds the class defaults the
 geometry reads): the launcher checks a config and its coordinator sizes the byte window
@@ -120,3 +122,50 @@ def cost_model_name(model_cfg: ModelConfig) -> str:
     config, _ = transformer_config(model_cfg)
     width = int(config.get("num_attention_heads", 48)) * int(config.get("attention_head_dim", 128))
     return FLUX2_WIDTHS.get(width, "flux2")
+
+
+def check_sequence_parallel_degree(model_cfg: ModelConfig, n: int, key: str) -> None:
+    """Refuse (ConfigError naming ``key`` and ``n``) a sequence-parallel degree ``n`` the model
+    cannot run: a family without a sequence-parallel forward, attention heads or image/video
+    tokens ``n`` does not divide (the folder's config files; nothing is loaded)."""
+    if model_cfg.family not in catalog.SEQUENCE_PARALLEL_FAMILIES:
+        raise ConfigError(f"{key} = {n} with model.family = {model_cfg.family!r}: "
+                          f"no sequence-parallel forward; expected one of "
+                          f"{', '.join(catalog.SEQUENCE_PARALLEL_FAMILIES)}")
+    config = transformer_config(model_cfg)[0]
+    heads = int(config.get("n_heads" if model_cfg.family == "zimage" else "num_attention_heads", 0))
+    if heads % n or not heads:
+        raise ConfigError(f"{key} = {n}: the transformer has {heads} attention "
+                          f"heads; expected a divisor of {heads}")
+    if model_cfg.family == "zimage" and 32 % n:
+        raise ConfigError(f"{key} = {n}: Z-Image pads its image and caption sequences to multiples of 32 "
+                          f"tokens; expected a divisor of 32")
+    shape = latent_shape_of(model_cfg)
+    tokens = image_tokens(model_cfg.family, config, shape)
+    if tokens % n:
+        sizes = "model.height x model.width" + (" x model.num_frames" if len(shape) == 4 else "")
+        raise ConfigError(f"{key} = {n}: {sizes} give {tokens} image/video tokens "
+                          f"per sample; expected a multiple of {n} (there is no padding)")
+
+
+def image_tokens(family: str, config: dict[str, Any], shape: tuple[int, ...]) -> int:
+    """The transformer's image/video tokens per sample for a latent of ``shape`` (what the
+    sequence-parallel forward splits; FLUX.1 Kontext's input-image tokens double it). FLUX.2's
+    latent is patchified already (a token per latent cell); Z-Image pads its patches to a
+    multiple of 32 tokens."""
+    if family in ("wan", "hunyuanvideo"):
+        _, f, h, w = shape
+        if family == "wan":
+            pt, ph, pw = config.get("patch_size", (1, 2, 2))
+        else:
+            pt, ph = int(config.get("patch_size_t", 1)), int(config.get("patch_size", 2))
+            pw = ph
+        return (f // int(pt)) * (h // int(ph)) * (w // int(pw))
+    _, h, w = shape
+    if family == "flux2":
+        return h * w
+    if family == "zimage":
+        p = int(config.get("all_patch_size", (2,))[0])
+        return -(-(h // p) * (w // p) // 32) * 32
+    p = int(config.get("patch_size", 2)) if family == "sd3" else 2  # FLUX / Qwen-Image: 2x2 packing
+    return (h // p) * (w // p)

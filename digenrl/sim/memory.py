@@ -55,6 +55,8 @@ from typing import Any
 import torch
 
 from digenrl.config import Config, ConfigError
+from digenrl.sim.cluster import load_cluster
+from digenrl.sim.plan import config_cluster, throughput_at
 
 GiB = 2**30
 RESERVE_GPU = 1 * GiB
@@ -463,8 +465,6 @@ def memory_plan(cfg: Config, cluster_path: str | None = None) -> dict[str, Any]:
     rollout_gpu = cfg.cluster.rollout_gpu or cfg.cluster.gpu
     trainer_count = cfg.cluster.trainers
     if cluster_path is not None:
-        from digenrl.sim.cluster import load_cluster
-
         cluster = load_cluster(cluster_path)
         rollouts, trainers = cluster.split()
         trainer_gpu = min(trainers, key=gpu_capacity)
@@ -482,7 +482,15 @@ def memory_plan(cfg: Config, cluster_path: str | None = None) -> dict[str, Any]:
         if not plan.fits and plan.role == "trainer":
             found = planner.smallest_fit(s)
             row["fits_with"] = (None if found is None else
-                                {"change": describe_change(s, found[0], cfg), "peak_bytes": found[1].total})
+                                {"change": describe_change(s, found[0], cfg), "peak_bytes": found[1].total,
+                                 "sequence_parallel": found[0].sequence_parallel})
+            if found is not None and found[0].sequence_parallel != s.sequence_parallel:
+                # the layout needs sequence parallelism: what it does to the throughput
+                f = found[0]
+                out["throughput"] = throughput_at(
+                    cfg, load_cluster(cluster_path) if cluster_path is not None else config_cluster(cfg),
+                    sequence_parallel=f.sequence_parallel, gradient_checkpointing=f.gradient_checkpointing,
+                    rows=f.rows)
         elif not plan.fits:
             fit = planner.rollout_fit()
             row["fits_with"] = (None if fit is None else {"change": (
@@ -514,6 +522,12 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  {'peak':44} {gib(row['peak_bytes']):>12}")
     lines.append("")
     lines += [verdict(role, row) for role, row in report["roles"].items()]
+    t = report.get("throughput")
+    if t is not None:
+        head = f"throughput at train.sequence_parallel = {t['sequence_parallel']} (digenrl mode, cluster {t['cluster']})"
+        lines.append(f"{head}: {t['error']}" if "error" in t else
+                     f"{head}: {t['samples_per_s']:.4g} samples/s, {t['s_per_step']:.4g} s/step, "
+                     f"{t['train_s_per_sample_timestep']:.4g} s per sample-timestep on a trainer rank")
     return "\n".join(lines)
 
 

@@ -9,6 +9,13 @@ Modes are the scheduler configurations of DESIGN.md, with two simulator choices 
 the baselines fair (documented in docs/benchmarks.md): colocated splits each step into one
 fragment per trainer (its SPMD data-parallel generation), and disagg-sync spreads the batch over
 all rollouts but trains only once the whole batch is in (no GAP).
+
+Sequence parallelism is planned as configured: ``train.sequence_parallel`` = N groups the
+trainer GPUs N at a time (colocated cannot: its row is planned at N = 1), ``cluster.rollout_gpus``
+= G makes each rollout node G GPUs; every row names both. For a family with a sequence-parallel
+forward the report's ``sequence_parallel`` table re-plans the digenrl mode at each degree that
+divides the trainer count and the model's heads (up to 8), and ``--search`` searches the degree
+with the split.
 """
 
 from __future__ import annotations
@@ -19,11 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from digenrl.config import Config, ResolvedConfig, check_mode, resolve_mode
-from digenrl.core.costmodel import load_calibration
+from digenrl.config import Config, ConfigError, ResolvedConfig, check_mode, resolve_mode
+from digenrl.core.costmodel import GPUS, MODELS, load_calibration
 from digenrl.sim.calibrate import calibrate
-from digenrl.sim.cluster import Cluster, load_cluster
-from digenrl.sim.simulator import SimResult, SimSetup, simulate, trained_timesteps
+from digenrl.sim.cluster import Cluster, ClusterError, GpuGroup, load_cluster
+from digenrl.sim.simulator import (
+    SimResult,
+    SimSetup,
+    simulate,
+    trained_timesteps,
+    workload_from_config,
+)
 
 ABLATIONS = ("gap", "tsp", "k1", "tag", "relay")
 
@@ -32,16 +45,45 @@ def _divisor_at_most(n: int, cap: int) -> int:
     return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(1, cap))
 
 
+def sp_degrees(cfg: Config, trainers: int, cap: int = 8) -> list[int]:
+    """Sequence-parallel degrees the planner tries for ``cfg`` over ``trainers`` ranks: those up to
+    ``cap`` dividing the trainer count and the model's attention heads; [1] for a family
+    without a sequence-parallel forward."""
+    arch = MODELS[workload_from_config(cfg).model].arch
+    if arch is None:
+        return [1]
+    return [n for n in range(1, min(cap, trainers) + 1) if trainers % n == 0 and arch.heads % n == 0]
+
+
+def with_sequence_parallel(cfg: Config, n: int) -> Config:
+    """``cfg`` with ``train.sequence_parallel = n``; a TAG-always runtime becomes "bts" for n > 1
+    (a sequence-parallel rank does not generate, and the config refuses the pair)."""
+    rt = cfg.runtime
+    if n > 1 and rt.tag == "always":
+        rt = dataclasses.replace(rt, tag="bts")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, sequence_parallel=n), runtime=rt)
+
+
 def mode_run(cfg: Config, mode: str, cluster: Cluster, *, trainers: int | None = None,
              off: str | None = None, **setup_kw: Any) -> tuple[ResolvedConfig, SimSetup]:
     """The (config, SimSetup) pair one simulated mode (optionally with one mechanism off) runs:
     ``cfg`` resolved for ``mode`` (the planner's question is this config in each mode), with
-    the planner's choices on top: the baselines' fragments, the ablated mechanism, the split."""
+    the planner's choices on top: the baselines' fragments, the ablated mechanism, the split.
+    Colocated runs at ``train.sequence_parallel = 1`` (its ranks generate, which a
+    sequence-parallel rank does not)."""
     rollouts: list[str]
     if mode == "colocated":
         rollouts, train = [], cluster.all_gpus()
+        cfg = with_sequence_parallel(cfg, 1)
     else:
         rollouts, train = cluster.split(trainers)
+    sp, g = cfg.train.sequence_parallel, cfg.cluster.rollout_gpus
+    if len(train) % sp:
+        raise ClusterError(f"train.sequence_parallel = {sp}: {len(train)} trainer GPUs in {mode} on cluster "
+                           f"{cluster.name}; expected a multiple of {sp}")
+    if rollouts and len(rollouts) < g:
+        raise ClusterError(f"cluster.rollout_gpus = {g}: {len(rollouts)} rollout GPUs in {mode} on cluster "
+                           f"{cluster.name}; expected at least {g}")
     c = resolve_mode(cfg, mode)
     rt = c.runtime
     P = c.train.prompts_per_step
@@ -49,7 +91,7 @@ def mode_run(cfg: Config, mode: str, cluster: Cluster, *, trainers: int | None =
     if mode == "colocated":
         rt = dataclasses.replace(rt, fragments_per_step=_divisor_at_most(P, len(train)))
     elif mode == "disagg-sync":
-        rt = dataclasses.replace(rt, fragments_per_step=_divisor_at_most(P, len(rollouts)))
+        rt = dataclasses.replace(rt, fragments_per_step=_divisor_at_most(P, len(rollouts) // g))
     if off == "gap":
         gap = False
     elif off == "tsp":
@@ -60,7 +102,7 @@ def mode_run(cfg: Config, mode: str, cluster: Cluster, *, trainers: int | None =
         rt = dataclasses.replace(rt, tag="never")
     elif off == "relay":  # every rollout fetches each version from trainer rank 0
         rt = dataclasses.replace(rt, weights_fanout=0)
-    cl = dataclasses.replace(c.cluster, rollouts=len(rollouts), trainers=len(train))
+    cl = dataclasses.replace(c.cluster, rollouts=len(rollouts) // g, trainers=len(train))
     # still resolved: the mode's K, TSP and TAG are kept or switched off, the rollout count
     # stays 0 for colocated; only the baselines' fragments are the planner's own
     c = ResolvedConfig(dataclasses.replace(c, runtime=rt, cluster=cl))
@@ -68,8 +110,40 @@ def mode_run(cfg: Config, mode: str, cluster: Cluster, *, trainers: int | None =
                        network=cluster.network, gap=gap, **setup_kw)
 
 
+def config_cluster(cfg: Config) -> Cluster:
+    """The cluster ``cfg`` itself describes: ``cluster.trainers`` trainer GPUs of its trainer type
+    and ``cluster.rollouts`` x ``cluster.rollout_gpus`` rollout GPUs of its rollout type."""
+    c = cfg.cluster
+    groups = [GpuGroup(type=c.trainer_gpu or c.gpu, count=c.trainers, role="trainer")]
+    if c.rollouts:
+        groups.append(GpuGroup(type=c.rollout_gpu or c.gpu, count=c.rollouts * c.rollout_gpus, role="rollout"))
+    for g in groups:
+        if g.type not in GPUS:
+            raise ClusterError(f"cluster.gpu = {g.type!r}: the cost model knows {', '.join(GPUS)}")
+    return Cluster(name="config", gpus=tuple(groups))
+
+
+def throughput_at(cfg: Config, cluster: Cluster, *, sequence_parallel: int, gradient_checkpointing: bool,
+                  rows: int, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The digenrl mode's row for ``cfg`` changed to a trainer setting (what ``plan --memory``
+    found to fit): its sequence-parallel degree, activation checkpointing and rows per
+    forward (fragments per step). A layout the cluster cannot hold names why (``error``)."""
+    t = cfg.train
+    c = with_sequence_parallel(cfg, sequence_parallel)
+    c = dataclasses.replace(
+        c, model=dataclasses.replace(c.model, gradient_checkpointing=gradient_checkpointing),
+        runtime=dataclasses.replace(c.runtime, fragments_per_step=max(1, t.prompts_per_step // max(1, rows // t.group_size))))
+    try:
+        r = simulate(*mode_run(c, "digenrl", cluster, calibration=calibration, seed=cfg.run.seed))
+    except (ClusterError, ConfigError) as e:
+        return {"cluster": cluster.name, "sequence_parallel": sequence_parallel, "error": str(e)}
+    return {"cluster": cluster.name, **_row("digenrl", r, None)}
+
+
 def _row(name: str, r: SimResult, base: float | None) -> dict[str, Any]:
     return {"name": name, "samples_per_s": r.samples_per_s, "s_per_step": r.s_per_step,
+            "sequence_parallel": r.sequence_parallel, "rollout_gpus": r.rollout_gpus,
+            "train_s_per_sample_timestep": r.train_step_s,
             "busy_rollout": r.busy_by_role.get("rollout"), "busy_trainer": r.busy_by_role.get("trainer"),
             "bubble_s_per_step": r.bubble_s_per_step,
             "speedup_vs_colocated": r.samples_per_s / base if base else None}
@@ -90,23 +164,36 @@ def plan(cfg: Config, cluster: Cluster, modes: list[str], *, calibration: dict[s
     if ablate and "digenrl" in modes:
         out["ablation"] = [_row(f"digenrl -{a}", simulate(*mode_run(cfg, "digenrl", cluster, off=a, **kw)), base)
                            for a in ABLATIONS]
+    if "digenrl" in modes:
+        degrees = sp_degrees(cfg, len(cluster.split()[1]))
+        if len(degrees) > 1:  # the digenrl mode at each degree the trainer count allows
+            out["sequence_parallel"] = [
+                _row(f"digenrl sp={n}", simulate(*mode_run(with_sequence_parallel(cfg, n), "digenrl",
+                                                           cluster, **kw)), base)
+                for n in degrees]
     if search:
         best: dict[str, Any] | None = None
         tried = []
+        g = cfg.cluster.rollout_gpus
         for t in range(1, cluster.size):
-            for off in (None, "tsp"):
-                r = simulate(*mode_run(cfg, "digenrl", cluster, trainers=t, off=off, **kw))
-                tried.append({"trainers": t, "rollouts": cluster.size - t, "tsp": off is None,
-                              "samples_per_s": r.samples_per_s})
-                if best is None or r.samples_per_s > best["samples_per_s"]:
-                    best = {**tried[-1], **_row("digenrl best split", r, base)}
+            rollouts_t, trainers_t = cluster.split(t)
+            if len(rollouts_t) < g:
+                continue
+            for n in sp_degrees(cfg, len(trainers_t)):
+                for off in (None, "tsp"):
+                    r = simulate(*mode_run(with_sequence_parallel(cfg, n), "digenrl", cluster, trainers=t,
+                                           off=off, **kw))
+                    tried.append({"trainers": t, "rollouts": len(rollouts_t) // g, "tsp": off is None,
+                                  "sequence_parallel": n, "samples_per_s": r.samples_per_s})
+                    if best is None or r.samples_per_s > best["samples_per_s"]:
+                        best = {**tried[-1], **_row("digenrl best split", r, base)}
         out["search"] = {"best": best, "tried": tried}
     out["_results"] = results
     return out
 
 
 def _fmt(x: Any, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+    return "-".rjust(int(spec.split(".")[0].rstrip("dfg") or 0)) if x is None else format(x, spec)
 
 
 def render(report: dict[str, Any]) -> str:
@@ -115,18 +202,20 @@ def render(report: dict[str, Any]) -> str:
              f"batch {report['batch']}  trained timesteps {report['trained_timesteps']}  "
              f"simulated steps {report['steps']}", "",
              f"{'mode':24} {'samples/s':>10} {'s/step':>10} {'busy roll':>9} {'busy train':>10} "
-             f"{'bubble s':>9} {'x coloc':>8}"]
-    rows = report["modes"] + report.get("ablation", [])
+             f"{'bubble s':>9} {'x coloc':>8} {'SP':>3} {'roll GPUs':>9}"]
+    rows = report["modes"] + report.get("ablation", []) + report.get("sequence_parallel", [])
     if report.get("search"):
         rows = [*rows, report["search"]["best"]]
     for r in rows:
         lines.append(f"{r['name']:24} {r['samples_per_s']:10.4g} {r['s_per_step']:10.4g} "
                      f"{_fmt(r['busy_rollout'], '9.2f')} {_fmt(r['busy_trainer'], '10.2f')} "
-                     f"{r['bubble_s_per_step']:9.3g} {_fmt(r['speedup_vs_colocated'], '8.2f')}")
+                     f"{r['bubble_s_per_step']:9.3g} {_fmt(r['speedup_vs_colocated'], '8.2f')} "
+                     f"{r['sequence_parallel']:3d} {_fmt(r['rollout_gpus'], '9d')}")
     if report.get("search"):
         b = report["search"]["best"]
         lines.append(f"best split: {b['trainers']} trainers + {b['rollouts']} rollouts, "
-                     f"TSP {'on' if b['tsp'] else 'off (data parallel)'}")
+                     f"TSP {'on' if b['tsp'] else 'off (data parallel)'}, "
+                     f"train.sequence_parallel = {b['sequence_parallel']}")
     return "\n".join(lines)
 
 

@@ -18,6 +18,12 @@ seconds of :mod:`digenrl.core.costmodel`. Nodes behave like ``actors/rollout.py`
               A rank with nothing to train offers itself for TAG (the scheduler decides).
     colocated: no rollouts; trainers generate everything (TAG "always") and pay a switch cost
               each time they change between generation and training state.
+    sequence parallelism: ``train.sequence_parallel`` = N lays the R trainer ranks out in R / N
+              groups; the scheduler plans over the groups (owners are their leaders) and every
+              rank of a group trains its leader's share, at one rank's share of a sample's cost
+              (costmodel.sp_seconds, the group's slowest GPU); such ranks offer no TAG work.
+              ``cluster.rollout_gpus`` = G makes each rollout node G consecutive rollout GPUs
+              generating at the G-device cost (a remainder of fewer than G GPUs stays idle).
 
 Events are ordered by (time, seq) in a heap, so runs are deterministic; jitter and injected
 rollout losses draw from one seeded ``random.Random``. Heartbeats and ticks are simulated as
@@ -33,7 +39,7 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from digenrl.config import Config, ResolvedConfig
+from digenrl.config import Config, ConfigError, ResolvedConfig
 from digenrl.core.costmodel import (
     GPUS,
     Network,
@@ -91,6 +97,12 @@ class SimResult:
     scheduler: dict[str, Any]
     rejected_stale: int
     losses: int
+    sequence_parallel: int = 1
+    """Trainer ranks per sequence-parallel group (``train.sequence_parallel``)."""
+    rollout_gpus: int | None = 1
+    """Devices per rollout node (``cluster.rollout_gpus``); None without rollout nodes (colocated)."""
+    train_step_s: float = 0.0
+    """One trainer rank's seconds per sample and trained timestep (its group's share)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,7 +120,8 @@ def workload_from_config(cfg: Config) -> Workload:
                     trained_steps=len(trained_timesteps(cfg)), cfg_gen=cfg.sampler.guidance_scale > 1,
                     cfg_train=cfg.sampler.guidance_scale > 1, grad_ckpt=cfg.model.gradient_checkpointing,
                     kl=cfg.train.kl_beta > 0, lora_rank=cfg.model.lora_rank, fsdp=cfg.model.fsdp,
-                    rows_per_forward=rows_per_forward(cfg))
+                    rows_per_forward=rows_per_forward(cfg), sequence_parallel=cfg.train.sequence_parallel,
+                    rollout_gpus=cfg.cluster.rollout_gpus)
 
 
 def rows_per_forward(cfg: Config) -> int:
@@ -169,7 +182,20 @@ class Simulator:
         self.setup = setup
         self.wl = workload_from_config(cfg)
         self.R = len(setup.trainer_gpus)
-        probe = node_costs(setup.trainer_gpus[0], self.wl, trainer_ranks=self.R,
+        self.sp, self.G = self.wl.sequence_parallel, self.wl.rollout_gpus
+        if self.R % self.sp:
+            raise ConfigError(f"{self.R} trainer GPUs: train.sequence_parallel = {self.sp} lays them "
+                                  f"out in groups of {self.sp}; expected a multiple of {self.sp}")
+        # a group runs at its slowest member's pace; a rollout node is G consecutive rollout GPUs
+        groups = [setup.trainer_gpus[i:i + self.sp] for i in range(0, self.R, self.sp)]
+        self.rank_gpu = [min(grp, key=lambda t: GPUS[t].train_tflops) for grp in groups for _ in grp]
+        rollout_nodes = [min(setup.rollout_gpus[i:i + self.G], key=lambda t: GPUS[t].gen_tflops)
+                         for i in range(0, len(setup.rollout_gpus) - self.G + 1, self.G)]
+        if setup.rollout_gpus and not rollout_nodes:
+            raise ConfigError(f"{len(setup.rollout_gpus)} rollout GPUs: cluster.rollout_gpus = {self.G} "
+                                  f"needs at least {self.G}")
+        self.rollout_node_gpus = tuple(rollout_nodes)
+        probe = node_costs(self.rank_gpu[0], self.wl, trainer_ranks=self.R,
                            calibration=setup.calibration)
         self.cfg = sim_config(cfg, setup, probe)
         self.F = self.cfg.runtime.fragments_per_step
@@ -182,8 +208,7 @@ class Simulator:
         params = SchedulerParams.from_config(self.cfg, prompt_count=max(1, self.cfg.train.prompts_per_step),
                                              bytes_per_trajectory=per_traj)
         params = dataclasses.replace(
-            # the cost model has no sequence-parallel costs: every rank is planned as its own
-            params, trainer_ranks=self.R, switch_s=probe.switch_s, sequence_parallel=1,
+            params, trainer_ranks=self.R, switch_s=probe.switch_s, sequence_parallel=self.sp,
             speeds={g: GPUS["H100"].gen_tflops / spec.gen_tflops for g, spec in GPUS.items()} | {"cpu": 1.0})
         cfg_sim = self.cfg
         self.sched = Scheduler(params, plan_timesteps=lambda step: plan_for_step(cfg_sim, step))
@@ -192,7 +217,7 @@ class Simulator:
         # weight link) and applies it at a trajectory boundary (a device copy: ~0 on a GPU)
         # the relay (core/relay.py): a rollout's fetch ends when its position in the tree has
         # the version; without it (weights_fanout = 0) every rollout shares rank 0's link
-        fanout, n_roll = self.cfg.runtime.weights_fanout, len(setup.rollout_gpus)
+        fanout, n_roll = self.cfg.runtime.weights_fanout, len(self.rollout_node_gpus)
         self.fetch_by_position = [
             float(cal.get("weight_fetch_s", weight_sync_s(self.wl.model, self.wl.lora_rank, setup.network,
                                                           position=j, fanout=fanout, rollouts=n_roll)))
@@ -202,12 +227,12 @@ class Simulator:
         self.ar_s = step_sync_s(self.wl.model, self.wl.lora_rank, setup.trainer_gpus, setup.network)
         self.nodes: dict[str, _Node] = {}
         self.trainers: list[_Node] = []
-        for r, g in enumerate(setup.trainer_gpus):
+        for r, g in enumerate(self.rank_gpu):
             n = _Node(id=f"trainer-{r}", role="trainer", gpu=g, rank=r,
                       costs=node_costs(g, self.wl, trainer_ranks=self.R, calibration=setup.calibration))
             self.nodes[n.id] = n
             self.trainers.append(n)
-        for i, g in enumerate(() if self.colocated else setup.rollout_gpus):
+        for i, g in enumerate(() if self.colocated else self.rollout_node_gpus):
             self.nodes[f"rollout-{i}"] = _Node(id=f"rollout-{i}", role="rollout", gpu=g, position=i + 1,
                                                costs=node_costs(g, self.wl, calibration=setup.calibration))
         self.announced = 0
@@ -309,7 +334,7 @@ class Simulator:
 
     # ------------------------------------------------------------------ failures
     def _schedule_loss(self) -> None:
-        rollouts = len(self.setup.rollout_gpus)  # lost nodes come back, so the fleet size is fixed
+        rollouts = len(self.rollout_node_gpus)  # lost nodes come back, so the fleet size is fixed
         rate = self.setup.loss_rate_per_h * rollouts / 3600.0
         self._at(self.now + self.rng.expovariate(rate), "loss")
 
@@ -330,7 +355,7 @@ class Simulator:
         old = self.nodes[old_id]
         self.incarnations += 1
         new = _Node(id=f"{old_id.split('.')[0]}.{self.incarnations}", role="rollout", gpu=old.gpu,
-                    costs=old.costs, position=len(self.setup.rollout_gpus))  # rejoins at the end
+                    costs=old.costs, position=len(self.rollout_node_gpus))  # rejoins at the end
         self.nodes[new.id] = new
         self._apply(self.sched.node_joined(new.id, "rollout", new.gpu, self.now))
 
@@ -418,8 +443,8 @@ class Simulator:
         self.arrived[task.step].add(task.fragment)
         owners = set(task.owners) or {0}
         if self.cfg.runtime.tsp and self.R > 1:
-            counts = Counter(task.owners)
-            units: list[float] = [float(n * counts[r]) for r in range(self.R)]
+            counts = Counter(task.owners)  # group leaders; a follower trains its leader's share
+            units: list[float] = [float(n * counts[r - r % self.sp]) for r in range(self.R)]
         else:
             units = [self._train_units(task, n, 0)] * self.R
         for r, q in enumerate(self.pending):
@@ -469,18 +494,19 @@ class Simulator:
             task = node.queue.popleft()
             self._start_gen(node, task)
             return
-        if not node.offered and self.cfg.runtime.tag != "never":
+        if not node.offered and self.cfg.runtime.tag != "never" and self.sp == 1:
             node.offered = True
             self._apply(self.sched.tag_offer(node.id, self.now))
 
     def _train_units(self, task: AssignCmd, n: int, rank: int) -> float:
         """Sample-timesteps this rank trains for the fragment (TSP or data-parallel)."""
         if self.cfg.runtime.tsp and self.R > 1:
-            return n * task.owners.count(rank)
+            return n * task.owners.count(rank - rank % self.sp)
         # TSP off: the scheduler routes every chunk to rank 0; the simulator assumes the
-        # baselines' data parallelism instead (each rank trains n / R of the samples; ideal
-        # FSDP micro-batching over the whole step, so no rounding per fragment).
-        return n / self.R * len(task.trained_steps)
+        # baselines' data parallelism instead (each group of sequence-parallel ranks trains
+        # n / groups of the samples; ideal FSDP micro-batching over the whole step, so no
+        # rounding per fragment).
+        return n / (self.R // self.sp) * len(task.trained_steps)
 
     def _on_trained(self, nid: str, token: int, batch: list[tuple[Any, int, bool]], secs: float) -> None:
         node = self.nodes[nid]
@@ -544,7 +570,9 @@ class Simulator:
         return SimResult(steps=steps, samples_per_s=self.cfg.batch_size / s_per_step, s_per_step=s_per_step,
                          step_times=times, busy=busy, busy_by_role=by_role, bubble_s_per_step=bubble,
                          wall_s=wall, timeline=tl, scheduler=_plain(self.sched.statistics()),
-                         rejected_stale=self.rejected_stale, losses=self.losses)
+                         rejected_stale=self.rejected_stale, losses=self.losses,
+                         sequence_parallel=self.sp, rollout_gpus=None if self.colocated else self.G,
+                         train_step_s=self.trainers[0].costs.train_step_s)
 
 
 def _plain(x: Any) -> Any:
