@@ -52,6 +52,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -59,6 +60,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/pipelines.py: the tiny folders
 
 from digenrl.config import detect_family, load_config
 from digenrl.models.registry import build_model
