@@ -26,6 +26,11 @@ Contenders, interleaved (A B C A B C ...), each figure the median over ``--repea
   run, so each prompt is encoded once, as the one-at-a-time path does (no hits from earlier runs);
 - ``pipeline``: the diffusers pipeline's own ``__call__`` on each fragment (same prompts, batch,
   steps, size and dtype; ``output_type="pt"``).
+- ``--join``: afterwards, the four fragments arriving at once through a step batcher with
+  ``sampler.join = "fits"`` and one with ``"pays"`` (each kept across runs, its first run
+  untimed: the step curve "pays" judges by), interleaved: samples/s
+  (``join_pays_over_fits``) and the seconds until the first fragment's last step
+  (``join_first_fragment_pays_over_fits``: what a trainer waiting on the oldest fragment waits);
 - ``--compile``: afterwards (the timers above removed: dynamo would trace them), ``batched``
   through an eager and an inductor-compiled denoiser (``sampler.compile``), interleaved:
   ``compiled_over_eager``; compiling (the first run) is timed apart as ``compile_s``.
@@ -161,6 +166,53 @@ def run_batched(model, cfg, frags, stager: DeviceToHost, denoiser: Denoiser | No
     return rows
 
 
+def run_join(b: StepBatcher, cfg, frags, stager: DeviceToHost) -> tuple[int, float]:
+    """The fragments through ``b`` (kept across runs: its step curve is what ``sampler.join =
+    "pays"`` judges by), all arriving at once; returns the rows and the seconds until the
+    first fragment's last step (what a trainer waiting for the oldest fragment waits)."""
+    wire = torch.bfloat16 if cfg.sampler.wire_dtype == "bfloat16" else torch.float32
+    clock = time.process_time if b.model.device.type == "cpu" else time.perf_counter
+    t0, first = clock(), 0.0
+    for n, cond in enumerate(b.encode_many([prompts for prompts, _ in frags], cfg.train.group_size)):
+        b.add(n, cond, frags[n][1], None)
+    while len(b):
+        for _, rec, last in b.step():
+            _stage(stager, rec, wire)
+            if last:
+                b.decode_many([rec.x_next])
+                first = first or clock() - t0
+    _sync(b.model.device)
+    return sum(len(s) for _, s in frags), first
+
+
+def _join_modes(model, cfg, frags, stager: DeviceToHost, repeats: int,
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """``sampler.join`` "fits" against "pays", interleaved, one batcher each kept across runs
+    (the first run, untimed, measures the curve): samples/s and seconds to the first fragment."""
+    rows = sum(len(s) for _, s in frags)
+    batchers = {j: StepBatcher(model, cfg.sampler, max_batch=rows, join=j) for j in ("fits", "pays")}
+    clock = time.process_time if model.device.type == "cpu" else time.perf_counter
+    sps: dict[str, list[float]] = {j: [] for j in batchers}
+    first: dict[str, list[float]] = {j: [] for j in batchers}
+    for b in batchers.values():
+        run_join(b, cfg, frags, stager)
+    for _ in range(repeats):
+        for j, b in batchers.items():
+            t0 = clock()
+            n, f = run_join(b, cfg, frags, stager)
+            sps[j].append(n / (clock() - t0))
+            first[j].append(f)
+        log(" ".join(f"join={j} {sps[j][-1]:.3g}/s first {first[j][-1]:.3g}s" for j in batchers))
+    out: dict[str, Any] = {}
+    for j in batchers:
+        out[f"join_{j}_samples_per_s"] = statistics.median(sps[j])
+        out[f"join_{j}_first_fragment_s"] = statistics.median(first[j])
+    out["join_pays_over_fits"] = out["join_pays_samples_per_s"] / out["join_fits_samples_per_s"]
+    out["join_first_fragment_pays_over_fits"] = out["join_pays_first_fragment_s"] / out["join_fits_first_fragment_s"]
+    out["join_pays_refused"] = batchers["pays"].stats.joins_refused
+    return out
+
+
 def run_pipeline(pipe, cfg, frags, h: int, w: int, guidance: float) -> int:
     """``guidance``: the pipeline's ``guidance_scale``, the rollout's: FLUX's embedded guidance,
     SD3's classifier-free scale (1: no CFG, as ``sampler.guidance_scale`` defaults to)."""
@@ -205,7 +257,7 @@ def _vae(model) -> Any:
 
 
 def measure(folder: Path, size: int | None, *, steps: int = 4, group: int = 2, repeats: int = 3,
-            compile: bool = False, device: str | torch.device = "cpu", dtype: str = "float32",
+            compile: bool = False, join: bool = False, device: str | torch.device = "cpu", dtype: str = "float32",
             log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """One case: ``folder`` (a transformer or pipeline folder) at ``size`` px (None: its
     default), on ``device`` in ``dtype``; the figures named in the module doc."""
@@ -268,6 +320,8 @@ def measure(folder: Path, size: int | None, *, steps: int = 4, group: int = 2, r
         log(" ".join(f"{k}={v[-1]:.3g}" for k, v in times.items()))
     for ph in phases.values():
         ph.close()
+    if join:
+        out.update(_join_modes(model, cfg, frags, stager, repeats, log))
     if compile:  # after the timers are gone: dynamo would trace them (a graph break each)
         out.update(_compiled_over_eager(model, cfg, frags, stager, repeats, log))
     sps = {k: statistics.median(v) for k, v in times.items()}
@@ -336,6 +390,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=2)
     ap.add_argument("--only", nargs="+", choices=CASES, default=list(CASES))
     ap.add_argument("--compile", action="store_true", help="also the compiled step batcher (inductor)")
+    ap.add_argument("--join", action="store_true", help="also sampler.join 'fits' against 'pays'")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -348,7 +403,7 @@ def main() -> None:
                 print(f"[{name}] {line}", flush=True)
 
             res[name] = measure(folder, size, steps=args.steps, group=args.group, repeats=args.repeats,
-                                compile=args.compile, log=log)
+                                compile=args.compile, join=args.join, log=log)
     if args.json:
         print(json.dumps(res, indent=1))
     else:

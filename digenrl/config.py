@@ -266,6 +266,12 @@ class SamplerConfig:
         "each at its own timestep, share one denoiser forward of up to this many rows; fragments "
         "join whole, so at least one fragment's rows (prompts per fragment x group_size). "
         "0 = off (one fragment at a time)", ge=0, le=1 << 20)
+    join: Literal["pays", "fits"] = _f(
+        "pays", "when a waiting fragment joins the fragments in flight (sampler.max_batch > 0): "
+        "'pays' = when the node's own measured step times say carrying its rows costs at most "
+        "0.85 of stepping them alone (a device whose time per row is flat, a CPU or a full GPU, "
+        "steps fragments in turn instead of slowing the ones in flight); 'fits' = whenever its "
+        "rows fit under max_batch")
     compile: bool = _f(
         False, "the step batcher's denoiser forward through torch.compile (rows padded to power-of-two "
         "buckets so it compiles once per bucket; on a GPU the flash/cuDNN SDPA kernels are "

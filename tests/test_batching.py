@@ -166,7 +166,8 @@ def test_a_launch_with_step_batching_trains_the_same_update_as_one_fragment_at_a
 
     runs, shared, occupancy = {}, {}, {}
     # the batched run beats often enough for a 2-step run's occupancy to reach the coordinator
-    batched = ["sampler.max_batch=8", "sampler.cond_cache_mb=16", "runtime.heartbeat_s=0.05",
+    # join = "fits": the fragments share forwards whatever this machine's step times say
+    batched = ["sampler.max_batch=8", 'sampler.join="fits"', "sampler.cond_cache_mb=16", "runtime.heartbeat_s=0.05",
                "runtime.heartbeat_misses=400"]
     for name, extra in (("one", []), ("batched", batched)):
         cfg = resolve_mode(load_config(None, [*SMALL, "run.steps=2", "train.prompts_per_step=4",
@@ -293,7 +294,7 @@ def test_the_step_engine_streams_each_fragment_in_order_and_a_halted_one_stops_a
     from digenrl.rl.fragment import FragmentJob
     from digenrl.transport.staging import DeviceToHost
 
-    cfg = _cfg("sampler.max_batch=8")
+    cfg = _cfg("sampler.max_batch=8", 'sampler.join="fits"')  # joins whatever the step times
     pool = ThreadPoolExecutor(max_workers=1)
 
     async def go():
@@ -397,3 +398,64 @@ def test_fragments_arriving_together_are_encoded_in_one_call_and_finishing_toget
     for got, ref in zip(images, alone, strict=True):
         assert got.shape == ref.shape and got.dtype == torch.uint8
         assert (got.int() - ref.int()).abs().max() <= 1
+
+
+def test_the_step_curve_leaves_out_warm_up_takes_medians_and_interpolates():
+    from digenrl.rl.batching import StepCurve
+
+    c = StepCurve(keep=3)
+    c.record(2, 9.0)  # the first step at 2 rows: warm-up, not kept
+    assert c.seconds(2) is None
+    for t in (1.0, 5.0, 1.2, 1.1):  # the last 3 kept: median 1.2
+        c.record(2, t)
+    assert c.seconds(2) == pytest.approx(1.2)
+    assert c.seconds(1) is None and c.seconds(4) is None  # below the smallest; one point: no line
+    c.record(6, 0.0)
+    c.record(6, 2.8)
+    assert c.seconds(4) == pytest.approx(2.0)  # between 2 and 6 rows
+    assert c.seconds(10) == pytest.approx(4.4)  # past the largest, along the last segment
+
+
+def _curve(b: StepBatcher, seconds: dict[int, float]) -> None:
+    for rows, t in seconds.items():
+        b.curve.record(rows, t)  # warm-up
+        b.curve.record(rows, t)
+
+
+@pytest.mark.parametrize(("curve", "joins"), [
+    ({2: 1.0, 4: 1.1, 8: 1.3}, True),   # a forward of few rows leaves the device idle: join
+    ({2: 1.0, 4: 2.0, 8: 4.0}, False),  # time per row flat: the second fragment waits its turn
+])
+def test_with_join_pays_a_fragment_joins_only_where_the_measured_curve_says_it_pays(model, curve, joins):
+    from digenrl.rl.batching import RETRY_REFUSED
+
+    cfg = _cfg()
+    b = StepBatcher(model, cfg.sampler, max_batch=8, join="pays")
+    _curve(b, curve)
+    for n, (prompts, seeds) in enumerate(FRAGMENTS[:2]):
+        b.add(n, b.encode(prompts, GROUP), seeds, {0, 1})
+    b.curve.record = lambda rows, seconds: None  # type: ignore[method-assign]  # keep the curve as set
+    keys = [[k for k, _, _ in b.step()] for _ in range(2)]
+    if joins:
+        assert keys == [[0, 1], [0, 1]] and b.stats.joins_refused == 0
+    else:  # fragment 1 waits while fragment 0 runs, then runs alone: every step one fragment
+        assert keys == [[0], [0]] and b.stats.joins_refused == 2
+        steps = [[k for k, _, _ in b.step()] for _ in range(2 * STEPS)]
+        assert [k for ks in steps for k in ks] == [0] * (STEPS - 2) + [1] * STEPS
+        assert b.stats.rows_per_forward == GROUP
+    if not joins:  # a refused join is tried again at the RETRY_REFUSED-th refusal in a row
+        assert b.stats.joins_refused == STEPS  # one a step while fragment 0 ran
+        tries = [b.pays(2, 2) for _ in range(RETRY_REFUSED - STEPS)]
+        assert tries == [False] * (RETRY_REFUSED - STEPS - 1) + [True]
+
+
+def test_with_join_pays_a_row_count_not_measured_yet_is_tried(model):
+    cfg = _cfg()
+    b = StepBatcher(model, cfg.sampler, max_batch=8, join="pays")
+    assert not b.pays(2, 2)  # nothing measured: the 2 rows in flight step alone, and so are measured
+    _curve(b, {2: 1.0})
+    assert b.pays(2, 2)  # 4 rows not measured yet: tried
+    _curve(b, {4: 2.0})
+    assert not b.pays(2, 2)  # measured: no saving
+    with pytest.raises(ValueError, match="join = 'sometimes': expected 'fits' or 'pays'"):
+        StepBatcher(model, cfg.sampler, max_batch=8, join="sometimes")

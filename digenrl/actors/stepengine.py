@@ -62,7 +62,7 @@ class StepEngine:
         s = cfg.sampler
         cache = CondCache(s.cond_cache_mb << 20) if s.cond_cache_mb else None
         rows = s.max_batch * (2 if s.guidance_scale != 1.0 else 1)
-        self.batcher = StepBatcher(model, s, max_batch=s.max_batch, cond_cache=cache,
+        self.batcher = StepBatcher(model, s, max_batch=s.max_batch, cond_cache=cache, join=s.join,
                                    denoiser=Denoiser(model, compile=s.compile, max_rows=rows, log=log))
         self.cfg = cfg
         self.submit = submit

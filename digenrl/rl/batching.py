@@ -23,6 +23,18 @@ to power-of-two buckets so a changing number of fragments in flight does not rec
 step; any failure to compile is logged (``compile_fallback`` with the reason) and the batcher
 runs eager.
 
+When a waiting fragment joins (``sampler.join``): ``"fits"``, whenever its rows fit under
+``max_batch``; ``"pays"`` (a rollout node's default), only when this batcher's own measured
+step times (:class:`StepCurve`: seconds of one :meth:`StepBatcher.step` by rows in flight,
+medians of the last few) say that carrying its rows costs at most ``JOIN_COST`` of what
+stepping them alone would: ``t(r + a) - t(r) <= JOIN_COST * t(a)``. Where a device's time per
+row is flat (a CPU, or a GPU already full), joining would only slow the fragments in flight,
+whose commits the trainers may be waiting for, so the fragment waits its turn instead; where
+a forward of few rows leaves the device idle, it joins. The rows in flight step alone until
+their own time is measured (two steps: the first at a row count is discarded as warm-up); a
+joint row count not measured yet is then tried, and a refused join is tried again every
+``RETRY_REFUSED`` refusals, so a curve measured under a passing load does not stick.
+
 Per-fragment fixed costs are shared too: :meth:`StepBatcher.encode_many` encodes the prompts of
 every fragment that arrives at a step in one text-encoder call, :meth:`StepBatcher.decode_many`
 decodes the fragments that finish at a step in one VAE call (images equal the per-fragment
@@ -34,7 +46,9 @@ Sans threads: the caller (a rollout's compute thread, a benchmark) drives :meth:
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
+import statistics
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,6 +192,54 @@ class Denoiser:
         return v[:b]
 
 
+#: ``sampler.join = "pays"``: a fragment joins when carrying its rows adds at most this share
+#: of the time stepping them alone would take (a 15 % saving at the least)
+JOIN_COST = 0.85
+#: a join refused this many times in a row is tried again (the curve is re-measured)
+RETRY_REFUSED = 32
+
+
+class StepCurve:
+    """Seconds of one batched step by rows in flight: the median of the last ``keep`` steps
+    at each row count, the first step at a count left out (first-call allocations, kernel
+    selection). Between measured counts the time is interpolated linearly; past the largest
+    it is extrapolated along the last segment; below the smallest, or with nothing to draw
+    the line through, it is unknown (None)."""
+
+    def __init__(self, keep: int = 5) -> None:
+        self.keep = keep
+        self._seen: set[int] = set()
+        self._times: dict[int, deque[float]] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        if rows not in self._seen:  # warm-up
+            self._seen.add(rows)
+            return
+        self._times.setdefault(rows, deque(maxlen=self.keep)).append(seconds)
+
+    def points(self) -> dict[int, float]:
+        """Rows -> median seconds, for every row count measured."""
+        return {r: statistics.median(v) for r, v in sorted(self._times.items())}
+
+    def seconds(self, rows: int) -> float | None:
+        pts = self.points()
+        if rows in pts:
+            return pts[rows]
+        below = [r for r in pts if r < rows]
+        above = [r for r in pts if r > rows]
+        if not below:
+            return None
+        lo = below[-1]
+        if above:
+            hi = above[0]
+        elif len(below) >= 2:
+            lo, hi = below[-2], below[-1]
+        else:
+            return None
+        slope = (pts[hi] - pts[lo]) / (hi - lo)
+        return pts[lo] + slope * (rows - lo)
+
+
 @dataclass
 class _Trajectories:
     """One fragment's rows in the batcher: where they are on the step grid."""
@@ -203,6 +265,8 @@ class BatcherStats:
     forwards: int = 0
     rows: int = 0
     fragment_steps: int = 0
+    #: steps at which a waiting fragment that fitted did not join (``sampler.join = "pays"``)
+    joins_refused: int = 0
 
     @property
     def rows_per_forward(self) -> float:
@@ -215,13 +279,19 @@ class StepBatcher:
 
     ``max_batch``: the most trajectory rows one forward carries (CFG doubles the rows the
     transformer sees, not this count); ``cond_cache``: where prompts' conditioning comes from
-    (None: encoded per fragment).
+    (None: encoded per fragment); ``join``: ``"fits"`` or ``"pays"`` (see the module doc).
     """
 
     def __init__(self, model: FlowModel, sampler_cfg: SamplerConfig, *, max_batch: int,
-                 cond_cache: CondCache | None = None, denoiser: Denoiser | None = None) -> None:
+                 cond_cache: CondCache | None = None, denoiser: Denoiser | None = None,
+                 join: str = "fits") -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch = {max_batch}: expected at least 1 row")
+        if join not in ("fits", "pays"):
+            raise ValueError(f"join = {join!r}: expected 'fits' or 'pays'")
+        self.join = join
+        self.curve = StepCurve()
+        self._refused = 0
         s = sampler_cfg
         if s.base_tail and not hasattr(model, "adapter_disabled"):
             raise ValueError(f"sampler.base_tail = {s.base_tail}: {type(model).__name__} has "
@@ -309,9 +379,29 @@ class StepBatcher:
     def _admit(self) -> None:
         rows = self.rows_in_flight
         while self.pending and rows + self.pending[0].rows <= self.max_batch:
+            if rows and not self.pays(rows, self.pending[0].rows):
+                self.stats.joins_refused += 1
+                return
             t = self.pending.pop(0)
             self.active.append(t)
             rows += t.rows
+
+    def pays(self, rows: int, joining: int) -> bool:
+        """Whether ``joining`` rows join ``rows`` in flight now (always, with ``join = "fits"``)."""
+        if self.join == "fits":
+            return True
+        c = self.curve
+        both, now, alone = c.seconds(rows + joining), c.seconds(rows), c.seconds(joining)
+        if now is None:  # the rows in flight step alone until their time is measured
+            return False
+        if both is None or alone is None or both - now <= JOIN_COST * alone:  # tried, so measured
+            self._refused = 0
+            return True
+        self._refused += 1
+        if self._refused >= RETRY_REFUSED:  # measure the curve there again
+            self._refused = 0
+            return True
+        return False
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[tuple[Hashable, StepRecord, bool]]:
@@ -320,6 +410,8 @@ class StepBatcher:
         self._admit()
         if not self.active:
             return []
+        t0 = time.perf_counter()
+        rows_now = self.rows_in_flight
         s = self.cfg
         sigma_max = self.sigmas[1]
         # one forward per adapter state: rows in the base model's tail run without the adapter
@@ -341,6 +433,10 @@ class StepBatcher:
             for t, v in zip(trajs, v_all.split([t.rows for t in trajs]), strict=True):
                 done[id(t)] = self._advance(t, v, sigma_max)
         out = [done[id(t)] for t in self.active]  # in the order the fragments joined
+        if self.join == "pays":  # the curve the next admissions are judged by
+            if rows_now and next(iter(self.active)).x.device.type == "cuda":
+                torch.cuda.synchronize()  # the step's kernels done: its time is the device's
+            self.curve.record(rows_now, time.perf_counter() - t0)
         self.stats.fragment_steps += len(out)
         self.active = [t for t in self.active if t.pos < len(t.grid)]
         return out
