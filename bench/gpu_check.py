@@ -43,7 +43,8 @@ what finished:
                  trajectories, 4 steps, bf16, one at a time through the rollout's FragmentJob
                  vs through one StepBatcher vs the diffusers pipeline's ``__call__``:
                  ``rollout_over_pipeline``, ``batched_over_fragment``, each one's samples/s, the
-                 time split and one forward's milliseconds at 1, 2, 4 and 8 rows. The folder:
+                 time split and one forward's milliseconds at 1, 2, 4 and 8 rows; on the GPU
+                 also ``sampler.join`` "pays" against "fits" (``--join``). The folder:
                  FluxPipeline of the real classes, FLUX.1-dev's transformer geometry (width 3072,
                  24 heads of 128, guidance embedding) cut to 2 double and 4 single blocks
                  (~1.2 B parameters), FLUX's VAE (8x, 16 channels), tiny text encoders of the
@@ -508,7 +509,7 @@ def rollout_engine(work: Path, device: torch.device, real: bool) -> dict[str, An
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     folder, size = _rollout_folder(work / "rollout-flux", real)
-    res = bench.measure(folder, size, repeats=3 if real else 1, device=device,
+    res = bench.measure(folder, size, repeats=3 if real else 1, device=device, join=real,
                         dtype="bfloat16" if real else "float32")
     figures = [v for k, v in res.items() if isinstance(v, float)] + list(res["forward_ms_by_rows"].values())
     return {**res, "size": size, "ok": all(math.isfinite(v) and v > 0 for v in figures)}
