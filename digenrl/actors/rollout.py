@@ -80,13 +80,15 @@ class RolloutActor(Actor):
     def heartbeat_stats(self) -> dict[str, float]:
         """The actor's stats, plus step-batching occupancy when ``sampler.max_batch > 0``:
         ``batch_forwards``, ``batch_rows`` (trajectory rows those forwards carried, so far),
-        ``batch_rows_per_forward`` (their mean) and ``batch_fragments_in_flight`` (now)."""
+        ``batch_rows_per_forward`` (their mean), ``batch_fragments_in_flight`` (now) and
+        ``batch_joins_refused`` (steps at which a fitting fragment waited: ``sampler.join``)."""
         out = super().heartbeat_stats()
         engine = self.streamer.engine
         if engine is not None:
             out.update(batch_forwards=float(engine.stats.forwards), batch_rows=float(engine.stats.rows),
                        batch_rows_per_forward=engine.stats.rows_per_forward,
-                       batch_fragments_in_flight=float(engine.in_flight))
+                       batch_fragments_in_flight=float(engine.in_flight),
+                       batch_joins_refused=float(engine.stats.joins_refused))
         return out
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
